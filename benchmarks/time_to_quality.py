@@ -1,0 +1,134 @@
+"""Benchmark: validation bits/byte against wall time on Tiny Shakespeare, sparklm vs nanoGPT's CPU recipe.
+
+    .venv/bin/python benchmarks/time_to_quality.py --budgets 60 180 600
+
+Split as nanoGPT splits it: the first 90% of characters train, the last 10% validate.
+  * nanoGPT: its documented CPU recipe (char-level, 4 layers × 4 heads × 128, block 64, batch 12,
+    2000 iterations, lr 1e-3 → 1e-4, warmup 100, beta2 0.99, dropout 0, fp32, evaluation every 250
+    iterations on 20 batches, as train.py does), re-implemented in benchmarks/nanogpt_ref.py and run
+    here in one process; its final validation loss is nats per character = per byte (the text is ASCII).
+  * sparklm: `sparklm prepare` (the train part, `--validation-input` the val part, `doc_mode=file` so
+    every byte of the text counts) then `sparklm train --time-budget S` through Spark local mode; the
+    reported bits/byte is over the whole validation split.
+Every sparklm budget is a separate run (its learning-rate schedule follows its own budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+SHARED = ROOT.parent / "shared" / "data"
+
+from nanogpt_ref import GPT, GPTConfig, train_steps  # noqa: E402
+
+
+def nanogpt_recipe(text: str) -> dict:
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    data = np.array([stoi[c] for c in text], dtype=np.int64)
+    n = int(0.9 * len(data))
+    splits = {"train": data[:n], "val": data[n:]}
+    block, batch, iters, eval_interval, eval_iters = 64, 12, 2000, 250, 20
+    torch.manual_seed(1337)
+    rng = np.random.default_rng(1337)
+
+    def get_batch(split="train"):
+        d = splits[split]
+        ix = rng.integers(0, len(d) - block, batch)
+        x = torch.from_numpy(np.stack([d[i:i + block] for i in ix]))
+        y = torch.from_numpy(np.stack([d[i + 1:i + 1 + block] for i in ix]))
+        return x, y
+
+    model = GPT(GPTConfig(block_size=block, vocab_size=len(chars), n_layer=4, n_head=4, n_embd=128, bias=False))
+    history = []
+
+    @torch.no_grad()
+    def estimate(it):
+        model.eval()
+        losses = [model(*get_batch("val"))[1].item() for _ in range(eval_iters)]
+        model.train()
+        history.append({"iter": it, "seconds": time.time() - t0, "val_loss": float(np.mean(losses))})
+
+    def on_step(it, loss):
+        if (it + 1) % eval_interval == 0:
+            estimate(it + 1)
+
+    t0 = time.time()
+    estimate(0)
+    train_steps(model, get_batch, steps=iters, lr=1e-3, betas=(0.9, 0.99), min_lr=1e-4, warmup=100,
+                decay_iters=iters, on_step=on_step)
+    seconds = time.time() - t0
+    final = history[-1]["val_loss"]
+    return {"seconds": seconds, "val_loss_nats_per_char": final, "val_bpb": final / math.log(2), "history": history}
+
+
+def sparklm_runs(text: str, budgets: list[float], work: Path, extra: list[str]) -> list[dict]:
+    n = int(0.9 * len(text))
+    (work / "tts").mkdir(parents=True, exist_ok=True)
+    (work / "tts" / "train.txt").write_text(text[:n])
+    (work / "tts" / "val.txt").write_text(text[n:])
+    data = work / "tts" / "prepared"
+    subprocess.run([sys.executable, "-m", "sparklm", "prepare", str(work / "tts" / "train.txt"), "--validation-input",
+                    str(work / "tts" / "val.txt"), "-o", str(data), "--overwrite", "--doc-mode", "file",
+                    "--master", "local[2]", "--set", "spark.ui=false", *extra], check=True, capture_output=True)
+    out = []
+    for budget in budgets:
+        run = work / "tts" / f"run-{int(budget)}s"
+        subprocess.run(["rm", "-rf", str(run)], check=True)
+        t0 = time.time()
+        r = subprocess.run([sys.executable, "-m", "sparklm", "train", "--data", str(data), "-o", str(run),
+                            "--time-budget", str(budget), "--master", "local[2]", "--set", "spark.ui=false",
+                            "--set", "train.eval_batches=0", "--set", "train.samples=2", *extra],
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(r.stderr[-3000:])
+        s = json.loads((run / "summary.json").read_text())
+        out.append({"budget_s": budget, "wall_s": time.time() - t0, "train_s": s["train_seconds"],
+                    "val_bpb": s["final"]["val_bpb"], "val_loss": s["final"]["val_loss"], "steps": s["steps"],
+                    "tokens_per_s": s["tokens_per_s"], "mfu": s["mfu"], "params": s["params"], "dtype": s["dtype"]})
+        print(f"sparklm budget {budget:.0f}s: {out[-1]['val_bpb']:.3f} bits/byte "
+              f"(wall {out[-1]['wall_s']:.0f}s, {s['steps']} steps)", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budgets", type=float, nargs="*", default=[60, 180, 600], help="sparklm training budgets (s)")
+    ap.add_argument("--no-nanogpt", action="store_true", help="skip the nanoGPT recipe")
+    ap.add_argument("--work", default=str(ROOT / ".bench"))
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="extra sparklm --set overrides")
+    args = ap.parse_args()
+    text = (SHARED / "tinyshakespeare.txt").read_text()
+    work = Path(args.work)
+    extra = [a for s in args.sets for a in ("--set", s)]
+    result = {}
+    if not args.no_nanogpt:
+        result["nanogpt"] = nanogpt_recipe(text)
+        ng = result["nanogpt"]
+        print(f"nanoGPT recipe: {ng['val_bpb']:.3f} bits/byte ({ng['val_loss_nats_per_char']:.3f} nats/char) "
+              f"in {ng['seconds']:.0f}s", flush=True)
+        args.budgets = sorted(set(args.budgets) | {round(ng["seconds"] / 3), round(ng["seconds"])})
+    result["sparklm"] = sparklm_runs(text, args.budgets, work, extra)
+    (work / "time_to_quality.json").write_text(json.dumps(result, indent=2))
+    print("\n| system | training budget | wall time | val bits/byte |\n|---|---|---|---|")
+    if "nanogpt" in result:
+        ng = result["nanogpt"]
+        print(f"| nanoGPT CPU recipe (char, 4L/128, 2000 it) | 2000 iterations | {ng['seconds']:.0f} s | {ng['val_bpb']:.3f} |")
+    for r in result["sparklm"]:
+        print(f"| sparklm (BPE, {r['params'] / 1e6:.1f}M params, {r['dtype']}) | {r['budget_s']:.0f} s | "
+              f"{r['wall_s']:.0f} s | {r['val_bpb']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""Typed configuration: one dataclass per section, loaded from TOML and ``--set`` overrides.
+
+Every field has a type, a default and (where it matters) a range; unknown keys, wrong types and
+out-of-range values are rejected with a message that names the key and what is allowed. The
+resolved configuration is saved as JSON beside every output (:meth:`Config.to_dict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .errors import SparklmError
+
+
+def _f(default: Any, help: str, **limits: Any) -> Any:
+    """A config field with a help text and optional ``min``/``max`` limits."""
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **limits})
+    return field(default=default, metadata={"help": help, **limits})
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """How raw text becomes documents, and documents become training sequences."""
+
+    text_field: str = _f("text", "column/field holding the text in JSONL, CSV and Parquet inputs")
+    doc_mode: Literal["file", "paragraph", "line"] = _f(
+        "paragraph", "how plain-text files split into documents: whole file, blank-line paragraphs, or lines"
+    )
+    encoding: str = _f("utf-8", "text encoding of the inputs; bytes invalid in it are replaced and counted")
+    normalize: Literal["NFC", "NFKC", "none"] = _f("NFC", "Unicode normalisation form")
+    min_chars: int = _f(1, "documents shorter than this (after cleaning) are dropped as too short", min=1)
+    dedup: bool = _f(True, "drop exact duplicate documents (by content hash)")
+    val_fraction: float = _f(0.05, "fraction of documents assigned to validation by hash", min=0.0, max=0.9)
+    seq_len: int = _f(256, "tokens per packed sequence (inputs; targets are the inputs shifted by one)", min=2)
+    stride: int = _f(0, "tokens between the starts of consecutive windows; 0 means seq_len (disjoint)", min=0)
+    concat: bool = _f(True, "concatenate documents (separated by EOS); false: one document per sequence, padded")
+    last_block: Literal["auto", "drop", "pad"] = _f(
+        "auto", "the last partial block of a stream: drop, pad, or auto (drop when concat, else pad)"
+    )
+    split_mb: int = _f(64, "plain-text and JSONL files larger than this are read in parallel chunks", min=1)
+
+
+@dataclass(kw_only=True)
+class TokenizerConfig:
+    """Train a byte-level BPE tokenizer, or load one."""
+
+    path: str = _f("", "an existing tokenizer.json or HF tokenizer directory; empty: train one")
+    vocab_size: int = _f(4096, "vocabulary size of a trained tokenizer", min=260, max=1_000_000)
+    min_frequency: int = _f(2, "minimum pair frequency for a BPE merge", min=1)
+    sample_mb: int = _f(16, "megabytes of training text sampled to train the tokenizer", min=1)
+    bos_token: str = _f("<|bos|>", "beginning-of-document token of a trained tokenizer")
+    eos_token: str = _f("<|eos|>", "end-of-document token of a trained tokenizer")
+    pad_token: str = _f("<|pad|>", "padding token of a trained tokenizer")
+
+
+@dataclass(kw_only=True)
+class SparkConfig:
+    """Where and how Spark runs."""
+
+    master: str = _f("local[*]", "Spark master URL: local[*], spark://host:7077, yarn, k8s://...")
+    app_name: str = _f("sparklm", "Spark application name")
+    conf: dict[str, str] = _f({}, "extra Spark configuration (key = value)")
+    ui: bool = _f(True, "start the Spark web UI")
+    log_level: Literal["ERROR", "WARN", "INFO", "DEBUG"] = _f("ERROR", "Spark log level")
+
+
+@dataclass(kw_only=True)
+class StorageConfig:
+    """Object storage (s3://) reached from Python on the executors."""
+
+    endpoint_url: str = _f("", "S3 endpoint (empty: AWS_ENDPOINT_URL or AWS's default)")
+    region: str = _f("", "S3 region (empty: AWS_REGION / AWS_DEFAULT_REGION or us-east-1)")
+    anonymous: bool = _f(False, "access public buckets without credentials")
+
+
+@dataclass(kw_only=True)
+class OutputConfig:
+    """How prepared Parquet is laid out."""
+
+    file_mb: int = _f(128, "target size of one Parquet file (sets how many write tasks run)", min=1)
+    row_group_mb: int = _f(4, "target size of one Parquet row group (the unit of streaming)", min=1)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The decoder-only transformer (built with transformers)."""
+
+    arch: Literal["llama", "gpt2"] = _f("llama", "llama: RMSNorm, RoPE, SwiGLU; gpt2: LayerNorm, learned positions, GELU")
+    n_layer: int = _f(4, "transformer blocks", min=1)
+    n_head: int = _f(4, "attention heads", min=1)
+    n_embd: int = _f(256, "model width (must divide by n_head)", min=8)
+    intermediate: int = _f(0, "MLP hidden size; 0: 8/3·n_embd rounded to 64 (llama) or 4·n_embd (gpt2)", min=0)
+    dropout: float = _f(0.0, "dropout probability", min=0.0, max=0.9)
+    tie_embeddings: bool = _f(True, "share the input embedding and the LM head")
+    rope_theta: float = _f(10000.0, "RoPE base (llama)", min=1.0)
+    init_from: str = _f("", "continue training a local HF causal-LM directory instead of a fresh model")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The training loop and its distribution."""
+
+    workers: int = _f(1, "Spark tasks, one torch.distributed rank each", min=1)
+    threads: int = _f(0, "torch threads per worker; 0: the machine's cores divided by workers", min=0)
+    strategy: Literal["ddp"] = _f("ddp", "ddp: synchronous data parallelism on Spark barrier tasks")
+    batch_size: int = _f(16, "sequences per micro-batch per worker", min=1)
+    grad_accum: int = _f(1, "micro-batches per optimizer step", min=1)
+    lr: float = _f(2e-3, "peak learning rate", min=0.0)
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak (cosine floor)", min=0.0, max=1.0)
+    warmup_steps: int = _f(50, "linear warmup steps", min=0)
+    weight_decay: float = _f(0.1, "AdamW weight decay on matrices (not on norms, biases, embeddings)", min=0.0)
+    beta1: float = _f(0.9, "AdamW beta1", min=0.0, max=1.0)
+    beta2: float = _f(0.95, "AdamW beta2", min=0.0, max=1.0)
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0: off", min=0.0)
+    max_steps: int = _f(0, "optimizer steps; 0: from epochs / max_tokens / time_budget", min=0)
+    epochs: float = _f(0.0, "passes over the training tokens (0: unset)", min=0.0)
+    max_tokens: int = _f(0, "training tokens (0: unset)", min=0)
+    time_budget: float = _f(0.0, "seconds of training (0: unset); the schedule follows elapsed time", min=0.0)
+    dtype: Literal["auto", "float32", "bfloat16"] = _f("auto", "autocast dtype; auto: bfloat16 where the CPU has fast bf16")
+    compile: bool = _f(False, "torch.compile the model")
+    seed: int = _f(1337, "seed of weights, data order and dropout")
+    eval_every: int = _f(100, "evaluate every N steps (and at the end); 0: only at the end", min=0)
+    eval_batches: int = _f(20, "validation micro-batches per evaluation per worker; 0: the whole split", min=0)
+    checkpoint_every: int = _f(200, "checkpoint every N steps (and at the end); 0: only at the end", min=0)
+    keep_checkpoints: int = _f(2, "how many recent checkpoints to keep", min=1)
+    log_every: int = _f(10, "print and record a metrics row every N steps", min=1)
+    window_row_groups: int = _f(8, "row groups shuffled together (the shuffle buffer, in row groups)", min=1)
+    samples: int = _f(3, "temperature-sampled continuations written to samples.txt", min=0)
+    sample_tokens: int = _f(80, "tokens per sample", min=1)
+
+
+SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "tokenizer": TokenizerConfig,
+    "spark": SparkConfig,
+    "storage": StorageConfig,
+    "output": OutputConfig,
+    "model": ModelConfig,
+    "train": TrainConfig,
+}
+
+
+@dataclass(kw_only=True)
+class Config:
+    """The whole configuration of a sparklm job."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    spark: SparkConfig = field(default_factory=SparkConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def replace(self, **sections: Any) -> Config:
+        return dataclasses.replace(self, **sections)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a TOML file (optional), then apply ``section.key=value`` overrides, and validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise SparklmError(f"config file not found: {p}", hint="pass an existing TOML file to --config")
+        try:
+            raw = tomllib.loads(p.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise SparklmError(f"config file {p} is not valid TOML: {e}") from None
+    for item in overrides:
+        _apply_override(raw, item)
+    return from_dict(raw)
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    """Build a validated :class:`Config` from nested plain data (as read from TOML or JSON)."""
+    if not isinstance(raw, dict):
+        raise SparklmError("config must be a table of sections")
+    sections = {}
+    for name, value in raw.items():
+        if name not in SECTIONS:
+            raise SparklmError(f"unknown config section '{name}'", hint=f"sections are: {', '.join(SECTIONS)}")
+        if not isinstance(value, dict):
+            raise SparklmError(f"config section '{name}' must be a table, got {type(value).__name__}")
+        sections[name] = _build(SECTIONS[name], value, name)
+    return Config(**sections)
+
+
+def describe() -> str:
+    """Every key with its type, default and help: the text of ``configs/default.toml``."""
+    lines = ["# sparklm default configuration (generated from sparklm.config; every key is optional)."]
+    for name, cls in SECTIONS.items():
+        lines += ["", f"[{name}]"]
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            lines.append(f"# {f.metadata['help']} ({_type_name(hints[f.name])})")
+            lines.append(f"{f.name} = {_toml_value(default)}")
+    return "\n".join(lines) + "\n"
+
+
+# -- internals -------------------------------------------------------------------------------
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) < 2 or not all(parts):
+        raise SparklmError(f"bad override '{item}'", hint="write --set section.key=value, e.g. --set data.seq_len=128")
+    section, name, rest = parts[0], parts[1], parts[2:]
+    value = _parse_value(text.strip())
+    table = raw.setdefault(section, {})
+    if not isinstance(table, dict):
+        raise SparklmError(f"config section '{section}' must be a table")
+    if rest:  # a key inside a dict-valued field, e.g. spark.conf.spark.executor.memory=4g
+        sub = table.setdefault(name, {})
+        if not isinstance(sub, dict):
+            raise SparklmError(f"'{section}.{name}' is not a table; cannot set '{key}'")
+        sub[".".join(rest)] = text.strip()
+    else:
+        table[name] = value
+
+
+def _parse_value(text: str) -> Any:
+    """TOML syntax when it parses (numbers, booleans, quoted strings, arrays), else a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _build(cls: type, values: dict[str, Any], section: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise SparklmError(
+                f"unknown config key '{section}.{key}'", hint=f"keys of [{section}] are: {', '.join(fields)}"
+            )
+        kwargs[key] = _check(f"{section}.{key}", value, hints[key], fields[key].metadata)
+    return cls(**kwargs)
+
+
+def _check(key: str, value: Any, tp: Any, meta: Any) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        if value not in args:
+            allowed = ", ".join(repr(a) for a in args)
+            raise SparklmError(f"config key '{key}' is {value!r}; allowed values: {allowed}")
+        return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise SparklmError(f"config key '{key}' must be a table of key = value")
+        # Spark conf values are strings; TOML booleans become Spark's "true"/"false".
+        return {str(k): json.dumps(v) if isinstance(v, bool) else str(v) for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise SparklmError(f"config key '{key}' must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SparklmError(f"config key '{key}' must be an integer, got {value!r}")
+    elif tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SparklmError(f"config key '{key}' must be a number, got {value!r}")
+        value = float(value)
+    elif tp is str:
+        if not isinstance(value, str):
+            raise SparklmError(f"config key '{key}' must be a string, got {value!r}")
+        return value
+    lo, hi = meta.get("min"), meta.get("max")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f"{'' if lo is None else f'>= {lo}'}{' and ' if lo is not None and hi is not None else ''}"
+        bounds += "" if hi is None else f"<= {hi}"
+        raise SparklmError(f"config key '{key}' is {value}; it must be {bounds}")
+    return value
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is dict:
+        return "table"
+    return tp.__name__
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, dict):
+        return "{}" if not value else "{ " + ", ".join(f'"{k}" = {json.dumps(v)}' for k, v in value.items()) + " }"
+    return repr(value)

@@ -1,0 +1,1 @@
+"""Text → tokens: reading, cleaning, tokenizing and packing, as Spark jobs over pure functions."""

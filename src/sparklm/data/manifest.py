@@ -1,0 +1,60 @@
+"""The prepared dataset: what ``manifest.json`` holds, and the check later stages run before using one.
+
+A directory is a prepared dataset only when its ``manifest.json`` exists: prepare writes it last,
+so an interrupted run is never mistaken for a finished one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import StorageConfig
+from ..errors import SparklmError
+from ..fs import join, resolve
+
+MANIFEST = "manifest.json"
+FORMAT = "sparklm.prepared/1"
+SPLITS = ("train", "validation")
+
+
+@dataclass(frozen=True)
+class PreparedDataset:
+    """A prepared dataset: its location, manifest and Parquet files per split."""
+
+    uri: str
+    manifest: dict[str, Any]
+
+    def files(self, split: str) -> list[str]:
+        return [join(self.uri, f["path"]) for f in self.manifest["splits"][split]["files"]]
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.manifest["packing"]["seq_len"])
+
+    @property
+    def tokenizer_uri(self) -> str:
+        return self.uri
+
+
+def load_prepared(uri: str, storage: StorageConfig | None = None) -> PreparedDataset:
+    """Open a prepared dataset, or say in one line why it is not one."""
+    fs, path = resolve(uri, storage)
+    try:
+        info = fs.get_file_info(path)
+        if info.type.name == "NotFound":
+            raise SparklmError(f"prepared dataset not found: {uri}", hint="run `sparklm prepare INPUT --output DIR` first")
+        with fs.open_input_stream(f"{path}/{MANIFEST}") as f:
+            manifest = json.loads(f.read().decode("utf-8"))
+    except SparklmError:
+        raise
+    except FileNotFoundError:
+        raise SparklmError(f"{uri} is not a complete prepared dataset (no {MANIFEST})",
+                           hint="run `sparklm prepare` again with --overwrite") from None
+    except (OSError, ValueError) as e:
+        raise SparklmError(f"cannot read {uri}/{MANIFEST}: {' '.join(str(e).split())[:200]}") from None
+    if manifest.get("format") != FORMAT:
+        raise SparklmError(f"{uri}/{MANIFEST} has format {manifest.get('format')!r}, expected {FORMAT!r}",
+                           hint="prepare the data again with this version of sparklm")
+    return PreparedDataset(uri=uri, manifest=manifest)

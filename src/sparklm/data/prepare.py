@@ -1,0 +1,515 @@
+"""``sparklm prepare``: raw text → cleaned, deduplicated, split, tokenized and packed Parquet.
+
+Two passes over the input, both Spark jobs over bins of read units, and no shuffle of text:
+
+1. *scan*: read and clean every document, keep only metadata (position, status, size, content
+   hash, split) and a bounded sample of text for the tokenizer; duplicates and splits are decided
+   on that small table;
+2. *write*: read and clean again, skip the duplicates, tokenize, pack and write each split's
+   Parquet file straight into a staging directory beside the output (local or s3://).
+
+The driver keeps the files of successful task attempts, writes the tokenizer and, last,
+``manifest.json``, then swaps the staging directory into place. Reading twice costs far less than
+moving all text through Spark's shuffle and cache (tokenization dominates).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .. import __version__, progress
+from ..config import Config
+from ..errors import SparklmError, from_spark
+from ..fs import effective, is_remote, resolve
+from . import clean, sources
+from . import tokenizer as tokenizers_mod
+from .manifest import FORMAT, MANIFEST, SPLITS, PreparedDataset, load_prepared
+from .packing import Packed, Packer, PackSpec
+
+
+
+def prepare(
+    inputs: Sequence[str],
+    *,
+    output: str,
+    config: Config | None = None,
+    validation_inputs: Sequence[str] = (),
+    overwrite: bool = False,
+    spark=None,
+) -> PreparedDataset:
+    """Prepare ``inputs`` into a dataset at ``output`` and return it (see the README for the format).
+
+    ``spark`` is a SparkSession, a function that starts one (called once the inputs are checked),
+    or None for the active session or a new local one.
+    """
+    from ..spark import get_session
+
+    config = config or Config()
+    config = config.replace(storage=effective(config.storage))
+    data, storage = config.data, config.storage
+    if not inputs:
+        raise SparklmError("no input given", hint="pass text files, directories or globs")
+    if data.stride > data.seq_len:
+        raise SparklmError(f"data.stride ({data.stride}) is larger than data.seq_len ({data.seq_len})",
+                           hint="use a stride between 1 and seq_len (0 means seq_len)")
+    started = time.time()
+    fs, out_path = resolve(output, storage)
+    _check_output(fs, out_path, output, overwrite)
+    units = sources.plan_units(list(inputs), group="train" if validation_inputs else "auto",
+                               data=data, storage=storage)
+    units += sources.plan_units(list(validation_inputs), group="validation", data=data, storage=storage)
+    t_spark = time.time()
+    spark = spark() if callable(spark) else get_session(config.spark, spark=spark)  # started after the checks
+    spark_start = time.time() - t_spark
+    bins = _bins(units, spark.sparkContext.defaultParallelism * 4)
+    staging_path = _staging_path(out_path)
+    staging = _uri(output, staging_path)
+    try:
+        with _spark_errors():
+            if data.dedup:  # duplicates are only known after a look at everything
+                agg, losers, sample = _scan(spark, bins, config, sample_only=False)
+                stats = _stats(agg, len({u.uri for b in bins for u in b}), data.encoding)
+            else:
+                agg, losers, sample = None, {}, _tokenizer_sample(spark, bins, config)
+            spec = _tokenizer(spark, sample, config)
+            pack = _pack_spec(config, spec)
+            fs.create_dir(staging_path, recursive=True)
+            with progress.stage(spark, "read + clean + tokenize + pack + write" if agg is None else
+                                "tokenize + pack + write"):
+                files, write_agg = _write(spark, bins, config, spec, pack, losers, staging)
+            if agg is None:  # one pass did it all: its counts are the statistics
+                stats = _stats(write_agg, len({u.uri for b in bins for u in b}), data.encoding)
+        manifest = _manifest(config, inputs, validation_inputs, stats, files, spec, pack, started, spark_start)
+        _commit(fs, staging_path, out_path, files, spec, manifest)
+    except BaseException:
+        _remove(fs, staging_path)
+        raise
+    finally:
+        while _CACHED:
+            _CACHED.pop().unpersist()
+    _summary(manifest)
+    return load_prepared(output, storage)
+
+
+# -- steps -----------------------------------------------------------------------------------
+
+
+def _bins(units: list[sources.ReadUnit], n: int) -> list[list[sources.ReadUnit]]:
+    """Group read units into at most ``n`` tasks of similar size; each keeps (file, offset) order."""
+    bins: list[list[sources.ReadUnit]] = [[] for _ in range(max(1, min(n, len(units))))]
+    load = [0] * len(bins)
+    for u in sorted(units, key=lambda u: (-u.nbytes, u.uri, u.start)):  # largest first into the lightest bin
+        i = load.index(min(load))
+        bins[i].append(u)
+        load[i] += u.nbytes
+    return [sorted(b, key=lambda u: (u.uri, u.start)) for b in bins]
+
+
+def _split_of(unit: sources.ReadUnit, dig: bytes, val_fraction: float) -> str:
+    if unit.group != "auto":
+        return unit.group
+    return "validation" if clean.is_validation(dig, val_fraction) else "train"
+
+
+def _scan(spark, bins, config: Config, *, sample_only: bool):
+    """Read and clean, keeping only metadata and a bounded text sample for the tokenizer; decide
+    duplicates on that small table. Returns (counts, duplicates to skip, tokenizer sample)."""
+    from pyspark import StorageLevel
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    data, storage = config.data, config.storage
+    # Compressed files hold about 3x their size in text: a rough guess is enough to bound the sample.
+    planned = sum(u.nbytes * (3 if u.compression else 1) for b in bins for u in b) or 1
+    sample_fraction = 1.0 if config.tokenizer.path else min(1.0, config.tokenizer.sample_mb * 2**20 / planned)
+    want_sample = not config.tokenizer.path
+
+    def scan(it):
+        for bin_ in it:
+            for unit, pos, status, text, invalid, dig in sources.documents(bin_, data, storage):
+                ok = status == sources.OK
+                split = _split_of(unit, dig, data.val_fraction) if ok else None
+                doc = clean.doc_id(dig) if ok else None
+                # A deterministic sample by content hash; its size is bounded for the driver.
+                sampled = want_sample and ok and split == "train" and (doc & 0xFFFFFF) < sample_fraction * 2**24
+                yield (unit.uri, pos, status, split, len(text.encode("utf-8", "surrogatepass")) if ok else 0,
+                       invalid, doc, dig, text if sampled else None)
+
+    ddl = ("source string, pos long, status string, split string, n_bytes long, n_invalid long, doc_id long, "
+           "digest binary, sample string")
+    meta = spark.createDataFrame(spark.sparkContext.parallelize(bins, len(bins)).mapPartitions(scan), ddl)
+    if config.data.dedup and not sample_only:  # keep one copy per content hash: the validation one, then the first by (source, pos)
+        order = Window.partitionBy("digest").orderBy((F.col("split") == "train").asc(), "source", "pos")
+        meta = meta.withColumn("copy", F.when(F.col("digest").isNull(), 1).otherwise(F.row_number().over(order)))
+    else:
+        meta = meta.withColumn("copy", F.lit(1))
+    meta = meta.persist(StorageLevel.MEMORY_AND_DISK)
+    files = len({u.uri for b in bins for u in b})
+    losers: dict[str, list[int]] = defaultdict(list)
+    agg = []
+    if not sample_only:
+        with progress.stage(spark, f"read + clean + deduplicate {files} files"):
+            agg = [r.asDict() for r in meta.groupBy("source", "status", "split", (F.col("copy") == 1).alias("kept"))
+                   .agg(F.count("*").alias("n"), F.sum("n_bytes").alias("bytes"), F.sum("n_invalid").alias("invalid"))
+                   .collect()]
+            for r in meta.where(F.col("copy") > 1).select("source", "pos").toLocalIterator():
+                losers[r["source"]].append(r["pos"])
+    sample = meta.where((F.col("copy") == 1) & F.col("sample").isNotNull()).select("source", "pos", "sample")
+    _CACHED.append(meta)
+    return agg, {k: frozenset(v) for k, v in losers.items()}, sample
+
+
+_CACHED: list = []  # frames this module persisted; released when prepare ends
+
+def _tokenizer_sample(spark, bins, config: Config):
+    """Without dedup there is no full scan: read just enough units (chosen by hash) for the sample."""
+    if config.tokenizer.path:
+        return None
+    units = sorted((u for b in bins for u in b), key=lambda u: clean.digest(f"{u.uri}@{u.start}"))
+    budget = 2 * config.tokenizer.sample_mb * 2**20  # twice the sample: the split and hashing thin it out
+    chosen, total = [], 0
+    for u in units:
+        if total >= budget:
+            break
+        chosen.append(u)
+        total += u.nbytes * (3 if u.compression else 1)
+    return _scan(spark, _bins(chosen, len(bins)), config, sample_only=True)[2]
+
+
+def _stats(agg: list[dict], files: int, encoding: str) -> dict:
+    """Documents kept and dropped by reason, per split, from rows of (source, status, split, kept, n, bytes, invalid)."""
+    dropped: dict[str, int] = defaultdict(int)
+    invalid_by_file: dict[str, int] = defaultdict(int)
+    splits = {s: {"documents": 0, "text_bytes": 0, "duplicates": 0} for s in SPLITS}
+    for r in agg:
+        invalid_by_file[r["source"]] += r["invalid"] or 0
+        if r["status"] != sources.OK:
+            dropped[r["status"]] += r["n"]
+        elif r["kept"]:
+            splits[r["split"]]["documents"] += r["n"]
+            splits[r["split"]]["text_bytes"] += r["bytes"]
+        else:
+            splits[r["split"]]["duplicates"] += r["n"]
+            dropped[sources.DUPLICATE] += r["n"]
+    for uri, bad in sorted(invalid_by_file.items(), key=lambda kv: -kv[1])[:5]:
+        if bad:
+            progress.warn(f"{uri}: {bad} bytes invalid in {encoding} were replaced with U+FFFD "
+                          f"(set data.encoding if the file uses another encoding)")
+    if dropped.get(sources.BINARY):
+        progress.warn(f"skipped {dropped[sources.BINARY]} file(s) that look binary")
+    stats = {"files": files, "splits": splits, "dropped": dict(sorted(dropped.items())),
+             "documents_read": sum(r["n"] for r in agg if r["status"] != sources.BINARY),
+             "invalid_bytes_replaced": sum(invalid_by_file.values())}
+    if splits["train"]["documents"] == 0:
+        reasons = ", ".join(f"{n} {k}" for k, n in stats["dropped"].items()) or "the inputs hold no text"
+        raise SparklmError(f"no training documents left after cleaning ({reasons})",
+                           hint="check the inputs, data.text_field, data.doc_mode and data.min_chars")
+    if splits["validation"]["documents"] == 0:
+        progress.warn("the validation split is empty: raise data.val_fraction or pass --validation-input")
+    return stats
+
+
+def _tokenizer(spark, sample, config: Config) -> tokenizers_mod.TokenizerSpec:
+    tcfg = config.tokenizer
+    if tcfg.path:
+        return tokenizers_mod.load(tcfg.path)
+    with progress.stage(spark, f"train tokenizer (vocab {tcfg.vocab_size})"):
+        # BPE training does not depend on document order (tested): no sort needed for determinism.
+        return tokenizers_mod.train((row["sample"] for row in sample.toLocalIterator()), tcfg)
+
+
+def _pack_spec(config: Config, spec: tokenizers_mod.TokenizerSpec) -> PackSpec:
+    data = config.data
+    pad_last = data.last_block == "pad" or (data.last_block == "auto" and not data.concat)
+    return PackSpec(seq_len=data.seq_len, stride=data.stride or data.seq_len, pad_id=spec.pad_id,
+                    concat=data.concat, pad_last=pad_last)
+
+
+def _write(spark, bins, config: Config, spec, pack: PackSpec, losers: dict, staging: str) -> dict[str, list[dict]]:
+    """Pass 2: read and clean again, skip duplicates, tokenize, pack and write each split's file."""
+    sc = spark.sparkContext
+    spec_bc, losers_bc = sc.broadcast(spec), sc.broadcast(losers)
+    rows_per_group = max(16, config.output.row_group_mb * 1024 * 1024 // (pack.seq_len * 4))
+    data, storage = config.data, config.storage
+
+    def write(it):
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        tok = _tokenizer_for(spec_bc.value)
+        drop = losers_bc.value
+        writers = {s: _SplitWriter(s, f"part-{ctx.partitionId():05d}-{ctx.attemptNumber()}.parquet", staging,
+                                   storage, pack, spec_bc.value, rows_per_group) for s in SPLITS}
+        batch: dict[str, tuple[list, list]] = {s: ([], []) for s in SPLITS}
+        counts: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0])  # (source, status, split, kept) -> n, bytes, invalid
+        size = 0
+        for bin_ in it:
+            for unit, pos, status, text, invalid, dig in sources.documents(bin_, data, storage):
+                split = _split_of(unit, dig, data.val_fraction) if status == sources.OK else None
+                kept = status == sources.OK and pos not in drop.get(unit.uri, ())
+                c = counts[(unit.uri, status, split, kept or status != sources.OK)]
+                c[0] += 1
+                c[2] += invalid
+                if not kept:
+                    continue
+                c[1] += len(text.encode("utf-8", "surrogatepass"))
+                texts, ids = batch[split]
+                texts.append(text)
+                ids.append(clean.doc_id(dig))
+                size += len(text)
+                if size > 4 * 2**20:  # tokenize in batches of a few MB: the tokenizer parallelises inside
+                    for s, (texts, ids) in batch.items():
+                        writers[s].add(tok, texts, ids)
+                    batch, size = {s: ([], []) for s in SPLITS}, 0
+        for s, (texts, ids) in batch.items():
+            writers[s].add(tok, texts, ids)
+        yield from (w.close() for w in writers.values())
+        yield {"split": "", "counts": [(*k, *v) for k, v in counts.items()]}
+
+    metas = sc.parallelize(bins, len(bins)).mapPartitions(write).collect()
+    files = {s: sorted((m for m in metas if m["split"] == s and m["rows"] > 0), key=lambda m: m["path"])
+             for s in SPLITS}
+    agg = [dict(zip(("source", "status", "split", "kept", "n", "bytes", "invalid"), c))
+           for m in metas if m["split"] == "" for c in m["counts"]]
+    return files, agg
+
+
+_TOKENIZERS: dict[str, object] = {}
+
+
+def _tokenizer_for(spec: tokenizers_mod.TokenizerSpec):
+    tok = _TOKENIZERS.get(spec.sha256)
+    if tok is None:  # once per Python worker, not once per task
+        tok = _TOKENIZERS[spec.sha256] = spec.tokenizer()
+        tok.encode_special_tokens = True  # "<|eos|>" inside a document is text, not a special token
+    return tok
+
+
+class _SplitWriter:
+    """Executor side: packs one split's documents and writes them to one Parquet file in row groups."""
+
+    def __init__(self, split, name, staging, storage, pack: PackSpec, spec, rows_per_group: int):
+        self.split, self.name, self.staging, self.storage = split, f"{split}/{name}", staging, storage
+        self.pack, self.rows_per_group = pack, rows_per_group
+        self.packer = Packer(pack, bos_id=spec.bos_id, eos_id=spec.eos_id)
+        self.schema = _data_schema(pack.has_mask)
+        self.pending: list[Packed] = []
+        self.writer = self.sink = None
+        self.counts = {"rows": 0, "documents": 0, "pad_tokens": 0, "row_groups": 0}
+
+    def add(self, tok, texts: list[str], ids: list[int]) -> None:
+        if not texts:
+            return
+        encodings = tok.encode_batch_fast(texts, add_special_tokens=False)
+        self.counts["documents"] += len(texts)
+        self.pending.extend(self.packer.feed([e.ids for e in encodings], ids))
+        self._flush(final=False)
+
+    def close(self) -> dict:
+        self.pending.extend(self.packer.finish())
+        self._flush(final=True)
+        if self.writer is not None:
+            self.writer.close()
+            self.sink.close()  # an object-store upload completes on close
+        return {"split": self.split, "path": self.name if self.writer is not None else "",
+                "tokens": self.packer.tokens_in, "dropped_tokens": self.packer.tokens_dropped, **self.counts}
+
+    def _flush(self, final: bool) -> None:
+        while self.pending and (final or sum(len(p) for p in self.pending) >= self.rows_per_group):
+            ids = np.concatenate([p.input_ids for p in self.pending])
+            mask = np.concatenate([p.attention_mask for p in self.pending]) if self.pack.has_mask else None
+            doc = np.concatenate([p.doc_id for p in self.pending])
+            take = len(ids) if final else self.rows_per_group
+            if self.writer is None:
+                fs, staging = resolve(self.staging, self.storage)
+                fs.create_dir(f"{staging}/{self.split}", recursive=True)
+                self.sink = fs.open_output_stream(f"{staging}/{self.name}")
+                self.writer = pq.ParquetWriter(self.sink, self.schema, compression="zstd")
+            self.writer.write_table(_to_table(ids[:take], None if mask is None else mask[:take], doc[:take],
+                                              self.schema), row_group_size=take)
+            self.counts["rows"] += take
+            self.counts["row_groups"] += 1
+            if mask is not None:
+                self.counts["pad_tokens"] += int(take * self.pack.seq_len - mask[:take].sum())
+            rest = Packed(ids[take:], None if mask is None else mask[take:], doc[take:])
+            self.pending = [rest] if len(rest) else []
+
+
+def _data_schema(has_mask: bool) -> pa.Schema:
+    fields = [("input_ids", pa.list_(pa.int32()))]
+    if has_mask:
+        fields.append(("attention_mask", pa.list_(pa.int8())))
+    fields.append(("doc_id", pa.int64()))
+    return pa.schema(fields)
+
+
+def _to_table(ids: np.ndarray, mask: np.ndarray | None, doc: np.ndarray, schema: pa.Schema) -> pa.Table:
+    def lists(a: np.ndarray) -> pa.Array:
+        offsets = np.arange(0, a.size + 1, a.shape[1], dtype=np.int32)
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(a.reshape(-1)))
+
+    cols = [lists(ids)] + ([lists(mask)] if mask is not None else []) + [pa.array(doc)]
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
+# -- commit ----------------------------------------------------------------------------------
+
+
+def _check_output(fs, path: str, uri: str, overwrite: bool) -> None:
+    info = fs.get_file_info(path)
+    if info.type.name == "NotFound":
+        return
+    if info.type.name == "File":
+        raise SparklmError(f"output {uri} is a file", hint="give a directory path to --output")
+    if not overwrite and fs.get_file_info(_selector(path)):
+        raise SparklmError(f"output {uri} already exists", hint="pass --overwrite to replace it, or choose another --output")
+
+
+def _selector(path: str):
+    import pyarrow.fs as pafs
+
+    return pafs.FileSelector(path, recursive=False, allow_not_found=True)
+
+
+def _staging_path(out_path: str) -> str:
+    parent, _, name = out_path.rstrip("/").rpartition("/")
+    return f"{parent}/.{name}.sparklm-tmp-{uuid.uuid4().hex[:12]}"
+
+
+def _uri(like: str, path: str) -> str:
+    return f"{like.split('://', 1)[0]}://{path}" if is_remote(like) else path
+
+
+def _commit(fs, staging: str, out_path: str, files: dict, spec, manifest: dict) -> None:
+    """Keep only successful attempts' files under their final names, write manifest last, swap in."""
+    for split, metas in files.items():
+        keep = set()
+        for m in metas:
+            final = m["path"].rsplit("-", 1)[0] + ".parquet"  # drop the attempt number
+            fs.move(f"{staging}/{m['path']}", f"{staging}/{final}")
+            keep.add(f"{staging}/{final}")
+        for info in fs.get_file_info(_selector(f"{staging}/{split}")):
+            if info.path not in keep:  # leftovers of failed or speculative attempts
+                fs.delete_file(info.path)
+    tokenizers_mod.save_to(spec, fs, staging)
+    with fs.open_output_stream(f"{staging}/{MANIFEST}") as f:
+        f.write(json.dumps(manifest, indent=2).encode())
+    _swap(fs, staging, out_path)
+
+
+def _swap(fs, staging: str, out_path: str) -> None:
+    import pyarrow.fs as pafs
+
+    if isinstance(fs, pafs.LocalFileSystem):
+        old = None
+        if fs.get_file_info(out_path).type.name != "NotFound":
+            old = _staging_path(out_path).replace("sparklm-tmp", "sparklm-old")
+            fs.move(out_path, old)  # rename: the old dataset stays whole until the new one is in place
+        fs.move(staging, out_path)
+        if old:
+            fs.delete_dir(old)
+        return
+    # Object stores have no directory rename: remove the old manifest first (the old dataset stops
+    # being accepted), replace the objects, and write the manifest last.
+    if fs.get_file_info(f"{out_path}/{MANIFEST}").type.name != "NotFound":
+        fs.delete_file(f"{out_path}/{MANIFEST}")
+    if fs.get_file_info(out_path).type.name != "NotFound":
+        fs.delete_dir_contents(out_path, missing_dir_ok=True)
+    infos = fs.get_file_info(pafs.FileSelector(staging, recursive=True))
+    for info in sorted((i for i in infos if i.type == pafs.FileType.File), key=lambda i: i.path.endswith(MANIFEST)):
+        fs.copy_file(info.path, out_path + info.path[len(staging):])
+    fs.delete_dir(staging)
+
+
+def _remove(fs, path: str) -> None:
+    try:
+        fs.delete_dir(path)
+    except Exception:  # best effort: the staging name is hidden and never accepted as a dataset
+        pass
+
+
+class _spark_errors:
+    """Turn a :class:`SparklmError` raised inside a Spark task back into itself on the driver."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None or isinstance(exc, SparklmError):
+            return False
+        found = from_spark(exc)
+        if found is not None:
+            raise found from None
+        return False
+
+
+# -- manifest and summary --------------------------------------------------------------------
+
+
+def _manifest(config, inputs, validation_inputs, stats, files, spec, pack: PackSpec, started, spark_start) -> dict:
+    splits = {}
+    for split in SPLITS:
+        metas = files[split]
+        entry = stats["splits"][split]
+        splits[split] = {
+            "documents": entry["documents"],
+            "duplicates_dropped": entry["duplicates"],
+            "text_bytes": entry["text_bytes"],
+            "tokens": sum(m["tokens"] for m in metas),
+            "sequences": sum(m["rows"] for m in metas),
+            "pad_tokens": sum(m["pad_tokens"] for m in metas),
+            "dropped_tokens": sum(m["dropped_tokens"] for m in metas),
+            "files": [{"path": m["path"].rsplit("-", 1)[0] + ".parquet", "rows": m["rows"],
+                       "row_groups": m["row_groups"]} for m in sorted(metas, key=lambda m: m["path"])],
+        }
+        splits[split]["bytes_per_token"] = (
+            entry["text_bytes"] / splits[split]["tokens"] if splits[split]["tokens"] else None
+        )
+    seconds = time.time() - started
+    total_tokens = sum(s["tokens"] for s in splits.values())
+    return {
+        "format": FORMAT,
+        "sparklm_version": __version__,
+        "created_unix": round(time.time(), 3),
+        "inputs": list(inputs),
+        "validation_inputs": list(validation_inputs),
+        "input": {"files": stats["files"], "documents_read": stats["documents_read"],
+                  "dropped": stats["dropped"], "invalid_bytes_replaced": stats["invalid_bytes_replaced"]},
+        "splits": splits,
+        "packing": {"seq_len": pack.seq_len, "stride": pack.stride, "concat": pack.concat,
+                    "last_block": "pad" if pack.pad_last else "drop", "has_attention_mask": pack.has_mask,
+                    "targets": "inputs shifted by one (labels = input_ids)",
+                    "bos_eos": "each document is BOS tokens EOS"},
+        "tokenizer": {"file": "tokenizer.json", "sha256": spec.sha256, "vocab_size": spec.vocab_size,
+                      "bos_id": spec.bos_id, "eos_id": spec.eos_id, "pad_id": spec.pad_id,
+                      "trained": not config.tokenizer.path},
+        "columns": {"input_ids": "list<int32>, seq_len token ids",
+                    "attention_mask": "list<int8>, 0 on padding (present when sequences may be padded)",
+                    "doc_id": "int64, stable id (content hash) of the document at the sequence's first token"},
+        "timing": {"seconds": round(seconds, 3), "spark_start_seconds": round(spark_start, 3),
+                   "tokens_per_second": round(total_tokens / max(seconds, 1e-9), 1),
+                   "tokens_per_second_after_spark_start": round(total_tokens / max(seconds - spark_start, 1e-9), 1)},
+        "config": config.to_dict(),
+    }
+
+
+def _summary(m: dict) -> None:
+    inp = m["input"]
+    rows = [("files", str(inp["files"]), ""), ("documents read", f"{inp['documents_read']:,}", "")]
+    rows += [(f"dropped: {k}", f"{v:,}", "") for k, v in inp["dropped"].items()]
+    if inp["invalid_bytes_replaced"]:
+        rows.append(("invalid bytes replaced", f"{inp['invalid_bytes_replaced']:,}", ""))
+    for split, s in m["splits"].items():
+        rows.append((f"{split}: documents / bytes", f"{s['documents']:,}", f"{s['text_bytes']:,}"))
+        rows.append((f"{split}: tokens / sequences", f"{s['tokens']:,}", f"{s['sequences']:,}"))
+    t = m["timing"]
+    rows.append(("time / throughput", f"{t['seconds']:.1f}s", f"{t['tokens_per_second']:,.0f} tokens/s"))
+    progress.table("prepare summary", rows, ("", "", ""))

@@ -1,0 +1,261 @@
+"""Read inputs of every format into documents, on the executors.
+
+The driver only lists files and plans *read units* (a whole file, or a byte range of a large plain
+text / JSONL file); each Spark task opens its units through pyarrow (local or s3://) and yields
+documents. Byte ranges follow Hadoop's rule: a range owns the records that *start* inside it and
+reads the last one to its end, so every record is read exactly once whatever the chunk size.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..config import DataConfig, StorageConfig
+from ..errors import SparklmError
+from ..fs import expand, resolve, storage_hint
+from . import clean
+
+_COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4"}
+_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv",
+            ".parquet": "parquet", ".pq": "parquet"}
+
+# Document statuses: "ok" or the reason a document (or a whole file) was dropped.
+OK, EMPTY, TOO_SHORT, MALFORMED, BINARY, DUPLICATE = "ok", "empty", "too_short", "malformed", "binary_file", "duplicate"
+
+
+
+@dataclass(frozen=True)
+class ReadUnit:
+    uri: str
+    fmt: str  # text | jsonl | csv | tsv | parquet
+    compression: str  # "" or a pyarrow codec name
+    start: int = 0
+    end: int = -1  # -1: to the end of the file
+    group: str = "auto"  # auto (split by hash) | train | validation (explicit inputs)
+    size: int = 0  # bytes of the file (of the range, when end >= 0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start if self.end >= 0 else self.size
+
+
+def detect_format(name: str) -> tuple[str, str]:
+    """(format, compression) from a file name; unknown extensions are read as plain text."""
+    lower = name.lower()
+    compression = ""
+    for ext, codec in _COMPRESSIONS.items():
+        if lower.endswith(ext):
+            compression, lower = codec, lower[: -len(ext)]
+            break
+    for ext, fmt in _FORMATS.items():
+        if lower.endswith(ext):
+            return fmt, compression
+    return "text", compression
+
+
+def plan_units(inputs: list[str], *, group: str, data: DataConfig, storage: StorageConfig) -> list[ReadUnit]:
+    """List the files behind ``inputs`` and cut large splittable ones into byte ranges (driver side)."""
+    units = []
+    chunk = data.split_mb * 1024 * 1024
+    for uri in inputs:
+        infos = expand(uri, storage)
+        if not infos:
+            raise SparklmError(f"no files match {uri}", hint="check the path or glob")
+        for info in infos:
+            file_uri = _uri_like(uri, info.path)
+            fmt, compression = detect_format(info.path)
+            splittable = not compression and (fmt == "jsonl" or (fmt == "text" and data.doc_mode != "file"))
+            if splittable and info.size > chunk:
+                units += [ReadUnit(file_uri, fmt, "", s, min(s + chunk, info.size), group, info.size)
+                          for s in range(0, info.size, chunk)]
+            else:
+                units.append(ReadUnit(file_uri, fmt, compression, 0, -1, group, info.size))
+    return units
+
+
+def _uri_like(original: str, path: str) -> str:
+    if "://" in original and not original.startswith("file://"):
+        return f"{original.split('://', 1)[0]}://{path}"
+    return path
+
+
+# -- executor side ---------------------------------------------------------------------------
+
+
+def documents(units: list[ReadUnit], data: DataConfig, storage: StorageConfig) -> Iterator[tuple]:
+    """Read and clean units in order: ``(unit, pos, status, text or None, invalid bytes, digest or None)``."""
+    for unit in units:
+        for pos, status, text, invalid in _read_unit(unit, data, storage):
+            if status == OK:
+                text = clean.clean_text(text, data.normalize)
+                status = EMPTY if not text else TOO_SHORT if len(text) < data.min_chars else OK
+            ok = status == OK
+            yield unit, pos, status, text if ok else None, invalid, clean.digest(text) if ok else None
+
+
+def _read_unit(unit: ReadUnit, data: DataConfig, storage: StorageConfig) -> Iterator[tuple[int, str, str | None, int]]:
+    """Yield (position, status, raw text, invalid bytes) for each record of one unit."""
+    fs, path = resolve(unit.uri, storage)
+    try:
+        if unit.fmt == "parquet":
+            yield from _read_parquet(fs, path, data)
+            return
+        with fs.open_input_stream(path, compression=unit.compression or None) as s:
+            head = s.read(clean.BINARY_SNIFF_BYTES)
+        encoding = clean.sniff_encoding(head, data.encoding)
+        if clean.looks_binary(head, encoding):
+            if unit.start == 0:
+                yield 0, BINARY, None, 0
+            return
+        if unit.fmt in ("csv", "tsv"):
+            yield from _read_csv(fs, path, unit, data, encoding)
+            return
+        tally = _Tally()
+        lines = tally.feed(_lines(fs, path, unit, encoding, data.doc_mode))
+        stop = unit.end if unit.end >= 0 else None
+        if unit.fmt == "jsonl":
+            for pos, line in clean.group_documents(lines, "line", stop=stop):
+                yield (pos, *_json_text(line, data.text_field), tally.take())
+        else:
+            for pos, text in clean.group_documents(lines, data.doc_mode, stop=stop):
+                yield pos, OK, text, tally.take()
+    except SparklmError:
+        raise
+    except (OSError, EOFError, ValueError, UnicodeError, csv.Error, pa.ArrowException) as e:
+        raise SparklmError(f"cannot read {unit.uri}: {' '.join(str(e).split())[:300]}",
+                           hint=f"fix or remove the file; {storage_hint(unit.uri)}") from None
+
+
+class _Tally:
+    """Counts invalid bytes of the lines that pass through, attributed to the next document taken."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def feed(self, lines: Iterator[tuple[int, str, int]]) -> Iterator[tuple[int, str]]:
+        for offset, line, invalid in lines:
+            self.n += invalid
+            yield offset, line
+
+    def take(self) -> int:
+        n, self.n = self.n, 0
+        return n
+
+
+def _lines(fs, path: str, unit: ReadUnit, encoding: str, mode: str) -> Iterator[tuple[int, str, int]]:
+    """(offset, line with its ending, invalid bytes) of the lines a unit owns.
+
+    Byte-oriented, uncompressed files are read by byte offset (so ranges work); compressed and
+    UTF-16/32 files are decoded as one stream and positions are line numbers.
+    """
+    if unit.compression or encoding in ("utf-16", "utf-32"):
+        with fs.open_input_stream(path, compression=unit.compression or None) as raw:
+            text = io.TextIOWrapper(io.BufferedReader(raw, 1 << 20), encoding=encoding,
+                                    errors="sparklm-count", newline="")
+            before = clean.invalid_total()
+            for number, line in enumerate(text):
+                now = clean.invalid_total()
+                yield number, line, now - before
+                before = now
+        return
+    encoding = "utf-8" if encoding == "utf-8-sig" else encoding  # clean_text strips the BOM
+    with fs.open_input_file(path) as raw:
+        f = io.BufferedReader(raw, 1 << 20)
+        pos = unit.start
+        if pos > 0:
+            f.seek(pos - 1)
+            if f.read(1) != b"\n":  # mid-line: that line belongs to the previous range
+                pos += len(f.readline())
+            if mode == "paragraph" and not _previous_line_blank(f, pos):
+                # A paragraph that started in the previous range runs on here: it is not ours.
+                f.seek(pos)
+                while (line := f.readline()) and not clean.is_blank(line):
+                    pos += len(line)
+            f.seek(pos)
+        while line := f.readline():
+            text, invalid = clean.decode(line, encoding)
+            yield pos, text, invalid
+            pos += len(line)
+
+
+def _previous_line_blank(f: io.BufferedReader, pos: int) -> bool:
+    """Whether the line ending just before ``pos`` (a line start) holds only white space."""
+    end = pos - 1  # the newline that ends the previous line
+    while end > 0:
+        start = max(0, end - 65536)
+        f.seek(start)
+        block = f.read(end - start)
+        for byte in reversed(block):
+            if byte == 0x0A:
+                return True
+            if byte not in b" \t\r\f\v":
+                return False
+        end = start
+    return True
+
+
+def _json_text(line: str, field: str) -> tuple[str, str | None]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return MALFORMED, None
+    value = record.get(field) if isinstance(record, dict) else None
+    if isinstance(value, str):
+        return OK, value
+    if isinstance(record, dict) and field in record and value is None:
+        return EMPTY, None
+    return MALFORMED, None
+
+
+def _read_csv(fs, path: str, unit: ReadUnit, data: DataConfig, encoding: str) -> Iterator[tuple[int, str, str | None, int]]:
+    csv.field_size_limit(sys.maxsize)
+    with fs.open_input_stream(path, compression=unit.compression or None) as raw:
+        text = io.TextIOWrapper(io.BufferedReader(raw, 1 << 20), encoding=encoding,
+                                errors="sparklm-count", newline="")
+        reader = csv.reader(text, delimiter="\t" if unit.fmt == "tsv" else ",")
+        header = next(reader, None)
+        if header is None:
+            return
+        header = [h.lstrip("\ufeff").strip() for h in header]
+        if data.text_field not in header:
+            raise SparklmError(f"{unit.uri} has no column '{data.text_field}' (columns: {', '.join(header[:20])})",
+                               hint="name the text column with --text-field or data.text_field")
+        col = header.index(data.text_field)
+        before = clean.invalid_total()
+        for number, row in enumerate(reader, start=1):
+            now = clean.invalid_total()
+            if col < len(row):
+                yield number, OK, row[col], now - before
+            else:
+                yield number, MALFORMED, None, now - before
+            before = now
+
+
+def _read_parquet(fs, path: str, data: DataConfig) -> Iterator[tuple[int, str, str | None, int]]:
+    with fs.open_input_file(path) as raw:
+        pf = pq.ParquetFile(raw)
+        names = pf.schema_arrow.names
+        if data.text_field not in names:
+            raise SparklmError(f"{path} has no column '{data.text_field}' (columns: {', '.join(names[:20])})",
+                               hint="name the text column with --text-field or data.text_field")
+        number = 0
+        for batch in pf.iter_batches(columns=[data.text_field], batch_size=4096):
+            for value in batch.column(0).to_pylist():
+                if value is None:
+                    yield number, EMPTY, None, 0
+                elif isinstance(value, bytes):
+                    text, invalid = clean.decode(value, data.encoding)
+                    yield number, OK, text, invalid
+                elif isinstance(value, str):
+                    yield number, OK, value, 0
+                else:
+                    yield number, MALFORMED, None, 0
+                number += 1

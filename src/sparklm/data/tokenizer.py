@@ -1,0 +1,143 @@
+"""Train or load an HF ``tokenizers`` tokenizer and ship it to executors as its JSON text."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from ..config import TokenizerConfig
+from ..errors import SparklmError
+
+_EOS_NAMES = ("<|eos|>", "<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+_BOS_NAMES = ("<|bos|>", "<s>", "<bos>", "<|begin_of_text|>", "[CLS]")
+_PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]")
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """A tokenizer as JSON text plus the ids of its special tokens: small, picklable, hashable."""
+
+    json: str
+    bos_id: int
+    eos_id: int
+    pad_id: int
+    bos_token: str
+    eos_token: str
+    pad_token: str
+
+    @property
+    def sha256(self) -> str:
+        """Fingerprint of what decides tokenization (not of JSON formatting or padding settings)."""
+        d = json.loads(self.json)
+        keep = {k: d.get(k) for k in ("added_tokens", "normalizer", "pre_tokenizer", "model", "decoder")}
+        return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer().get_vocab_size(with_added_tokens=True)
+
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_str(self.json)
+
+    def save(self, directory: str | Path) -> list[Path]:
+        """Write tokenizer.json and the files that let ``AutoTokenizer.from_pretrained(directory)`` load it."""
+        from transformers import PreTrainedTokenizerFast
+
+        hf = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer(), bos_token=self.bos_token,
+                                     eos_token=self.eos_token, pad_token=self.pad_token)
+        hf.save_pretrained(str(directory))
+        return sorted(Path(directory).iterdir())
+
+
+def train(texts: Iterable[str], config: TokenizerConfig) -> TokenizerSpec:
+    """Train a byte-level BPE (GPT-2 style) with BOS, EOS and PAD special tokens."""
+    specials = [config.pad_token, config.bos_token, config.eos_token]
+    if len(set(specials)) != 3:
+        raise SparklmError("tokenizer bos_token, eos_token and pad_token must be three different strings")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=config.vocab_size, min_frequency=config.min_frequency, special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return _spec(tok, config.bos_token, config.eos_token, config.pad_token)
+
+
+def load(path: str) -> TokenizerSpec:
+    """Load a ``tokenizer.json`` file or an HF tokenizer directory (local files only)."""
+    p = Path(path)
+    if p.is_dir():
+        try:
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        except Exception as e:
+            raise SparklmError(f"cannot load a tokenizer from {p}: {' '.join(str(e).split())[:200]}",
+                               hint="pass a tokenizer.json file or a directory saved by save_pretrained") from None
+        backend = getattr(hf, "backend_tokenizer", None) or getattr(hf, "_tokenizer", None)
+        if backend is None:
+            raise SparklmError(f"{p} holds a slow tokenizer only", hint="save it with a tokenizer.json (fast) first")
+        eos = hf.eos_token or hf.sep_token
+        bos = hf.bos_token or hf.cls_token or eos
+        pad = hf.pad_token or eos
+        if eos is None:
+            eos = _find(backend, _EOS_NAMES, "EOS", p)
+            bos, pad = bos or eos, pad or eos
+        return _spec(backend, bos, eos, pad)
+    if not p.is_file():
+        raise SparklmError(f"tokenizer not found: {p}", hint="pass a tokenizer.json file or an HF tokenizer directory")
+    try:
+        tok = Tokenizer.from_file(str(p))
+    except Exception as e:
+        raise SparklmError(f"{p} is not a tokenizer.json: {' '.join(str(e).split())[:200]}") from None
+    eos = _find(tok, _EOS_NAMES, "EOS", p)
+    bos = _find(tok, _BOS_NAMES, None, p) or eos
+    pad = _find(tok, _PAD_NAMES, None, p) or eos
+    return _spec(tok, bos, eos, pad)
+
+
+def token_byte_lengths(spec: TokenizerSpec) -> list[int]:
+    """UTF-8 bytes each token id stands for (0 for special tokens): turns nats/token into bits/byte."""
+    tok = spec.tokenizer()
+    special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    lengths = [0] * tok.get_vocab_size(with_added_tokens=True)
+    for token, idx in tok.get_vocab(with_added_tokens=True).items():
+        if token not in special and idx < len(lengths):
+            lengths[idx] = len(tok.decode([idx], skip_special_tokens=False).encode("utf-8"))
+    return lengths
+
+
+def _find(tok: Tokenizer, names: tuple[str, ...], role: str | None, where: Path) -> str | None:
+    vocab = tok.get_vocab(with_added_tokens=True)
+    for name in names:
+        if name in vocab:
+            return name
+    if role:
+        raise SparklmError(f"tokenizer {where} has no {role} token (looked for {', '.join(names)})",
+                           hint="use an HF tokenizer directory whose tokenizer_config.json names it")
+    return None
+
+
+def _spec(tok: Tokenizer, bos: str, eos: str, pad: str) -> TokenizerSpec:
+    ids = [tok.token_to_id(t) for t in (bos, eos, pad)]
+    if None in ids:
+        raise SparklmError(f"special tokens {bos!r}, {eos!r}, {pad!r} are not all in the vocabulary")
+    return TokenizerSpec(json=tok.to_str(), bos_id=ids[0], eos_id=ids[1], pad_id=ids[2],
+                         bos_token=bos, eos_token=eos, pad_token=pad)
+
+
+def save_to(spec: TokenizerSpec, fs, directory: str) -> None:
+    """Save the tokenizer files into ``directory`` on any pyarrow filesystem."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for local in spec.save(tmp):
+            with fs.open_output_stream(f"{directory}/{local.name}") as out:
+                out.write(local.read_bytes())
+

@@ -1,0 +1,130 @@
+"""Filesystems behind paths and URLs: local paths and ``s3://`` via pyarrow, the same on every executor.
+
+The pyspark package has no Hadoop S3A jars, so object stores are reached from Python (pyarrow's S3
+client); the endpoint and credentials come from the standard AWS variables or ``[storage]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import os
+import posixpath
+from functools import lru_cache
+from urllib.parse import urlparse
+
+import pyarrow.fs as pafs
+
+from .config import StorageConfig
+from .errors import SparklmError
+
+_GLOB_CHARS = set("*?[")
+
+
+def is_remote(uri: str) -> bool:
+    return "://" in uri and not uri.startswith("file://")
+
+
+def resolve(uri: str, storage: StorageConfig | None = None) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path inside it) for a local path, ``file://``, ``s3://``/``s3a://`` or other pyarrow URI."""
+    storage = storage or StorageConfig()
+    if uri.startswith(("s3://", "s3a://", "s3n://")):
+        parsed = urlparse(uri)
+        return _s3(storage.endpoint_url, storage.region, storage.anonymous), f"{parsed.netloc}{parsed.path}".rstrip("/")
+    if uri.startswith("file://"):
+        uri = urlparse(uri).path
+    if "://" not in uri:
+        return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except Exception as e:
+        raise SparklmError(f"cannot open {uri}: {e}", hint="use a local path or an s3:// URL") from None
+
+
+def join(uri: str, *parts: str) -> str:
+    """Join path parts onto a local path or URL."""
+    if is_remote(uri):
+        return posixpath.join(uri.rstrip("/"), *parts)
+    return os.path.join(uri, *parts)
+
+
+def to_uri(fs: pafs.FileSystem, path: str, like: str) -> str:
+    """Turn a path inside ``fs`` back into a URI of the same kind as ``like``."""
+    if is_remote(like):
+        return f"{urlparse(like).scheme}://{path}"
+    return path
+
+
+def expand(uri: str, storage: StorageConfig | None = None) -> list[pafs.FileInfo]:
+    """Files named by ``uri``: a file, every file under a directory, or a glob; hidden files skipped."""
+    fs, path = resolve(uri, storage)
+    try:
+        if _GLOB_CHARS & set(path):
+            root = _glob_root(path)
+            infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
+            found = [i for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, path)]
+        else:
+            info = fs.get_file_info(path)
+            if info.type == pafs.FileType.File:
+                return [info]
+            if info.type == pafs.FileType.NotFound:
+                raise SparklmError(f"input not found: {uri}", hint="check the path (globs like data/*.txt work)")
+            found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+            found = [i for i in found if i.type == pafs.FileType.File]
+    except SparklmError:
+        raise
+    except (OSError, ValueError) as e:
+        raise SparklmError(f"cannot list {uri}: {_short(e)}", hint=storage_hint(uri)) from None
+    return sorted((i for i in found if not _hidden(i.path)), key=lambda i: i.path)
+
+
+def storage_hint(uri: str) -> str:
+    if uri.startswith(("s3://", "s3a://", "s3n://")):
+        return "check AWS_ENDPOINT_URL / [storage] endpoint_url, the bucket name and AWS credentials"
+    return "check that the path exists and is readable"
+
+
+def _short(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300]
+
+
+def _hidden(path: str) -> bool:
+    # Hadoop/Spark conventions: _SUCCESS, _temporary, .crc files and dot-files are not data.
+    return any(part.startswith((".", "_")) for part in path.split("/")[-1:])
+
+
+def _glob_root(path: str) -> str:
+    parts = path.split("/")
+    for i, part in enumerate(parts):
+        if _GLOB_CHARS & set(part):
+            return "/".join(parts[:i]) or "/"
+    return path
+
+
+def effective(storage: StorageConfig) -> StorageConfig:
+    """Fill the endpoint and region from the standard AWS variables, on the driver, so that every
+    executor talks to the same endpoint whatever its own environment says. Credentials are not
+    shipped: executors take them from their environment or instance role, as AWS clients do."""
+    return dataclasses.replace(
+        storage,
+        endpoint_url=storage.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "",
+        region=storage.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "",
+    )
+
+
+@lru_cache(maxsize=8)
+def _s3(endpoint_url: str, region: str, anonymous: bool) -> pafs.S3FileSystem:
+    endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+    kwargs: dict = {
+        "region": region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+        "anonymous": anonymous,
+        "connect_timeout": 10,
+        "request_timeout": 60,
+        "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=3),
+    }
+    if endpoint:
+        parsed = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")
+        kwargs["endpoint_override"] = parsed.netloc
+        kwargs["scheme"] = parsed.scheme
+        kwargs["force_virtual_addressing"] = False
+    return pafs.S3FileSystem(**kwargs)

@@ -1,0 +1,73 @@
+"""Build a decoder-only transformer with ``transformers`` (Llama-style by default, or GPT-2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import SparklmError
+
+
+def build_model(cfg: ModelConfig, *, vocab_size: int, context: int, bos_id: int, eos_id: int, pad_id: int,
+                seed: int = 0) -> torch.nn.Module:
+    """A fresh causal LM from config: Llama (RMSNorm, RoPE, SwiGLU, SDPA) or GPT-2, seeded."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    if cfg.n_embd % cfg.n_head:
+        raise SparklmError(f"model.n_embd ({cfg.n_embd}) must be divisible by model.n_head ({cfg.n_head})")
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id,
+                  tie_word_embeddings=cfg.tie_embeddings)
+    if cfg.arch == "llama":
+        hidden = cfg.intermediate or _swiglu_hidden(cfg.n_embd)
+        config = LlamaConfig(hidden_size=cfg.n_embd, intermediate_size=hidden, num_hidden_layers=cfg.n_layer,
+                             num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head,
+                             max_position_embeddings=context, attention_dropout=cfg.dropout,
+                             rope_theta=cfg.rope_theta, rms_norm_eps=1e-5, attn_implementation="sdpa", **common)
+        model = LlamaForCausalLM(config)
+    else:
+        config = GPT2Config(n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head, n_positions=context,
+                            n_inner=cfg.intermediate or 4 * cfg.n_embd, resid_pdrop=cfg.dropout,
+                            embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, attn_implementation="sdpa", **common)
+        model = GPT2LMHeadModel(config)
+    return model
+
+
+def load_model(directory: str) -> torch.nn.Module:
+    """Load a local HF causal-LM directory (safetensors weights only; nothing is unpickled)."""
+    from transformers import AutoModelForCausalLM
+
+    if not (Path(directory) / "config.json").is_file():
+        raise SparklmError(f"{directory} is not a Hugging Face model directory (no config.json)",
+                           hint="pass a directory written by save_pretrained or a sparklm run's model/")
+    try:
+        return AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, use_safetensors=True,
+                                                    attn_implementation="sdpa")
+    except Exception as e:
+        raise SparklmError(f"cannot load the model in {directory}: {' '.join(str(e).split())[:200]}") from None
+
+
+def _swiglu_hidden(d: int) -> int:
+    # Llama's rule: 2/3 of 4d, rounded up to a multiple of 64 (so 256 -> 704).
+    return 64 * ((int(8 * d / 3) + 63) // 64)
+
+
+def param_count(model: torch.nn.Module, *, non_embedding: bool = False) -> int:
+    n = sum(p.numel() for p in model.parameters())
+    if non_embedding:
+        n -= model.get_input_embeddings().weight.numel()
+    return n
+
+
+def flops_per_token(model: torch.nn.Module, context: int) -> float:
+    """Training FLOPs per token: 6 × (non-embedding params + LM head) + attention (12 · L · d · T).
+
+    The PaLM/nanoGPT estimate; the LM head counts even when tied (it is a real matmul).
+    """
+    cfg = model.config
+    n = param_count(model, non_embedding=True)
+    if cfg.tie_word_embeddings:
+        n += model.get_output_embeddings().weight.numel()
+    return 6.0 * n + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * context

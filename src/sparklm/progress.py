@@ -1,0 +1,81 @@
+"""Console output: stage progress from Spark's status tracker, and summary tables (rich)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.table import Table
+
+console = Console(stderr=True, highlight=False)
+
+
+@contextmanager
+def stage(spark, name: str, *, quiet: bool = False):
+    """Show ``name`` with live Spark task counts while the block runs; print its time when done."""
+    sc = spark.sparkContext if spark is not None else None
+    if sc is not None:
+        sc.setJobDescription(name)
+    start = time.monotonic()
+    stop = threading.Event()
+    status = None
+    if not quiet and console.is_terminal:
+        status = console.status(f"{name} …")
+        status.start()
+
+        def poll() -> None:
+            while not stop.wait(0.5):
+                status.update(f"{name} … {_tasks(sc)} ({time.monotonic() - start:.0f}s)")
+
+        threading.Thread(target=poll, daemon=True).start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if status is not None:
+            status.stop()
+        if sc is not None:
+            sc.setJobDescription(None)
+    if not quiet:
+        console.print(f"[green]✓[/green] {name} [dim]{time.monotonic() - start:.1f}s[/dim]")
+
+
+def _tasks(sc) -> str:
+    if sc is None:
+        return ""
+    try:
+        tracker = sc.statusTracker()
+        done = total = 0
+        for sid in tracker.getActiveStageIds():
+            info = tracker.getStageInfo(sid)
+            if info:
+                done += info.numCompletedTasks
+                total += info.numTasks
+        return f"tasks {done}/{total}" if total else ""
+    except Exception:  # the tracker is best effort: never let progress break the job
+        return ""
+
+
+def table(title: str, rows: list[tuple[str, ...]], header: tuple[str, ...]) -> None:
+    t = Table(title=title, title_justify="left", show_edge=False)
+    for i, h in enumerate(header):
+        t.add_column(h, justify="left" if i == 0 else "right")
+    for row in rows:
+        t.add_row(*row)
+    console.print(t)
+
+
+def warn(message: str) -> None:
+    console.print(f"[yellow]warning:[/yellow] {message}", soft_wrap=True)
+
+
+def info(message: str) -> None:
+    console.print(message, soft_wrap=True)
+
+
+def plain(message: str) -> None:
+    """Results on stdout (paths, figures) so scripts can capture them."""
+    print(message, file=sys.stdout, flush=True)

@@ -1,0 +1,1 @@
+"""Tokens → gradients: the training loop, its distribution on Spark, checkpoints and metrics."""

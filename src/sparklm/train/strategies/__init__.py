@@ -1,0 +1,1 @@
+"""How ranks run on Spark: one module per strategy."""

@@ -1,0 +1,112 @@
+"""Pure text functions and the chunked reader's ownership rule."""
+
+import gzip
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparklm.config import DataConfig, StorageConfig
+from sparklm.data import clean, sources
+
+
+def test_clean_text_normalises():
+    assert clean.clean_text("\ufeff  Hello\r\nworld\r  ") == "Hello\nworld"
+    assert clean.clean_text("e\u0301") == "\u00e9"  # NFC composes
+    assert clean.clean_text("ﬁ", "NFKC") == "fi"
+    assert clean.clean_text("ﬁ", "none") == "ﬁ"
+
+
+def test_decode_counts_invalid_bytes():
+    text, bad = clean.decode(b"ok \xff\xfe then \xc3\xa9 and \xe2\x82", "utf-8")
+    assert bad == 4 and text.count("\ufffd") == 3 and "é" in text
+    assert clean.decode("ça".encode("latin-1"), "latin-1") == ("ça", 0)
+
+
+def test_sniff_and_binary():
+    assert clean.sniff_encoding("x".encode("utf-16"), "utf-8") == "utf-16"
+    assert clean.sniff_encoding(b"\xef\xbb\xbfx", "utf-8") == "utf-8-sig"
+    assert clean.looks_binary(b"\x7fELF\x00\x00", "utf-8")
+    assert not clean.looks_binary("hé".encode("utf-16"), "utf-16")
+
+
+def test_group_documents_modes():
+    lines = [(0, "a\n"), (2, "b\n"), (4, "\n"), (5, "  \n"), (8, "c\n"), (10, "\n")]
+    assert list(clean.group_documents(lines, "paragraph")) == [(0, "a\nb\n"), (8, "c\n")]
+    assert list(clean.group_documents(lines, "line")) == [(0, "a\n"), (2, "b\n"), (8, "c\n")]
+    assert list(clean.group_documents(lines, "file")) == [(0, "a\nb\n\n  \nc\n\n")]
+    assert list(clean.group_documents(lines, "paragraph", stop=8)) == [(0, "a\nb\n")]
+
+
+def test_split_is_a_pure_function_of_content():
+    d = clean.digest("some document")
+    assert clean.digest("some document") == d and clean.doc_id(d) == clean.doc_id(clean.digest("some document"))
+    docs = [clean.digest(f"doc {i}") for i in range(20000)]
+    share = sum(clean.is_validation(x, 0.1) for x in docs) / len(docs)
+    assert 0.09 < share < 0.11
+    assert not any(clean.is_validation(x, 0.0) for x in docs)
+
+
+def _read(path, mode, split_mb_bytes, fmt="text"):
+    """All documents of a file read in byte ranges of the given size (as the planner would cut it)."""
+    size = path.stat().st_size
+    data = DataConfig(doc_mode=mode)
+    out = []
+    for start in range(0, max(size, 1), split_mb_bytes):
+        unit = sources.ReadUnit(str(path), fmt, "", start, min(start + split_mb_bytes, size))
+        out += [(pos, text) for pos, status, text, _ in sources._read_unit(unit, data, StorageConfig())]
+    return out
+
+
+line = st.text(alphabet=st.sampled_from(list("ab é漢\t ")), max_size=12)
+lines = st.lists(st.one_of(line, st.just(""), st.just("  ")), min_size=0, max_size=30)
+
+
+@settings(max_examples=150, deadline=None)
+@given(lines=lines, chunk=st.integers(1, 40), mode=st.sampled_from(["line", "paragraph"]), crlf=st.booleans())
+def test_byte_ranges_read_every_document_exactly_once(tmp_path_factory, lines, chunk, mode, crlf):
+    path = tmp_path_factory.mktemp("r") / "f.txt"
+    path.write_bytes(("\r\n" if crlf else "\n").join(lines).encode())
+    whole = _read(path, mode, 10**9)
+    assert _read(path, mode, chunk) == whole
+
+
+def test_jsonl_csv_parquet_and_compressed(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\nnot json\n{"other": 1}\n{"text": null}\n\n{"text": "two"}\n')
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
+        f.write('{"body": "gz one"}\n')
+    (tmp_path / "c.csv").write_text('id,text\n1,"multi\nline, quoted"\n2\n3,plain\n')
+    pq.write_table(pa.table({"text": ["p1", None, "p3"]}), tmp_path / "d.parquet")
+    data = DataConfig()
+
+    def read(name, **kw):
+        fmt, comp = sources.detect_format(name)
+        unit = sources.ReadUnit(str(tmp_path / name), fmt, comp)
+        return [(s, t) for _, s, t, _ in sources._read_unit(unit, DataConfig(**kw) if kw else data, StorageConfig())]
+
+    assert read("a.jsonl") == [("ok", "one"), ("malformed", None), ("malformed", None), ("empty", None), ("ok", "two")]
+    assert read("b.jsonl.gz", text_field="body") == [("ok", "gz one")]
+    assert read("c.csv") == [("ok", "multi\nline, quoted"), ("malformed", None), ("ok", "plain")]
+    assert read("d.parquet") == [("ok", "p1"), ("empty", None), ("ok", "p3")]
+    with pytest.raises(Exception, match="no column 'body'"):
+        read("c.csv", text_field="body")
+
+
+def test_utf16_and_binary_files(tmp_path):
+    (tmp_path / "u16.txt").write_bytes("para one\n\npara two ü\n".encode("utf-16"))
+    (tmp_path / "bin.dat").write_bytes(bytes(range(256)) * 10)
+    data = DataConfig()
+    u16 = list(sources._read_unit(sources.ReadUnit(str(tmp_path / "u16.txt"), "text", ""), data, StorageConfig()))
+    assert [t for _, _, t, _ in u16] == ["para one\n", "para two ü\n"]
+    binary = list(sources._read_unit(sources.ReadUnit(str(tmp_path / "bin.dat"), "text", ""), data, StorageConfig()))
+    assert binary == [(0, "binary_file", None, 0)]
+
+
+def test_a_five_megabyte_line_is_one_document(tmp_path):
+    big = "word " * 1_000_000
+    (tmp_path / "big.txt").write_text(f"short\n{big}\nafter\n")
+    docs = _read(tmp_path / "big.txt", "line", 1024 * 1024)
+    assert [len(t) for _, t in docs] == [6, len(big) + 1, 6]

@@ -1,0 +1,70 @@
+"""The command line: one clear line and a non-zero exit for foreseeable mistakes; atomic output."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import make_text
+
+from sparklm.cli import main
+
+
+def run_cli(*args, cwd=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "sparklm", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout, env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["prepare", "no/such/file.txt", "-o", "x"], "error: input not found: no/such/file.txt"),
+        (["prepare", "--set", "data.seq_len=1", "-o", "x"], "error: config key 'data.seq_len' is 1"),
+        (["prepare", "--set", "data.nope=1", "-o", "x"], "error: unknown config key 'data.nope'"),
+        (["prepare", "--config", "missing.toml"], "error: config file not found: missing.toml"),
+        (["prepare", "--conf", "novalue"], "error: bad --conf 'novalue'"),
+    ],
+)
+def test_bad_input_is_one_line_without_traceback(tmp_path, args, message):
+    r = run_cli(*args, cwd=tmp_path)
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines == [lines[0]] and lines[0].startswith(message), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    r = run_cli("prepare", "no/such/file.txt", "--debug", cwd=tmp_path)
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_prepare_cli_end_to_end_and_kill_midway(tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_text(make_text(300, seed=6))
+    out = tmp_path / "out"
+    common = ["--set", "tokenizer.vocab_size=300", "--seq-len", "32", "--master", "local[2]", "--set", "spark.ui=false"]
+    r = run_cli("prepare", str(src), "-o", str(out), *common)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(out) and "prepare summary" in r.stderr
+    manifest = (out / "manifest.json").read_text()
+    # Kill a second run (with --overwrite) once it has started writing: the first output stays intact
+    # and no directory that later stages would accept appears.
+    proc = subprocess.Popen([sys.executable, "-m", "sparklm", "prepare", str(src), "-o", str(out), "--overwrite",
+                             *common], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(tmp_path.glob(".out.sparklm-tmp-*")) and proc.poll() is None:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (out / "manifest.json").read_text() == manifest
+    accepted = [p for p in tmp_path.iterdir() if (p / "manifest.json").exists()]
+    assert accepted == [out]
+
+
+def test_main_returns_exit_code_in_process(tmp_path, capsys):
+    assert main(["prepare", str(tmp_path / "missing"), "-o", str(tmp_path / "o")]) == 2
+    assert "input not found" in capsys.readouterr().err

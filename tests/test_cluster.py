@@ -1,0 +1,103 @@
+"""Spark standalone: a master and two workers started from the pyspark package on 127.0.0.1.
+
+The same `sparklm train` command that runs in local mode trains with 2 workers on this cluster,
+and its loss curve matches local mode's with the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import free_port, make_text
+
+from sparklm.config import from_dict
+from sparklm.data.prepare import prepare
+from sparklm.java import find_java_home
+from sparklm.train.metrics import read_metrics
+from sparklm.train.run import train
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def standalone(tmp_path_factory):
+    import pyspark
+
+    home = Path(pyspark.__file__).parent
+    work = tmp_path_factory.mktemp("standalone")
+    env = {**os.environ, "JAVA_HOME": find_java_home(), "SPARK_HOME": str(home), "SPARK_LOCAL_IP": "127.0.0.1",
+           "PYSPARK_PYTHON": sys.executable, "SPARK_LOG_DIR": str(work)}
+    port, ui = free_port(), free_port()
+    cls = [str(home / "bin" / "spark-class")]
+    procs = [subprocess.Popen(cls + ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                                     "--port", str(port), "--webui-port", str(ui)],
+                              env=env, stdout=open(work / "master.log", "wb"), stderr=subprocess.STDOUT)]
+    for i in range(2):
+        procs.append(subprocess.Popen(
+            cls + ["org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", "1", "--memory", "3g",
+                   "--webui-port", str(free_port()), "--work-dir", str(work / f"w{i}"), f"spark://127.0.0.1:{port}"],
+            env=env, stdout=open(work / f"worker{i}.log", "wb"), stderr=subprocess.STDOUT))
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                state = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=2).read())
+                if sum(w["state"] == "ALIVE" for w in state["workers"]) == 2:
+                    break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                pytest.fail(f"standalone cluster did not start; see {work}")
+            time.sleep(1)
+        yield f"spark://127.0.0.1:{port}"
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_train_on_a_standalone_cluster_matches_local_mode(spark, standalone, tmp_path):
+    (tmp_path / "a.txt").write_text(make_text(300, seed=10))
+    settings = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "train.batch_size=4", "train.max_steps=6",
+                "train.log_every=1", "train.eval_every=0", "train.eval_batches=2", "train.dtype=\"float32\"",
+                "train.samples=1", "train.sample_tokens=4", "train.threads=1", "data.seq_len=32",
+                "tokenizer.vocab_size=300"]
+    data = prepare([str(tmp_path / "a.txt")], output=str(tmp_path / "data"), spark=spark,
+                   config=from_dict({"data": {"seq_len": 32}, "tokenizer": {"vocab_size": 300}}))
+    local = tmp_path / "local"
+    config = from_dict(_nest(settings + ["train.workers=2"]))
+    train(data.uri, output=str(local), config=config, spark=spark)
+
+    remote = tmp_path / "remote"
+    args = [sys.executable, "-m", "sparklm", "train", "--data", data.uri, "--output", str(remote), "--workers", "2",
+            "--master", standalone, "--conf", "spark.executor.memory=2g", "--conf", "spark.ui.enabled=false"]
+    for s in settings:
+        args += ["--set", s]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((remote / "summary.json").read_text())
+    assert summary["spark_master"] == standalone and summary["workers"] == 2
+    a = [row["loss"] for row in read_metrics(local / "metrics.csv") if row["kind"] == "train"]
+    b = [row["loss"] for row in read_metrics(remote / "metrics.csv") if row["kind"] == "train"]
+    assert len(a) == 6 and a == pytest.approx(b, abs=1e-4)
+
+
+def _nest(settings):
+    out: dict = {}
+    for s in settings:
+        key, value = s.split("=", 1)
+        section, name = key.split(".")
+        out.setdefault(section, {})[name] = json.loads(value) if value[0] in '"0123456789-' else value
+    return out

@@ -1,0 +1,61 @@
+from pathlib import Path
+
+import pytest
+
+from sparklm.config import Config, describe, from_dict, load_config
+from sparklm.errors import SparklmError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_and_overrides(tmp_path):
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text('[data]\nseq_len = 64\ndoc_mode = "line"\n[spark]\nconf = { "spark.a" = "1" }\n')
+    cfg = load_config(cfg_file, ["data.seq_len=128", "tokenizer.path=tok.json", "spark.conf.spark.b.c=x y"])
+    assert cfg.data.seq_len == 128 and cfg.data.doc_mode == "line"
+    assert cfg.tokenizer.path == "tok.json"
+    assert cfg.spark.conf == {"spark.a": "1", "spark.b.c": "x y"}
+    assert Config().data.seq_len == 256
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("data.seq_lenn=3", ["unknown config key 'data.seq_lenn'", "seq_len"]),
+        ("nope.x=1", ["unknown config section 'nope'"]),
+        ("data.seq_len=abc", ["'data.seq_len' must be an integer"]),
+        ("data.seq_len=1", ["'data.seq_len' is 1", ">= 2"]),
+        ("data.val_fraction=1.5", ["<= 0.9"]),
+        ("data.doc_mode=pages", ["allowed values", "'paragraph'"]),
+        ("data.dedup=yes", ["true or false"]),
+        ("seq_len=3", ["bad override"]),
+    ],
+)
+def test_bad_config_is_one_clear_message(override, words):
+    with pytest.raises(SparklmError) as e:
+        load_config(None, [override])
+    line = e.value.one_line()
+    assert "\n" not in line
+    for w in words:
+        assert w in line
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(SparklmError, match="config file not found"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[data\nseq_len=")
+    with pytest.raises(SparklmError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_resolved_config_round_trips():
+    cfg = load_config(None, ["data.seq_len=77", "spark.conf.spark.x=1"])
+    again = from_dict(cfg.to_dict())
+    assert again == cfg
+
+
+def test_default_toml_matches_the_code():
+    """configs/default.toml is the generated description of every key; it must not drift."""
+    assert (ROOT / "configs" / "default.toml").read_text() == describe()
+    assert load_config(ROOT / "configs" / "default.toml") == Config()

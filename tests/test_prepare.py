@@ -1,0 +1,177 @@
+"""`prepare` end to end on a real local Spark session."""
+
+from __future__ import annotations
+
+import bz2
+import dataclasses
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import MULTILINGUAL, make_text
+
+from sparklm.config import from_dict
+from sparklm.data.clean import clean_text
+from sparklm.data.manifest import load_prepared
+from sparklm.data.prepare import prepare
+from sparklm.errors import SparklmError
+
+
+def rows(dataset, split):
+    """All rows of a split, in file order."""
+    return [r for f in dataset.files(split) for r in pq.read_table(f).to_pylist()]
+
+
+def docs_from(dataset, split, tok):
+    """Decode a split back into documents: the unmasked token stream cut at BOS ... EOS."""
+    spec = dataset.manifest["tokenizer"]
+    stream = [t for r in rows(dataset, split)
+              for t, m in zip(r["input_ids"], r.get("attention_mask") or [1] * len(r["input_ids"])) if m]
+    out, cur = [], None
+    for t in stream:
+        if t == spec["bos_id"]:
+            cur = []
+        elif t == spec["eos_id"]:
+            out.append(tok.decode(cur))
+            cur = None
+        else:
+            cur.append(t)
+    return out
+
+
+def test_decode_reproduces_the_cleaned_text(spark, tmp_path, config):
+    from transformers import AutoTokenizer
+
+    paragraphs = [f"{i}: {p}" for i, p in enumerate(MULTILINGUAL * 3)]
+    raw = "\ufeff" + "\r\n\r\n".join(p.replace("\n", "\r\n") for p in paragraphs) + "\r\n"
+    (tmp_path / "in.txt").write_bytes(raw.encode())
+    cfg = dataclasses.replace(config, data=dataclasses.replace(config.data, val_fraction=0.0, last_block="pad"))
+    ds = prepare([str(tmp_path / "in.txt")], output=str(tmp_path / "out"), config=cfg, spark=spark)
+    tok = AutoTokenizer.from_pretrained(ds.uri)  # transformers loads the saved tokenizer
+    assert tok.bos_token == "<|bos|>" and tok.pad_token == "<|pad|>"
+    assert docs_from(ds, "train", tok) == [clean_text(p) for p in paragraphs]
+    m = ds.manifest
+    assert m["splits"]["train"]["documents"] == len(paragraphs)
+    assert m["splits"]["train"]["text_bytes"] == sum(len(clean_text(p).encode()) for p in paragraphs)
+    assert m["splits"]["validation"]["documents"] == 0
+    stream_tokens = m["splits"]["train"]["tokens"]
+    assert m["splits"]["train"]["sequences"] * 32 - m["splits"]["train"]["pad_tokens"] == stream_tokens
+
+
+def test_formats_dedup_binary_and_invalid_utf8(spark, tmp_path, config):
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a.txt").write_text("alpha one\n\nshared paragraph\n")
+    (d / "b.txt.gz").write_bytes(gzip.compress(b"gamma two\n\nshared paragraph\n"))
+    (d / "c.txt.bz2").write_bytes(bz2.compress(b"delta three \xff\xfe bad bytes\n"))
+    (d / "d.jsonl").write_text('{"text": "epsilon four"}\n{broken\n{"text": ""}\n')
+    (d / "e.csv").write_text('text,id\n"zeta, five\nwith newline",1\n')
+    pq.write_table(pa.table({"text": ["eta six", "shared paragraph"]}), d / "f.parquet")
+    (d / "g.bin").write_bytes(b"\x00\x01\x02" * 1000)
+    (d / "_SUCCESS").write_text("")
+    cfg = dataclasses.replace(config, data=dataclasses.replace(config.data, val_fraction=0.0))
+    ds = prepare([str(d)], output=str(tmp_path / "out"), config=cfg, spark=spark)
+    m = ds.manifest
+    assert m["input"]["files"] == 7  # _SUCCESS is not data
+    assert m["input"]["dropped"] == {"binary_file": 1, "duplicate": 2, "empty": 1, "malformed": 1}
+    assert m["input"]["invalid_bytes_replaced"] == 2
+    assert m["splits"]["train"]["documents"] == 7  # alpha, shared, gamma, delta, epsilon, zeta, eta
+
+
+def test_with_and_without_dedup_agree_when_nothing_repeats(spark, tmp_path, config):
+    (tmp_path / "a.txt").write_text(make_text(120, seed=8))
+    (tmp_path / "b.jsonl").write_text('{"text": "x"}\n{"text": ""}\nbroken\n')
+    a = prepare([str(tmp_path)], output=str(tmp_path / "a"), config=config, spark=spark).manifest
+    cfg = dataclasses.replace(config, data=dataclasses.replace(config.data, dedup=False))
+    b = prepare([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")], output=str(tmp_path / "b"), config=cfg,
+                spark=spark).manifest
+    assert a["input"] == b["input"] and a["input"]["dropped"] == {"empty": 1, "malformed": 1}
+    for split in ("train", "validation"):
+        for key in ("documents", "text_bytes", "tokens", "sequences"):
+            assert a["splits"][split][key] == b["splits"][split][key], (split, key)
+
+
+def test_split_is_deterministic_and_independent_of_partitioning(spark, tmp_path, config):
+    src = tmp_path / "big.txt"
+    src.write_text(make_text(400, seed=1))
+
+    def val_ids(out, **data):
+        cfg = dataclasses.replace(config, data=dataclasses.replace(config.data, **data))
+        ds = prepare([str(src)], output=str(tmp_path / out), config=cfg, spark=spark)
+        return {r["doc_id"] for r in rows(ds, "validation")}, {r["doc_id"] for r in rows(ds, "train")}, ds
+
+    v1, t1, ds1 = val_ids("o1")
+    v2, t2, _ = val_ids("o2", split_mb=1, concat=False)  # other read units, one doc per sequence
+    assert v1 and t1 and not (v1 & t1)
+    v3, t3, ds3 = val_ids("o3", concat=False)
+    assert v3 == v2 and t3 == t2  # same documents, whatever the read units
+    assert v1 <= v3  # concat rows carry the first doc of each sequence: a subset of all doc ids
+
+
+def test_chunked_reading_equals_whole_file(spark, tmp_path, config):
+    from sparklm.data import sources
+
+    src = tmp_path / "big.txt"
+    src.write_text(make_text(22000, seed=2))
+    assert src.stat().st_size > 2 * 1024 * 1024
+    cfg = dataclasses.replace(config, data=dataclasses.replace(config.data, split_mb=1, concat=False))
+    assert len(sources.plan_units([str(src)], group="auto", data=cfg.data, storage=cfg.storage)) >= 3
+    a = prepare([str(src)], output=str(tmp_path / "a"), config=cfg, spark=spark).manifest
+    b = prepare([str(src)], output=str(tmp_path / "b"), spark=spark,
+                config=dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, split_mb=64))).manifest
+    for split in ("train", "validation"):
+        for key in ("documents", "text_bytes", "tokens", "sequences"):
+            assert a["splits"][split][key] == b["splits"][split][key], (split, key)
+    assert len(a["splits"]["train"]["files"]) >= 2  # byte ranges went to several write tasks
+
+
+def test_explicit_validation_and_a_loaded_tokenizer(spark, tmp_path, config):
+    import datasets
+
+    (tmp_path / "train.txt").write_text(make_text(60, seed=3))
+    (tmp_path / "val.txt").write_text("held out one\n\nheld out two\n")
+    first = prepare([str(tmp_path / "train.txt")], output=str(tmp_path / "first"), config=config, spark=spark)
+    cfg = from_dict({"data": {"seq_len": 16}, "tokenizer": {"path": str(tmp_path / "first" / "tokenizer.json")}})
+    ds = prepare([str(tmp_path / "train.txt")], validation_inputs=[str(tmp_path / "val.txt")],
+                 output=str(tmp_path / "second"), config=cfg, spark=spark)
+    assert ds.manifest["splits"]["validation"]["documents"] == 2
+    assert ds.manifest["splits"]["train"]["documents"] == 60
+    assert ds.manifest["tokenizer"]["sha256"] == first.manifest["tokenizer"]["sha256"]
+    assert ds.manifest["tokenizer"]["trained"] is False
+    hf = datasets.Dataset.from_parquet(ds.files("train"))  # HF datasets reads the output as is
+    assert len(hf) == ds.manifest["splits"]["train"]["sequences"] and len(hf[0]["input_ids"]) == 16
+
+
+def test_errors_are_clear(spark, tmp_path, config):
+    with pytest.raises(SparklmError, match="input not found"):
+        prepare([str(tmp_path / "missing.txt")], output=str(tmp_path / "o"), config=config, spark=spark)
+    (tmp_path / "blank.txt").write_text("\n\n   \n")
+    with pytest.raises(SparklmError, match="no training documents left"):
+        prepare([str(tmp_path / "blank.txt")], output=str(tmp_path / "o"), config=config, spark=spark)
+    assert not (tmp_path / "o").exists()
+    assert not list(tmp_path.glob(".o.sparklm-tmp-*"))  # nothing half-written is left behind
+    (tmp_path / "t.csv").write_text("body\nhello\n")
+    with pytest.raises(SparklmError, match="has no column 'text'"):
+        prepare([str(tmp_path / "t.csv")], output=str(tmp_path / "o"), config=config, spark=spark)
+    (tmp_path / "broken.txt.gz").write_bytes(b"\x1f\x8b\x08\x00not really gzip")
+    with pytest.raises(SparklmError, match="cannot read .*broken.txt.gz"):
+        prepare([str(tmp_path / "broken.txt.gz")], output=str(tmp_path / "o"), config=config, spark=spark)
+    with pytest.raises(SparklmError, match="not a complete prepared dataset|prepared dataset not found"):
+        load_prepared(str(tmp_path / "o"))
+
+
+def test_overwrite_is_required_and_keeps_the_old_output_until_done(spark, tmp_path, config):
+    (tmp_path / "a.txt").write_text(make_text(30, seed=4))
+    out = str(tmp_path / "out")
+    first = prepare([str(tmp_path / "a.txt")], output=out, config=config, spark=spark)
+    with pytest.raises(SparklmError, match="already exists"):
+        prepare([str(tmp_path / "a.txt")], output=out, config=config, spark=spark)
+    # a failing overwrite leaves the earlier dataset intact
+    with pytest.raises(SparklmError):
+        prepare([str(tmp_path / "missing")], output=out, config=config, spark=spark, overwrite=True)
+    assert load_prepared(out).manifest["created_unix"] == first.manifest["created_unix"]
+    again = prepare([str(tmp_path / "a.txt")], output=out, config=config, spark=spark, overwrite=True)
+    assert again.manifest["created_unix"] > first.manifest["created_unix"]
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["format"] == "sparklm.prepared/1"

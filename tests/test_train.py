@@ -1,0 +1,115 @@
+"""`sparklm train` on real Spark local mode: learning, DDP equivalence, resume, the run directory."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import make_text
+from safetensors.torch import load_file
+
+from sparklm.config import from_dict
+from sparklm.data.prepare import prepare
+from sparklm.errors import SparklmError
+from sparklm.train.metrics import read_metrics
+from sparklm.train.run import train
+
+TINY = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32},
+        "train": {"batch_size": 4, "lr": 3e-3, "warmup_steps": 2, "eval_every": 0, "eval_batches": 4,
+                  "log_every": 1, "dtype": "float32", "samples": 1, "sample_tokens": 8, "threads": 1}}
+
+
+def cfg(**train):
+    raw = json.loads(json.dumps(TINY))
+    raw["train"].update(train)
+    raw["data"] = {"seq_len": 32}
+    return from_dict(raw)
+
+
+@pytest.fixture(scope="module")
+def dataset(spark, tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    (root / "a.txt").write_text(make_text(400, seed=9))
+    prep = from_dict({"data": {"seq_len": 32, "val_fraction": 0.1}, "tokenizer": {"vocab_size": 300},
+                      "output": {"row_group_mb": 1}})
+    return prepare([str(root / "a.txt")], output=str(root / "prepared"), config=prep, spark=spark).uri
+
+
+def weights(run_dir):
+    ckpt = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    return load_file(str(ckpt / "model.safetensors"))
+
+
+def test_loss_falls_and_the_run_directory_is_complete(spark, dataset, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = tmp_path / "run"
+    summary = train(dataset, output=str(run), config=cfg(max_steps=60), spark=spark)
+    rows = read_metrics(run / "metrics.csv")
+    losses = [r["loss"] for r in rows if r["kind"] == "train"]
+    assert losses[-1] < losses[0] - 1.5, losses
+    for name in ("config.json", "metrics.csv", "summary.json", "loss.png", "samples.txt", "model/config.json",
+                 "model/model.safetensors", "model/tokenizer.json", "model/generation_config.json"):
+        assert (run / name).is_file(), name
+    assert summary["steps"] == 60 and summary["final"]["val_bpb"] > 0
+    assert summary["tokens_per_s"] > 0 and 0 < summary["mfu"] < 1
+    # model/ reloads with transformers and gives the same logits as the final checkpoint's weights
+    model = AutoModelForCausalLM.from_pretrained(run / "model").eval()
+    tok = AutoTokenizer.from_pretrained(run / "model")
+    ref = AutoModelForCausalLM.from_config(model.config).eval()
+    ref.load_state_dict(weights(run), strict=False)
+    ref.tie_weights()
+    x = torch.tensor([tok("Москва — столица 東京")["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, ref(x).logits)
+
+
+def test_two_workers_equal_one_process_on_the_same_global_batch(spark, dataset, tmp_path):
+    one = tmp_path / "one"
+    two = tmp_path / "two"
+    train(dataset, output=str(one), config=cfg(max_steps=5, batch_size=8, samples=0), spark=spark)
+    train(dataset, output=str(two), config=cfg(max_steps=5, batch_size=4, workers=2, samples=0), spark=spark)
+    a, b = weights(one), weights(two)
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst < 1e-5, worst
+    la = [r["loss"] for r in read_metrics(one / "metrics.csv") if r["kind"] == "train"]
+    lb = [r["loss"] for r in read_metrics(two / "metrics.csv") if r["kind"] == "train"]
+    assert la == pytest.approx(lb, abs=1e-5)
+
+
+def test_resume_ends_with_the_same_weights(spark, dataset, tmp_path):
+    full = tmp_path / "full"
+    train(dataset, output=str(full), config=cfg(max_steps=8, checkpoint_every=4, samples=0), spark=spark)
+    # A run stopped after its step-4 checkpoint: the same directory without what came later.
+    stopped = tmp_path / "stopped"
+    shutil.copytree(full, stopped)
+    shutil.rmtree(stopped / "checkpoints" / "step-0000008")
+    shutil.rmtree(stopped / "model")
+    rows = (stopped / "metrics.csv").read_text().splitlines()
+    (stopped / "metrics.csv").write_text("\n".join(r for r in rows if not r.startswith(("train,5", "train,6", "train,7", "train,8", "eval,8"))) + "\n")
+    train(None, output=str(stopped), resume=True, spark=spark)
+    a, b = weights(full), weights(stopped)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_bad_inputs_are_one_line(spark, dataset, tmp_path):
+    with pytest.raises(SparklmError, match="prepared dataset not found"):
+        train(str(tmp_path / "nope"), output=str(tmp_path / "r1"), config=cfg(), spark=spark)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SparklmError, match="not a complete prepared dataset"):
+        train(str(tmp_path / "empty"), output=str(tmp_path / "r2"), config=cfg(), spark=spark)
+    with pytest.raises(SparklmError, match="fewer than one global batch"):
+        train(dataset, output=str(tmp_path / "r3"), config=cfg(batch_size=100000, max_steps=1), spark=spark)
+    broken = tmp_path / "broken"
+    shutil.copytree(dataset, broken)
+    tok = json.loads((broken / "tokenizer.json").read_text())
+    tok["model"]["merges"] = tok["model"]["merges"][:-5]
+    (broken / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(SparklmError, match="does not match its manifest"):
+        train(str(broken), output=str(tmp_path / "r4"), config=cfg(), spark=spark)
+    with pytest.raises(SparklmError, match="cannot resume"):
+        train(None, output=str(tmp_path / "r5"), resume=True, spark=spark)
