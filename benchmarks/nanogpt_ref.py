@@ -67,7 +67,7 @@ class GPT(nn.Module):
         self.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init)
         for name, p in self.named_parameters():
-            if name.endswith("2.weight") or name.endswith("c_proj.weight"):
+            if name.endswith("mlp.2.weight") or name.endswith("c_proj.weight"):  # nanoGPT's two c_proj
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * c.n_layer))
 
     @staticmethod

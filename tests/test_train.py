@@ -69,8 +69,12 @@ def test_loss_falls_and_the_run_directory_is_complete(spark, dataset, tmp_path):
 def test_two_workers_equal_one_process_on_the_same_global_batch(spark, dataset, tmp_path):
     one = tmp_path / "one"
     two = tmp_path / "two"
-    train(dataset, output=str(one), config=cfg(max_steps=5, batch_size=8, samples=0), spark=spark)
-    train(dataset, output=str(two), config=cfg(max_steps=5, batch_size=4, workers=2, samples=0), spark=spark)
+    # eval_batches=0: the whole validation split, split between the ranks by row (possibly unevenly)
+    s1 = train(dataset, output=str(one), config=cfg(max_steps=5, batch_size=8, samples=0, eval_batches=0), spark=spark)
+    s2 = train(dataset, output=str(two), config=cfg(max_steps=5, batch_size=4, workers=2, samples=0, eval_batches=0),
+               spark=spark)
+    assert s1["final"]["val_tokens"] == s2["final"]["val_tokens"]
+    assert s1["final"]["val_loss"] == pytest.approx(s2["final"]["val_loss"], abs=1e-5)
     a, b = weights(one), weights(two)
     assert a.keys() == b.keys()
     worst = max((a[k] - b[k]).abs().max().item() for k in a)

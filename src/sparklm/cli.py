@@ -175,7 +175,8 @@ def _run(args: argparse.Namespace) -> int:
     holder: dict = {}
 
     def session():
-        holder.setdefault("spark", start())
+        if "spark" not in holder:  # one session for both stages
+            holder["spark"] = start()
         return holder["spark"]
 
     data_dir = f"{run_dir}/data"

@@ -48,13 +48,6 @@ def join(uri: str, *parts: str) -> str:
     return os.path.join(uri, *parts)
 
 
-def to_uri(fs: pafs.FileSystem, path: str, like: str) -> str:
-    """Turn a path inside ``fs`` back into a URI of the same kind as ``like``."""
-    if is_remote(like):
-        return f"{urlparse(like).scheme}://{path}"
-    return path
-
-
 def expand(uri: str, storage: StorageConfig | None = None) -> list[pafs.FileInfo]:
     """Files named by ``uri``: a file, every file under a directory, or a glob; hidden files skipped."""
     fs, path = resolve(uri, storage)

@@ -33,10 +33,6 @@ class PreparedDataset:
     def seq_len(self) -> int:
         return int(self.manifest["packing"]["seq_len"])
 
-    @property
-    def tokenizer_uri(self) -> str:
-        return self.uri
-
 
 def load_prepared(uri: str, storage: StorageConfig | None = None) -> PreparedDataset:
     """Open a prepared dataset, or say in one line why it is not one."""

@@ -160,7 +160,8 @@ def _scan(spark, bins, config: Config, *, sample_only: bool):
             agg = [r.asDict() for r in meta.groupBy("source", "status", "split", (F.col("copy") == 1).alias("kept"))
                    .agg(F.count("*").alias("n"), F.sum("n_bytes").alias("bytes"), F.sum("n_invalid").alias("invalid"))
                    .collect()]
-            for r in meta.where(F.col("copy") > 1).select("source", "pos").toLocalIterator():
+            # collect(), not toLocalIterator(): that runs one Spark job per shuffle partition (200)
+            for r in meta.where(F.col("copy") > 1).select("source", "pos").collect():
                 losers[r["source"]].append(r["pos"])
     sample = meta.where((F.col("copy") == 1) & F.col("sample").isNotNull()).select("source", "pos", "sample")
     _CACHED.append(meta)
@@ -223,7 +224,8 @@ def _tokenizer(spark, sample, config: Config) -> tokenizers_mod.TokenizerSpec:
         return tokenizers_mod.load(tcfg.path)
     with progress.stage(spark, f"train tokenizer (vocab {tcfg.vocab_size})"):
         # BPE training does not depend on document order (tested): no sort needed for determinism.
-        return tokenizers_mod.train((row["sample"] for row in sample.toLocalIterator()), tcfg)
+        # The sample is bounded by tokenizer.sample_mb, so collecting it is safe for the driver.
+        return tokenizers_mod.train((row["sample"] for row in sample.collect()), tcfg)
 
 
 def _pack_spec(config: Config, spec: tokenizers_mod.TokenizerSpec) -> PackSpec:

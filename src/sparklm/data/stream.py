@@ -70,11 +70,10 @@ class TokenStream:
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
         global_batch = self.batch * self.world
         lo = self.rank * self.batch
-        ids_buf: list[np.ndarray] = []
-        mask_buf: list[np.ndarray] = []
-        buffered = 0
-        epoch, base = divmod(self.start, self.rows_per_epoch)
-        base = epoch * self.rows_per_epoch  # global position of this epoch's first row
+        ids = np.zeros((0, self.seq_len), np.int64)  # this rank's rows not yet yielded
+        masks: np.ndarray | None = None
+        epoch = self.start // self.rows_per_epoch
+        base = epoch * self.rows_per_epoch  # global position of the next window's first row
         while True:
             for w, window in enumerate(self.windows(epoch)):
                 n = sum(g.rows for g in window)
@@ -82,23 +81,21 @@ class TokenStream:
                     base += n
                     continue
                 parts = [read_rows(g, self.seq_len, self.storage) for g in window]
-                ids = np.concatenate([p[0] for p in parts])
-                masks = None if parts[0][1] is None else np.concatenate([p[1] for p in parts])
                 perm = np.random.default_rng([self.seed, epoch, w]).permutation(n)
                 pos = base + np.arange(n)
-                mine = ((pos % global_batch) >= lo) & ((pos % global_batch) < lo + self.batch) & (pos >= self.start)
-                ids_buf.append(ids[perm][mine])
-                if masks is not None:
-                    mask_buf.append(masks[perm][mine])
-                buffered += int(mine.sum())
+                slot = pos % global_batch
+                mine = perm[(slot >= lo) & (slot < lo + self.batch) & (pos >= self.start)]
+                ids = np.concatenate([ids, np.concatenate([p[0] for p in parts])[mine]])
+                if parts[0][1] is not None:
+                    new = np.concatenate([p[1] for p in parts])[mine]
+                    masks = new if masks is None else np.concatenate([masks, new])
                 base += n
-                while buffered >= self.batch:
-                    all_ids = np.concatenate(ids_buf)
-                    all_masks = np.concatenate(mask_buf) if mask_buf else None
-                    yield all_ids[: self.batch], None if all_masks is None else all_masks[: self.batch]
-                    ids_buf = [all_ids[self.batch:]]
-                    mask_buf = [] if all_masks is None else [all_masks[self.batch:]]
-                    buffered -= self.batch
+                k = 0
+                while len(ids) - k >= self.batch:  # yield views; copy the short rest once per window
+                    yield ids[k:k + self.batch], None if masks is None else masks[k:k + self.batch]
+                    k += self.batch
+                ids = ids[k:].copy()
+                masks = None if masks is None else masks[k:].copy()
             epoch += 1
 
 

@@ -30,7 +30,9 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, context: int, bos_id: int,
     else:
         config = GPT2Config(n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head, n_positions=context,
                             n_inner=cfg.intermediate or 4 * cfg.n_embd, resid_pdrop=cfg.dropout,
-                            embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, attn_implementation="sdpa", **common)
+                            embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, attn_implementation="sdpa",
+                            # GPT-2's tanh GELU as one fused kernel (its default "gelu_new" is 8 elementwise ops)
+                            activation_function="gelu_pytorch_tanh", **common)
         model = GPT2LMHeadModel(config)
     return model
 

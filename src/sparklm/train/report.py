@@ -55,7 +55,8 @@ def write_samples(model_dir: Path, dataset, out: Path, config) -> None:
 
 
 def _prompts(dataset, tok, n: int, config) -> list[str]:
-    """The first words of the first validation documents (or training ones): prompts in the corpus's voice."""
+    """The first words of the first validation documents of some length (or training ones): prompts in the
+    corpus's voice, not title-page fragments."""
     from ..data.stream import read_rows, row_groups
 
     bos, eos = tok.bos_token_id, tok.eos_token_id
@@ -64,8 +65,8 @@ def _prompts(dataset, tok, n: int, config) -> list[str]:
         for group in row_groups(dataset.files(split), config.storage)[:4]:
             ids, _ = read_rows(group, dataset.seq_len, config.storage)
             for row in ids.tolist():
-                for i, t in enumerate(row[:-8]):
-                    if t == bos and eos not in row[i + 1:i + 7]:
+                for i, t in enumerate(row[:-31]):
+                    if t == bos and eos not in row[i + 1:i + 31]:
                         words = tok.decode(row[i + 1:i + 7]).split()
                         if len(words) >= 2:
                             prompts.append(" ".join(words[:4]))
