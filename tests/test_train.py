@@ -117,3 +117,24 @@ def test_bad_inputs_are_one_line(spark, dataset, tmp_path):
         train(str(broken), output=str(tmp_path / "r4"), config=cfg(), spark=spark)
     with pytest.raises(SparklmError, match="cannot resume"):
         train(None, output=str(tmp_path / "r5"), resume=True, spark=spark)
+
+
+def test_init_from_continues_a_model_and_checks_its_tokenizer(spark, dataset, tmp_path):
+    first = tmp_path / "first"
+    train(dataset, output=str(first), config=cfg(max_steps=40, samples=0), spark=spark)
+    start_loss = [r["loss"] for r in read_metrics(first / "metrics.csv") if r["kind"] == "train"]
+    raw = json.loads(json.dumps(TINY))
+    raw["train"].update(max_steps=3, samples=0)
+    raw["model"]["init_from"] = str(first / "model")
+    cont = tmp_path / "cont"
+    train(dataset, output=str(cont), config=from_dict(raw), spark=spark)
+    cont_loss = [r["loss"] for r in read_metrics(cont / "metrics.csv") if r["kind"] == "train"]
+    assert cont_loss[0] < start_loss[0] - 1.0  # it starts where the first run ended, not from scratch
+    other = tmp_path / "other-model"
+    shutil.copytree(first / "model", other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    tok["model"]["merges"] = tok["model"]["merges"][:-3]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    raw["model"]["init_from"] = str(other)
+    with pytest.raises(SparklmError, match="tokenizer of .* differs from the dataset's"):
+        train(dataset, output=str(tmp_path / "bad"), config=from_dict(raw), spark=spark)
