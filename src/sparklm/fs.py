@@ -48,6 +48,11 @@ def join(uri: str, *parts: str) -> str:
     return os.path.join(uri, *parts)
 
 
+def uri_like(like: str, path: str) -> str:
+    """A path inside a filesystem, as a URI of the same kind as ``like`` (s3://… or a local path)."""
+    return f"{like.split('://', 1)[0]}://{path}" if is_remote(like) else path
+
+
 def expand(uri: str, storage: StorageConfig | None = None) -> list[pafs.FileInfo]:
     """Files named by ``uri``: a file, every file under a directory, or a glob; hidden files skipped."""
     fs, path = resolve(uri, storage)

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from .. import __version__, progress
 from ..config import Config
 from ..errors import SparklmError, from_spark
-from ..fs import effective, is_remote, resolve
+from ..fs import effective, resolve, uri_like
 from . import clean, sources
 from . import tokenizer as tokenizers_mod
 from .manifest import FORMAT, MANIFEST, SPLITS, PreparedDataset, load_prepared
@@ -71,7 +71,7 @@ def prepare(
     spark_start = time.time() - t_spark
     bins = _bins(units, spark.sparkContext.defaultParallelism * 4)
     staging_path = _staging_path(out_path)
-    staging = _uri(output, staging_path)
+    staging = uri_like(output, staging_path)
     try:
         with _spark_errors():
             if data.dedup:  # duplicates are only known after a look at everything
@@ -384,10 +384,6 @@ def _selector(path: str):
 def _staging_path(out_path: str) -> str:
     parent, _, name = out_path.rstrip("/").rpartition("/")
     return f"{parent}/.{name}.sparklm-tmp-{uuid.uuid4().hex[:12]}"
-
-
-def _uri(like: str, path: str) -> str:
-    return f"{like.split('://', 1)[0]}://{path}" if is_remote(like) else path
 
 
 def _commit(fs, staging: str, out_path: str, files: dict, spec, manifest: dict) -> None:

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from ..config import DataConfig, StorageConfig
 from ..errors import SparklmError
-from ..fs import expand, resolve, storage_hint
+from ..fs import expand, resolve, storage_hint, uri_like
 from . import clean
 
 _COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4"}
@@ -70,7 +70,7 @@ def plan_units(inputs: list[str], *, group: str, data: DataConfig, storage: Stor
         if not infos:
             raise SparklmError(f"no files match {uri}", hint="check the path or glob")
         for info in infos:
-            file_uri = _uri_like(uri, info.path)
+            file_uri = uri_like(uri, info.path)
             fmt, compression = detect_format(info.path)
             splittable = not compression and (fmt == "jsonl" or (fmt == "text" and data.doc_mode != "file"))
             if splittable and info.size > chunk:
@@ -79,12 +79,6 @@ def plan_units(inputs: list[str], *, group: str, data: DataConfig, storage: Stor
             else:
                 units.append(ReadUnit(file_uri, fmt, compression, 0, -1, group, info.size))
     return units
-
-
-def _uri_like(original: str, path: str) -> str:
-    if "://" in original and not original.startswith("file://"):
-        return f"{original.split('://', 1)[0]}://{path}"
-    return path
 
 
 # -- executor side ---------------------------------------------------------------------------

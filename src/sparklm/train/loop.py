@@ -127,7 +127,7 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
         if tc.eval_every and step % tc.eval_every == 0 and step < total_steps:
             last_eval = evaluate(model, val_groups, seq_len, tc, rank, dtype, byte_lengths, config)
             if is_main:
-                metrics.eval(step=step, tokens=tokens_seen, **last_eval)
+                metrics.evaluation(step=step, tokens=tokens_seen, **last_eval)
         if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < total_steps:
             _save(ckpt_dir, step, model, optimizer, rank, position, tokens_seen, time.time() - t_start, tc)
 
@@ -135,7 +135,7 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
     elapsed = time.time() - t_start
     last_eval = evaluate(model, val_groups, seq_len, tc, rank, dtype, byte_lengths, config)
     if is_main:
-        metrics.eval(step=step, tokens=tokens_seen, **last_eval)
+        metrics.evaluation(step=step, tokens=tokens_seen, **last_eval)
     _save(ckpt_dir, step, model, optimizer, rank, position, tokens_seen, elapsed, tc)
     if is_main:
         _export(model, spec, run_dir / "model")

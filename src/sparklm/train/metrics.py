@@ -32,7 +32,7 @@ class MetricsWriter:
     def train(self, **row) -> None:
         self._write({"kind": "train", **row})
 
-    def eval(self, **row) -> None:
+    def evaluation(self, **row) -> None:
         self._write({"kind": "eval", **row})
 
     def _write(self, row: dict) -> None:
