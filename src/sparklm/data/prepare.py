@@ -70,31 +70,32 @@ def prepare(
     spark = spark() if callable(spark) else get_session(config.spark, spark=spark)  # started after the checks
     spark_start = time.time() - t_spark
     bins = _bins(units, spark.sparkContext.defaultParallelism * 4)
+    n_files = len({u.uri for u in units})
     staging_path = _staging_path(out_path)
     staging = uri_like(output, staging_path)
     try:
         with _spark_errors():
             if data.dedup:  # duplicates are only known after a look at everything
-                agg, losers, sample = _scan(spark, bins, config, sample_only=False)
-                stats = _stats(agg, len({u.uri for b in bins for u in b}), data.encoding)
+                agg, losers, sample, cached = _scan(spark, bins, config, sample_only=False)
+                stats = _stats(agg, n_files, data.encoding)
             else:
-                agg, losers, sample = None, {}, _tokenizer_sample(spark, bins, config)
+                agg, losers = None, {}
+                sample, cached = _tokenizer_sample(spark, bins, config)
             spec = _tokenizer(spark, sample, config)
+            if cached is not None:
+                cached.unpersist()
             pack = _pack_spec(config, spec)
             fs.create_dir(staging_path, recursive=True)
             with progress.stage(spark, "read + clean + tokenize + pack + write" if agg is None else
                                 "tokenize + pack + write"):
                 files, write_agg = _write(spark, bins, config, spec, pack, losers, staging)
             if agg is None:  # one pass did it all: its counts are the statistics
-                stats = _stats(write_agg, len({u.uri for b in bins for u in b}), data.encoding)
+                stats = _stats(write_agg, n_files, data.encoding)
         manifest = _manifest(config, inputs, validation_inputs, stats, files, spec, pack, started, spark_start)
         _commit(fs, staging_path, out_path, files, spec, manifest)
     except BaseException:
         _remove(fs, staging_path)
         raise
-    finally:
-        while _CACHED:
-            _CACHED.pop().unpersist()
     _summary(manifest)
     return load_prepared(output, storage)
 
@@ -152,11 +153,10 @@ def _scan(spark, bins, config: Config, *, sample_only: bool):
     else:
         meta = meta.withColumn("copy", F.lit(1))
     meta = meta.persist(StorageLevel.MEMORY_AND_DISK)
-    files = len({u.uri for b in bins for u in b})
     losers: dict[str, list[int]] = defaultdict(list)
     agg = []
     if not sample_only:
-        with progress.stage(spark, f"read + clean + deduplicate {files} files"):
+        with progress.stage(spark, f"read + clean + deduplicate {len({u.uri for b in bins for u in b})} files"):
             agg = [r.asDict() for r in meta.groupBy("source", "status", "split", (F.col("copy") == 1).alias("kept"))
                    .agg(F.count("*").alias("n"), F.sum("n_bytes").alias("bytes"), F.sum("n_invalid").alias("invalid"))
                    .collect()]
@@ -164,16 +164,13 @@ def _scan(spark, bins, config: Config, *, sample_only: bool):
             for r in meta.where(F.col("copy") > 1).select("source", "pos").collect():
                 losers[r["source"]].append(r["pos"])
     sample = meta.where((F.col("copy") == 1) & F.col("sample").isNotNull()).select("source", "pos", "sample")
-    _CACHED.append(meta)
-    return agg, {k: frozenset(v) for k, v in losers.items()}, sample
-
-
-_CACHED: list = []  # frames this module persisted; released when prepare ends
+    return agg, {k: frozenset(v) for k, v in losers.items()}, sample, meta
 
 def _tokenizer_sample(spark, bins, config: Config):
-    """Without dedup there is no full scan: read just enough units (chosen by hash) for the sample."""
+    """Without dedup there is no full scan: read just enough units (chosen by hash) for the sample.
+    Returns (sample, the frame to unpersist once the tokenizer is trained)."""
     if config.tokenizer.path:
-        return None
+        return None, None
     units = sorted((u for b in bins for u in b), key=lambda u: clean.digest(f"{u.uri}@{u.start}"))
     budget = 2 * config.tokenizer.sample_mb * 2**20  # twice the sample: the split and hashing thin it out
     chosen, total = [], 0
@@ -182,7 +179,7 @@ def _tokenizer_sample(spark, bins, config: Config):
             break
         chosen.append(u)
         total += u.nbytes * (3 if u.compression else 1)
-    return _scan(spark, _bins(chosen, len(bins)), config, sample_only=True)[2]
+    return _scan(spark, _bins(chosen, len(bins)), config, sample_only=True)[2:]
 
 
 def _stats(agg: list[dict], files: int, encoding: str) -> dict:

@@ -68,7 +68,7 @@ def train(texts: Iterable[str], config: TokenizerConfig) -> TokenizerSpec:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    return _spec(tok, config.bos_token, config.eos_token, config.pad_token)
+    return from_tokenizer(tok, config.bos_token, config.eos_token, config.pad_token)
 
 
 def load(path: str) -> TokenizerSpec:
@@ -91,7 +91,7 @@ def load(path: str) -> TokenizerSpec:
         if eos is None:
             eos = _find(backend, _EOS_NAMES, "EOS", p)
             bos, pad = bos or eos, pad or eos
-        return _spec(backend, bos, eos, pad)
+        return from_tokenizer(backend, bos, eos, pad)
     if not p.is_file():
         raise SparklmError(f"tokenizer not found: {p}", hint="pass a tokenizer.json file or an HF tokenizer directory")
     try:
@@ -101,7 +101,7 @@ def load(path: str) -> TokenizerSpec:
     eos = _find(tok, _EOS_NAMES, "EOS", p)
     bos = _find(tok, _BOS_NAMES, None, p) or eos
     pad = _find(tok, _PAD_NAMES, None, p) or eos
-    return _spec(tok, bos, eos, pad)
+    return from_tokenizer(tok, bos, eos, pad)
 
 
 def token_byte_lengths(spec: TokenizerSpec) -> list[int]:
@@ -126,7 +126,8 @@ def _find(tok: Tokenizer, names: tuple[str, ...], role: str | None, where: Path)
     return None
 
 
-def _spec(tok: Tokenizer, bos: str, eos: str, pad: str) -> TokenizerSpec:
+def from_tokenizer(tok: Tokenizer, bos: str, eos: str, pad: str) -> TokenizerSpec:
+    """A spec from a ``tokenizers.Tokenizer`` and the names of its BOS, EOS and PAD tokens."""
     ids = [tok.token_to_id(t) for t in (bos, eos, pad)]
     if None in ids:
         raise SparklmError(f"special tokens {bos!r}, {eos!r}, {pad!r} are not all in the vocabulary")

@@ -15,7 +15,7 @@ from pathlib import Path
 from .. import __version__, progress
 from ..config import Config, StorageConfig, from_dict
 from ..data.manifest import PreparedDataset, load_prepared
-from ..data.tokenizer import TokenizerSpec, _spec
+from ..data.tokenizer import TokenizerSpec, from_tokenizer
 from ..errors import SparklmError
 from ..fs import effective, resolve
 from .metrics import read_metrics
@@ -31,7 +31,7 @@ def dataset_tokenizer(dataset: PreparedDataset, storage: StorageConfig | None = 
         tok = Tokenizer.from_str(f.read().decode("utf-8"))
     t = dataset.manifest["tokenizer"]
     names = [tok.id_to_token(t[k]) for k in ("bos_id", "eos_id", "pad_id")]
-    spec = _spec(tok, *names)
+    spec = from_tokenizer(tok, *names)
     if spec.sha256 != t["sha256"]:
         raise SparklmError(f"{dataset.uri}/tokenizer.json does not match its manifest (fingerprint differs)",
                            hint="prepare the dataset again; do not edit its files")
