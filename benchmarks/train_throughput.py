@@ -1,10 +1,15 @@
 """Benchmark: sparklm's training step against a minimal plain-PyTorch nanoGPT-style loop, side by side.
 
-    .venv/bin/python benchmarks/train_throughput.py
+    .venv/bin/python benchmarks/train_throughput.py [--steps 24] [--repeats 3]
+
+Every measurement runs in a fresh process, the contenders interleaved (plain, sparklm, plain, ...),
+and the median of the repeats is reported: on this machine one run can be 10-20% off the next.
 
 Same machine, same 2 threads, same batch (16 × 256 tokens), same vocabulary (a 4096 BPE trained
 on Tiny Shakespeare from ../shared/data). For a 4-layer/128-wide and a ~10M-parameter model:
   * plain: benchmarks/nanogpt_ref.py's GPT and loop (random batches from the same tokens);
+  * plain + allocator: the same, with the glibc allocator setting sparklm's loop makes
+    (sparklm.train.loop._keep_freed_memory), to show how much of the difference that setting is;
   * sparklm (loop): sparklm.train.loop.train in this process (HF model, Parquet stream, AdamW, clipping,
     metrics) — GPT-2 architecture (the same math as the plain GPT) and the default Llama;
   * sparklm (Spark): the same through `sparklm train` on Spark local mode, 1 worker × 2 threads,
@@ -16,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -93,7 +97,9 @@ def sparklm_loop(size: dict, arch: str, dtype: str, steps: int, data: Path, comp
               rank=Rank(threads=THREADS))
         rows = read_metrics(Path(run) / "metrics.csv")
         first = next(r for r in rows if r["kind"] == "train")
-        return {**_steady(rows), "first_step_s": first["elapsed"], "wall_s": time.time() - t0}
+        info = json.loads((Path(run) / "run_info.json").read_text())
+        return {**_steady(rows), "first_step_s": first["elapsed"], "wall_s": time.time() - t0,
+                "flops_per_token": info["flops_per_token"]}
 
 
 def sparklm_spark(size: dict, arch: str, dtype: str, steps: int, data: Path) -> dict:
@@ -122,55 +128,104 @@ def _steady(rows: list[dict]) -> dict:
             "peak_rss_mb": max(r["rss_mb"] for r in train)}
 
 
+def one(kind: str, size_name: str, dtype: str, steps: int, data: Path) -> dict:
+    """One measurement, in this (fresh) process."""
+    size = SIZES[size_name]
+    if kind in ("plain", "plain+allocator"):
+        if kind == "plain+allocator":
+            from sparklm.train.loop import _keep_freed_memory
+
+            _keep_freed_memory()
+        return plain(size, tokens_of(data), getattr(torch, dtype), steps)
+    if kind == "spark":
+        return sparklm_spark(size, "llama", dtype, steps, data)
+    arch = {"sparklm-gpt2": "gpt2", "sparklm-llama": "llama", "sparklm-llama-compile": "llama"}[kind]
+    return sparklm_loop(size, arch, dtype, steps, data, compile=kind.endswith("compile"))
+
+
+def measure(kind: str, size_name: str, dtype: str, steps: int, data: Path) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--one", kind, size_name, dtype, "--steps", str(steps),
+                          "--data", str(data)], capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"{kind} {size_name} {dtype} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def median_of(runs: list[dict]) -> dict:
+    return {k: float(np.median([r[k] for r in runs])) for k in runs[0] if isinstance(runs[0][k], (int, float))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--work", default=str(ROOT / ".bench"))
+    ap.add_argument("--one", nargs=3, metavar=("KIND", "SIZE", "DTYPE"), help=argparse.SUPPRESS)
+    ap.add_argument("--data", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.one:
+        import resource
+
+        result = one(*args.one, args.steps, Path(args.data))
+        if args.one[0] != "spark":  # this process's peak (the Spark run's rank is another process)
+            result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(json.dumps(result))
+        return
     work = Path(args.work)
     work.mkdir(exist_ok=True)
     data = prepared(work)
-    tokens = tokens_of(data)
     peaks = {d: matmul_peak(THREADS, getattr(torch, d)) for d in ("float32", "bfloat16")}
     print(f"matmul peak on {THREADS} threads: fp32 {peaks['float32'] / 1e9:.0f} GFLOP/s, "
           f"bf16 {peaks['bfloat16'] / 1e9:.0f} GFLOP/s", flush=True)
-    rows = []
-    for name, size in SIZES.items():
-        # bf16 autocast measured slower than fp32 on this CPU (see the peaks): shown on the small model only
-        for dtype in ("float32", "bfloat16") if name == "4L/128" else ("float32",):
-            p = plain(size, tokens, getattr(torch, dtype), args.steps)
-            fpt = p["flops_per_token"]
-            g = sparklm_loop(size, "gpt2", dtype, args.steps, data)
-            lla = sparklm_loop(size, "llama", dtype, args.steps, data)
-            rows.append((name, dtype, p, g, lla, fpt))
-            print(f"{name} {dtype}: plain {p['tokens_per_s']:,.0f} tok/s | sparklm gpt2 {g['tokens_per_s']:,.0f} "
-                  f"({g['tokens_per_s'] / p['tokens_per_s']:.2f}x) | sparklm llama {lla['tokens_per_s']:,.0f}", flush=True)
-    size = SIZES["~10M 8L/320"]
-    dtype = "float32"
-    loop = sparklm_loop(size, "llama", dtype, args.steps, data)
-    compiled = sparklm_loop(size, "llama", dtype, args.steps, data, compile=True)
-    print(f"torch.compile (~10M llama): {compiled['tokens_per_s']:,.0f} tok/s vs {loop['tokens_per_s']:,.0f} "
-          f"({compiled['tokens_per_s'] / loop['tokens_per_s']:.2f}x); first step after {compiled['first_step_s']:.0f}s "
-          f"vs {loop['first_step_s']:.0f}s", flush=True)
-    spark = sparklm_spark(size, "llama", dtype, args.steps, data)
-    print("\n| model | dtype | plain tok/s (ms/step, MFU) | sparklm gpt2 tok/s (ratio, MFU) | sparklm llama tok/s (MFU) "
-          "| peak RSS MB |")
-    print("|---|---|---|---|---|---|")
-    for name, dt, p, g, lla, fpt in rows:
-        peak = peaks[dt]
-        print(f"| {name} ({p['params'] / 1e6:.1f}M) | {dt} | {p['tokens_per_s']:,.0f} ({p['ms_per_step']:.0f} ms, "
-              f"{p['tokens_per_s'] * fpt / peak:.0%}) | {g['tokens_per_s']:,.0f} ({g['tokens_per_s'] / p['tokens_per_s']:.2f}×, "
-              f"{g['tokens_per_s'] * fpt / peak:.0%}) | {lla['tokens_per_s']:,.0f} | {g['peak_rss_mb']:.0f} |")
-    print(f"\ntorch.compile (~10M llama, fp32): {compiled['tokens_per_s']:,.0f} tok/s "
-          f"({compiled['tokens_per_s'] / loop['tokens_per_s']:.2f}x of eager), first step after "
+    kinds = ["plain", "sparklm-gpt2", "sparklm-llama", "plain+allocator"]
+    cases = [("4L/128", "float32", kinds, args.repeats), ("~10M 8L/320", "float32", kinds, args.repeats),
+             # bf16 autocast measured slower than fp32 on this CPU (see the peaks): one round, small model
+             ("4L/128", "bfloat16", ["plain", "sparklm-gpt2"], 1)]
+    results: dict = {}
+    for size_name, dtype, case_kinds, repeats in cases:
+        runs: dict = {k: [] for k in case_kinds}
+        for r in range(repeats):
+            for kind in case_kinds:  # interleaved, so drifts of the machine hit every contender alike
+                runs[kind].append(measure(kind, size_name, dtype, args.steps, data))
+                print(f"{size_name} {dtype} {kind} #{r + 1}: {runs[kind][-1]['tokens_per_s']:,.0f} tok/s", flush=True)
+        results[(size_name, dtype)] = {k: median_of(v) | {"all": [x["tokens_per_s"] for x in v]} for k, v in runs.items()}
+    big = "~10M 8L/320"
+    compiled = measure("sparklm-llama-compile", big, "float32", args.steps, data)
+    spark_runs = [measure("spark", big, "float32", args.steps, data) for _ in range(args.repeats)]
+    spark = median_of(spark_runs)
+    loop = results[(big, "float32")]["sparklm-llama"]
+    firsts = [r["seconds_to_first_step"] for r in spark_runs]
+
+    print("\n| model | dtype | plain tok/s (ms/step, MFU) | sparklm gpt2 tok/s (vs plain, MFU) | sparklm llama tok/s "
+          "(MFU) | plain + allocator tok/s (vs plain) | peak RSS MB plain / sparklm gpt2 |")
+    print("|---|---|---|---|---|---|---|")
+    params = {n: plain_params(SIZES[n]) for n in SIZES}
+    for (size_name, dtype), res in results.items():
+        peak, p, g = peaks[dtype], res["plain"], res["sparklm-gpt2"]
+        fpt = p["flops_per_token"]
+        lla, pa = res.get("sparklm-llama"), res.get("plain+allocator")
+        llama_cell = f"{lla['tokens_per_s']:,.0f} ({lla['tokens_per_s'] * lla['flops_per_token'] / peak:.0%})" if lla else "–"
+        alloc_cell = f"{pa['tokens_per_s']:,.0f} ({pa['tokens_per_s'] / p['tokens_per_s']:.2f}×)" if pa else "–"
+        print(f"| {size_name} ({params[size_name] / 1e6:.1f}M) | {dtype} | {p['tokens_per_s']:,.0f} "
+              f"({p['ms_per_step']:.0f} ms, {p['tokens_per_s'] * fpt / peak:.0%}) | {g['tokens_per_s']:,.0f} "
+              f"(**{g['tokens_per_s'] / p['tokens_per_s']:.2f}×**, {g['tokens_per_s'] * fpt / peak:.0%}) | "
+              f"{llama_cell} | {alloc_cell} | {p['peak_rss_mb']:.0f} / {g['peak_rss_mb']:.0f} |")
+    print("\nruns (tok/s): " + "; ".join(f"{n} {d} {k}: {', '.join(f'{x:,.0f}' for x in v['all'])}"
+                                        for (n, d), res in results.items() for k, v in res.items()))
+    print(f"\ntorch.compile (~10M llama, fp32, one run): {compiled['tokens_per_s']:,.0f} tok/s "
+          f"({compiled['tokens_per_s'] / loop['tokens_per_s']:.2f}x of eager's median), first step after "
           f"{compiled['first_step_s']:.0f}s (eager {loop['first_step_s']:.0f}s)")
-    print(f"\nSpark overhead (~10M llama, fp32, 1 worker × 2 threads): loop {loop['tokens_per_s']:,.0f} tok/s, "
-          f"through Spark {spark['tokens_per_s']:,.0f} tok/s ({spark['tokens_per_s'] / loop['tokens_per_s'] - 1:+.1%}), "
-          f"{spark['seconds_to_first_step']:.1f} s from command start to the first step")
-    os.makedirs(work, exist_ok=True)
-    (work / "train_throughput.json").write_text(json.dumps({"peaks": peaks, "loop": loop, "spark": spark,
-                                                            "compiled": compiled,
-                                                            "rows": [r[:5] for r in rows]}, indent=2, default=str))
+    print(f"\nSpark overhead (~10M llama, fp32, 1 worker × 2 threads, median of {args.repeats}): loop "
+          f"{loop['tokens_per_s']:,.0f} tok/s, through Spark {spark['tokens_per_s']:,.0f} tok/s "
+          f"({spark['tokens_per_s'] / loop['tokens_per_s'] - 1:+.1%}); from command start to the first step "
+          f"{spark['seconds_to_first_step']:.1f} s (runs: {', '.join(f'{x:.1f}' for x in firsts)} s)")
+    (work / "train_throughput.json").write_text(json.dumps(
+        {"peaks": peaks, "results": {f"{n} {d}": r for (n, d), r in results.items()}, "compiled": compiled,
+         "spark": spark_runs}, indent=2, default=str))
+
+
+def plain_params(size: dict) -> int:
+    return sum(p.numel() for p in GPT(GPTConfig(block_size=SEQ, vocab_size=4096, **size)).parameters())
 
 
 if __name__ == "__main__":

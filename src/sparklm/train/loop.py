@@ -6,8 +6,10 @@ slice of every global batch, and a tiny all-reduce keeps them agreeing on when t
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
+import platform
 import shutil
 import time
 from contextlib import nullcontext
@@ -40,6 +42,7 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
     """Train on ``dataset`` and write checkpoints, metrics and ``model/`` into ``run_dir`` (rank 0)."""
     tc = config.train
     torch.set_num_threads(rank.threads)
+    _keep_freed_memory()
     is_main = rank.rank == 0
     seq_len = dataset.seq_len
     dtype = _autocast_dtype(tc.dtype, rank.threads)
@@ -140,6 +143,7 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
     if is_main:
         _export(model, spec, run_dir / "model")
         metrics.close()
+    _trim_memory()
     return {"steps": step, "tokens": tokens_seen, "seconds": elapsed, "params": n_params,
             "flops_per_token": flops_tok, "final": last_eval, "peak_flops": peak,
             "dtype": str(dtype).replace("torch.", "")}
@@ -205,7 +209,9 @@ def _optimizer(model: torch.nn.Module, config: Config) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.dim() >= 2 and id(p) not in embed]
     other = [p for p in model.parameters() if p.dim() < 2 or id(p) in embed]
     groups = [{"params": decay, "weight_decay": tc.weight_decay}, {"params": other, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), foreach=True)
+    # The fused kernel: one pass over all parameters (on CPU 5x faster than foreach: 10 vs 51 ms per
+    # step at 11M parameters here).
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=True)
 
 
 def _total_steps(config: Config, dataset: PreparedDataset, rows_per_step: int, seq_len: int) -> int:
@@ -255,6 +261,33 @@ def _autocast_dtype(name: str, threads: int) -> torch.dtype:
         return torch.bfloat16
     fast = matmul_peak(threads, torch.bfloat16) > 1.3 * matmul_peak(threads, torch.float32)
     return torch.bfloat16 if fast else torch.float32
+
+
+def _keep_freed_memory() -> None:
+    """glibc: keep freed memory in the process instead of handing it back to the OS every step.
+
+    By default glibc serves blocks above a (dynamic, ≤32 MB) threshold with mmap and returns them on
+    free, so every step page-faults its largest tensors (logits, their gradients, activations) in
+    again: millions of page faults a minute. Raising the mmap and trim thresholds made training
+    steps 15-25% faster here (benchmarks/train_throughput.py); peak memory stays the same because
+    the next step reuses the same blocks. ``_trim_memory`` hands the memory back at the end.
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: 1 GiB
+        libc.mallopt(-1, (1 << 31) - 1)  # M_TRIM_THRESHOLD: 2 GiB
+    except (OSError, AttributeError):
+        pass
+
+
+def _trim_memory() -> None:
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
 
 
 def _save(ckpt_dir: Path, step: int, model, optimizer, rank: Rank, position: int, tokens: int, elapsed: float, tc):

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import time
 from pathlib import Path
 
-import torch
+from ..cache import cache_dir
 
 COLUMNS = ["kind", "step", "epoch", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "ms_per_step", "mfu",
            "rss_mb", "elapsed", "val_loss", "val_ppl", "val_bpb", "val_acc", "val_tokens"]
@@ -70,12 +69,12 @@ def rss_mb() -> float:
     return 0.0
 
 
-def matmul_peak(threads: int, dtype: torch.dtype, *, size: int = 1024, seconds: float = 1.0) -> float:
+def matmul_peak(threads: int, dtype, *, size: int = 1024, seconds: float = 1.0) -> float:
     """FLOP/s of a square matmul on ``threads`` threads in ``dtype``: the ceiling MFU is measured against.
 
     Cached per machine, thread count and dtype in ~/.cache/sparklm/peak.json (it costs ~1-2 s).
     """
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sparklm" / "peak.json"
+    cache = cache_dir("peak.json")
     key = f"{_cpu_model()}|{threads}|{dtype}"
     try:
         known = json.loads(cache.read_text())
@@ -83,6 +82,8 @@ def matmul_peak(threads: int, dtype: torch.dtype, *, size: int = 1024, seconds: 
         known = {}
     if key in known:
         return float(known[key])
+    import torch  # here, not at the top: the driver imports this module and never needs torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     a = torch.randn(size, size, dtype=dtype)

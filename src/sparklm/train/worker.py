@@ -10,12 +10,17 @@ from pathlib import Path
 
 
 def main() -> None:
-    job = json.loads(sys.stdin.read())
+    # Import the heavy parts before reading the job: the Spark task starts this process first and
+    # sends the job once the ranks have found each other, so the two overlap.
+    from transformers import PreTrainedModel  # noqa: F401  (transformers' model machinery: ~3 s)
+
     from ..config import from_dict
     from ..data.manifest import load_prepared
     from ..errors import SparklmError
     from .loop import Rank, train
     from .run import dataset_tokenizer
+
+    job = json.loads(sys.stdin.read())
 
     rank = Rank(rank=job["rank"], world=job["world"], threads=job["threads"])
     try:

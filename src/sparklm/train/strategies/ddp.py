@@ -30,14 +30,20 @@ def run(spark, job: dict, *, workers: int, threads: int, log_dir: str) -> dict:
 
         ctx = BarrierTaskContext.get()
         rank = ctx.partitionId()
-        host = ctx.getTaskInfos()[rank].address.rsplit(":", 1)[0] or "127.0.0.1"
-        port = _free_port(host) if rank == 0 else 0
-        peers = [json.loads(m) for m in ctx.allGather(json.dumps({"host": host, "port": port}))]
-        same_host = sum(p["host"] == host for p in peers)
-        n_threads = threads or max(1, (os.cpu_count() or 1) // same_host)
-        spec = {**job, "rank": rank, "world": workers, "threads": n_threads,
-                "master_addr": peers[0]["host"], "master_port": peers[0]["port"]}
-        yield json.dumps(_run_rank(spec, log_dir, rank))
+        # Start the rank first: it imports torch and transformers (~4 s) while the ranks find each other.
+        proc, log_path = _start_rank(log_dir, rank, threads)
+        try:
+            host = ctx.getTaskInfos()[rank].address.rsplit(":", 1)[0] or "127.0.0.1"
+            port = _free_port(host) if rank == 0 else 0
+            peers = [json.loads(m) for m in ctx.allGather(json.dumps({"host": host, "port": port}))]
+            same_host = sum(p["host"] == host for p in peers)
+            n_threads = threads or max(1, (os.cpu_count() or 1) // same_host)
+            spec = {**job, "rank": rank, "world": workers, "threads": n_threads,
+                    "master_addr": peers[0]["host"], "master_port": peers[0]["port"]}
+            yield json.dumps(_finish_rank(proc, spec, log_path, rank))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
 
     rdd = spark.sparkContext.parallelize(range(workers), workers).barrier().mapPartitions(task)
     try:
@@ -53,22 +59,31 @@ def run(spark, job: dict, *, workers: int, threads: int, log_dir: str) -> dict:
     return next(r for r in results if r.get("rank") == 0)
 
 
-def _run_rank(spec: dict, log_dir: str, rank: int) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]), "MKL_NUM_THREADS": str(spec["threads"]),
-           "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+def _start_rank(log_dir: str, rank: int, threads: int) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if threads:  # otherwise the rank sets its thread count once it knows how many ranks share the host
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"rank-{rank}.log")
     with open(log_path, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "sparklm.train.worker"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=log, env=env, preexec_fn=_die_with_parent)
+    return proc, log_path
+
+
+def _finish_rank(proc: subprocess.Popen, spec: dict, log_path: str, rank: int) -> dict:
+    """Send the rank its job, wait for it, and return its result (or raise its error)."""
+    try:
         proc.stdin.write(json.dumps(spec).encode())
         proc.stdin.close()
-        result = None
-        for line in proc.stdout:
-            text = line.decode(errors="replace").rstrip("\n")
-            if text.startswith(RESULT):
-                result = json.loads(text[len(RESULT):])
-        code = proc.wait()
+    except BrokenPipeError:  # the rank died while importing; its log says why
+        pass
+    result = None
+    for line in proc.stdout:
+        text = line.decode(errors="replace").rstrip("\n")
+        if text.startswith(RESULT):
+            result = json.loads(text[len(RESULT):])
+    code = proc.wait()
     if result is not None:
         return {**result, "rank": rank}
     raise SparklmError(_last_error(log_path) or f"training rank {rank} exited with code {code}",

@@ -1,0 +1,1 @@
+"""Inference: sampling, generation (one process or over a Spark DataFrame), evaluation, export."""

@@ -1,0 +1,124 @@
+"""Batch generation over a Spark DataFrame of prompts: the model is loaded once per Python worker.
+
+``generate_dataframe`` is a lazy DataFrame transformation for notebook users; ``read_prompts`` and
+``write_generations`` are what ``sparklm generate --input/--output`` wraps around it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ..errors import SparklmError
+from .sampling import Sampling
+
+_MODELS: dict = {}  # per Python worker process: (path, threads) -> LoadedModel
+
+OUTPUT_SCHEMA = "id long, sample int, prompt string, text string, prompt_tokens int, new_tokens int, truncated boolean"
+
+
+def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: str = "id",
+                       sampling: Sampling = Sampling(), batch_size: int = 8, threads: int = 0):
+    """One output row per (prompt, sample): ``id, sample, prompt, text, prompt_tokens, new_tokens, truncated``.
+
+    ``model`` is a path every executor can read (a sparklm run directory or an HF model directory).
+    Ids must be integers; each row's text depends only on (seed, id, sample), so the result does not
+    depend on partitioning, batching or retries.
+    """
+    from pyspark.sql import functions as F
+
+    for name in (prompt_col, id_col):
+        if name not in df.columns:
+            raise SparklmError(f"the prompts have no column {name!r} (columns: {', '.join(df.columns)})",
+                               hint="name the prompt and id columns with prompt_col= / id_col=")
+    model_path = os.path.abspath(model) if "://" not in model else model
+
+    def run(frames):
+        import pandas as pd
+
+        from .generate import generate, load
+
+        key = (model_path, threads)
+        if key not in _MODELS:
+            _MODELS[key] = load(model_path, threads=threads)
+        lm = _MODELS[key]
+        for frame in frames:
+            if frame.empty:
+                continue
+            gens = generate(lm, [str(p) for p in frame["prompt"]], keys=[int(i) for i in frame["id"]],
+                            sampling=sampling, batch_size=batch_size, warn=False)
+            yield pd.DataFrame({
+                "id": [g.key for g in gens], "sample": [g.sample for g in gens], "prompt": [g.prompt for g in gens],
+                "text": [g.text for g in gens], "prompt_tokens": [g.prompt_tokens for g in gens],
+                "new_tokens": [len(g.token_ids) for g in gens], "truncated": [g.truncated for g in gens]})
+
+    prompts = df.select(F.col(id_col).cast("long").alias("id"), F.col(prompt_col).cast("string").alias("prompt"))
+    return prompts.mapInPandas(run, OUTPUT_SCHEMA)
+
+
+def read_prompts(path: str, *, field: str = "prompt") -> list[tuple[int, str]]:
+    """(id, prompt) pairs from .txt (one prompt per non-empty line), .jsonl or .parquet (``id`` optional)."""
+    p = Path(path)
+    if not p.is_file():
+        raise SparklmError(f"prompt file {path} not found", hint="pass a .txt, .jsonl or .parquet file")
+    name = p.name.lower()
+    rows: list[tuple[int, str]] = []
+    if name.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(p)
+        except Exception as e:
+            raise SparklmError(f"cannot read {path}: {' '.join(str(e).split())[:200]}") from None
+        col = field if field in table.column_names else "text" if "text" in table.column_names else None
+        if col is None:
+            raise SparklmError(f"{path} has no {field!r} or 'text' column", hint="name the prompt column 'prompt'")
+        ids = table.column("id").to_pylist() if "id" in table.column_names else range(table.num_rows)
+        rows = [(int(i), str(t)) for i, t in zip(ids, table.column(col).to_pylist())]
+    elif name.endswith((".jsonl", ".ndjson")):
+        with open(p, encoding="utf-8", errors="replace") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    text = record[field] if field in record else record["text"]
+                    rows.append((int(record.get("id", len(rows))), str(text)))
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    raise SparklmError(f"{path} line {n}: not a JSON object with a {field!r} (or 'text') field",
+                                       hint='one object per line, e.g. {"id": 1, "prompt": "Once upon a time"}') from None
+    else:
+        with open(p, encoding="utf-8", errors="replace") as f:
+            rows = [(i, line.rstrip("\r\n")) for i, line in enumerate(x for x in f if x.strip())]
+    if not rows:
+        raise SparklmError(f"{path} holds no prompts")
+    ids = [i for i, _ in rows]
+    if len(set(ids)) != len(ids):
+        raise SparklmError(f"{path} repeats prompt ids", hint="give every prompt a distinct integer id")
+    for i, text in rows:
+        if not text.strip():
+            raise SparklmError(f"{path}: prompt {i} is empty", hint="remove it or give it text")
+    return rows
+
+
+def write_generations(rows: list[dict], output: str) -> None:
+    """Write results to .parquet or .jsonl atomically (a hidden temporary file, then a rename)."""
+    out = Path(output)
+    if not out.name.lower().endswith((".parquet", ".jsonl")):
+        raise SparklmError(f"--output {output}: use a .parquet or .jsonl file name")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        if out.name.lower().endswith(".parquet"):
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.Table.from_pylist(rows), tmp)
+        else:
+            with open(tmp, "w", encoding="utf-8") as f:
+                for r in rows:
+                    f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)

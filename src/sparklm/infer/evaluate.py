@@ -1,0 +1,127 @@
+"""``sparklm eval``: loss, perplexity, bits per byte and accuracy of any causal LM on any text, on Spark.
+
+Documents are read and cleaned by prepare's readers (same formats, same handling of bad input),
+tokenized with the model's own tokenizer and scored with a sliding window: windows of
+``max_length`` tokens that start every ``stride`` tokens, each token scored once, with up to
+``max_length - stride`` tokens of context carried over (the method of the HF perplexity guide).
+Bits per byte divide the summed nats by the documents' UTF-8 bytes: comparable across tokenizers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..config import Config
+from ..errors import SparklmError, from_spark
+
+_MODELS: dict = {}  # per Python worker process
+
+
+def windows(n_tokens: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, targets) for a document of ``n_tokens`` (pure; the HF perplexity guide's loop).
+
+    The window is ids[begin:end]; its last ``targets`` positions are targets, each predicted from
+    the window's tokens before it. A window's first token has nothing before it, so it is never
+    scored: with ``stride < max_length`` that only affects the document's first token; with
+    ``stride == max_length`` (no overlap) every window's first token goes unscored.
+    """
+    out, prev_end, begin = [], 0, 0
+    while True:
+        end = min(begin + max_length, n_tokens)
+        out.append((begin, end, end - prev_end))
+        prev_end = end
+        if end >= n_tokens:
+            return out
+        begin += stride
+
+
+@torch.no_grad()
+def score(lm, batch: list[tuple[list[int], int]]) -> torch.Tensor:
+    """Sums (nats, tokens, correct) over windows ``(ids, targets)`` (see :func:`windows`)."""
+    pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
+    width = max(len(ids) for ids, _ in batch)
+    x = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    target_mask = torch.zeros((len(batch), width), dtype=torch.bool)
+    for i, (ids, scored) in enumerate(batch):  # right padding: causal attention never sees it
+        x[i, :len(ids)] = torch.tensor(ids)
+        mask[i, :len(ids)] = 1
+        target_mask[i, len(ids) - scored:len(ids)] = True
+    logits = lm.model(input_ids=x, attention_mask=mask).logits[:, :-1].float()
+    target, valid = x[:, 1:], target_mask[:, 1:]
+    nats = F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), reduction="none")
+    valid = valid.reshape(-1)
+    correct = logits.argmax(-1).reshape(-1)[valid] == target.reshape(-1)[valid]
+    return torch.tensor([float(nats[valid].double().sum()), float(valid.sum()), float(correct.sum())],
+                        dtype=torch.float64)
+
+
+def evaluate(model: str, inputs: list[str], *, config: Config | None = None, max_length: int = 0, stride: int = 0,
+             batch_size: int = 8, threads: int = 0, spark=None) -> dict:
+    """Evaluate ``model`` (run directory or HF directory) on ``inputs``; returns the figures."""
+    import os
+
+    from ..data.sources import OK, documents, plan_units
+    from ..spark import get_session
+    from .generate import load, model_dir
+
+    config = config or Config()
+    directory = str(model_dir(model).resolve())
+    lm = load(directory)  # on the driver too: fail early on a bad model, and learn its context
+    length = max_length or lm.context
+    if length > lm.context:
+        raise SparklmError(f"--max-length {length} exceeds the model's context of {lm.context} tokens")
+    step = stride or length
+    if not 1 <= step <= length:
+        raise SparklmError(f"--stride {step} must be between 1 and --max-length ({length})")
+    units = plan_units(inputs, group="auto", data=config.data, storage=config.storage)
+    spark = get_session(config.spark, spark=spark() if callable(spark) else spark)
+    data, storage = config.data, config.storage
+    env_threads = threads
+
+    def run(part):
+        key = (directory, env_threads)
+        if key not in _MODELS:
+            _MODELS[key] = load(directory, threads=env_threads)
+        lm = _MODELS[key]
+        sums = torch.zeros(6, dtype=torch.float64)  # nats, tokens, correct, bytes, documents, dropped
+        pending: list[tuple[list[int], int]] = []
+        for _unit, _pos, status, text, _invalid, _digest in documents(list(part), data, storage):
+            if status != OK:
+                sums[5] += 1
+                continue
+            ids = lm.tokenizer(text, add_special_tokens=True)["input_ids"]
+            if lm.add_bos:
+                ids = [lm.tokenizer.bos_token_id, *ids]
+            sums[3] += len(text.encode("utf-8"))
+            sums[4] += 1
+            if len(ids) < 2:  # nothing to predict
+                continue
+            for begin, end, scored in windows(len(ids), length, step):
+                pending.append((ids[begin:end], scored))
+                if len(pending) >= batch_size:
+                    sums[:3] += score(lm, pending)
+                    pending = []
+        if pending:
+            sums[:3] += score(lm, pending)
+        yield sums.tolist()
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    rdd = spark.sparkContext.parallelize(units, max(1, len(units))).mapPartitions(run)
+    try:
+        parts = rdd.collect()
+    except Exception as e:
+        found = from_spark(e)
+        if found is not None:
+            raise found from None
+        raise
+    nats, tokens, correct, nbytes, docs, dropped = [sum(p[i] for p in parts) for i in range(6)]
+    if tokens == 0:
+        raise SparklmError("no tokens to score in the input", hint="check --input (empty, or every record dropped)")
+    loss = nats / tokens
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700)), "bits_per_byte": nats / max(nbytes, 1) / math.log(2),
+            "accuracy": correct / tokens, "tokens": int(tokens), "bytes": int(nbytes), "documents": int(docs),
+            "dropped_records": int(dropped), "max_length": length, "stride": step, "model": directory}

@@ -1,0 +1,130 @@
+"""``sparklm export``: an ONNX graph (input ids, attention mask → logits), optionally quantized.
+
+int8: onnxruntime's dynamic quantization of the MatMul weights (activations quantized on the fly);
+int4: onnxruntime's block-wise 4-bit weight-only MatMulNBits. The graph has no KV-cache inputs:
+``generate --backend onnx`` recomputes the (context-bounded) sequence each step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from ..errors import SparklmError
+
+ONNX_FILE = "model.onnx"
+
+
+class LogitsGraph(torch.nn.Module):
+    """input_ids, attention_mask → logits; positions come from the mask, so left padding works."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                          use_cache=False).logits
+
+
+def export(model: str, output: str, *, quantize: str = "none", overwrite: bool = False) -> dict:
+    """Write ``output``/model.onnx (+ tokenizer and config files); returns what was written."""
+    from .generate import load
+
+    if quantize not in ("none", "int8", "int4"):
+        raise SparklmError(f"--quantize {quantize}: use none, int8 or int4")
+    onnx, ort = _onnx_modules()
+    out = Path(output)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise SparklmError(f"{output} already exists", hint="pass --overwrite or another --output")
+    lm = load(model)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        graph = LogitsGraph(lm.model).eval()
+        ids = torch.ones((2, 8), dtype=torch.long)
+        mask = torch.ones((2, 8), dtype=torch.long)
+        fp32 = tmp / ("model-fp32.onnx" if quantize != "none" else ONNX_FILE)
+        batch, seq = torch.export.Dim("batch", min=1), torch.export.Dim("sequence", min=1, max=lm.context)
+        with torch.no_grad():
+            torch.onnx.export(graph, (ids, mask), str(fp32), input_names=["input_ids", "attention_mask"],
+                              output_names=["logits"], dynamo=True, external_data=False,
+                              dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}})
+        if quantize == "int8":
+            from onnxruntime.quantization import QuantType, quantize_dynamic
+
+            quantize_dynamic(str(fp32), str(tmp / ONNX_FILE), weight_type=QuantType.QInt8, per_channel=True)
+        elif quantize == "int4":
+            from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+            q = MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=32, is_symmetric=True)
+            q.process()
+            q.model.save_model_to_file(str(tmp / ONNX_FILE), use_external_data_format=False)
+        if fp32.name != ONNX_FILE:
+            fp32.unlink()
+        lm.tokenizer.save_pretrained(str(tmp))
+        lm.model.config.save_pretrained(str(tmp))
+        info = {"format": "onnx", "quantize": quantize, "source": lm.path, "context": lm.context,
+                "add_bos": lm.add_bos, "inputs": ["input_ids", "attention_mask"], "outputs": ["logits"]}
+        (tmp / "sparklm_export.json").write_text(json.dumps(info, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {**info, "path": str(out), "bytes": (out / ONNX_FILE).stat().st_size}
+
+
+class OnnxModel:
+    """Runs an exported graph with onnxruntime behind the call signature generation uses."""
+
+    recomputes = True  # no KV cache: every step runs the whole sequence
+
+    def __init__(self, path: Path, threads: int = 0):
+        _, ort = _onnx_modules()
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+    def __call__(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, **_ignored) -> SimpleNamespace:
+        (logits,) = self.session.run(["logits"], {"input_ids": input_ids.numpy().astype("int64"),
+                                                  "attention_mask": attention_mask.numpy().astype("int64")})
+        return SimpleNamespace(logits=torch.from_numpy(logits), past_key_values=None)
+
+    def eval(self):
+        return self
+
+
+def load_onnx(path: str, *, threads: int = 0):
+    """A LoadedModel over an exported directory (``sparklm export``)."""
+    from transformers import AutoTokenizer
+
+    from .generate import LoadedModel
+
+    directory = Path(path)
+    info_file = directory / "sparklm_export.json"
+    if not (directory / ONNX_FILE).is_file() or not info_file.is_file():
+        raise SparklmError(f"{path} is not an ONNX export (no {ONNX_FILE} / sparklm_export.json)",
+                           hint="make one with `sparklm export MODEL --format onnx --output DIR`")
+    info = json.loads(info_file.read_text())
+    tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    return LoadedModel(OnnxModel(directory / ONNX_FILE, threads), tok, str(directory), int(info["context"]),
+                       bool(info["add_bos"]))
+
+
+def _onnx_modules():
+    try:
+        import onnx
+        import onnxruntime
+    except ImportError:
+        raise SparklmError("ONNX export needs the onnx, onnxscript and onnxruntime packages",
+                           hint="pip install 'sparklm[export]'") from None
+    return onnx, onnxruntime

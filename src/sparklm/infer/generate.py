@@ -1,0 +1,179 @@
+"""Text generation with a KV cache: one process, any local HF causal LM or a sparklm run directory.
+
+Prompts are left-padded into batches; every output row draws from its own seeded generator, so a
+prompt's text depends on (seed, prompt key, sample index) only, not on batching or on the machine
+that runs it (which is what makes batch generation on Spark equal one-by-one generation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import progress
+from ..errors import SparklmError
+from .sampling import Sampling, next_tokens, row_generator
+
+
+@dataclass
+class Generation:
+    key: int  # the prompt's key (its index, or its id in batch generation)
+    sample: int
+    prompt: str
+    text: str  # the continuation only
+    token_ids: list[int]
+    prompt_tokens: int
+    truncated: bool = False  # the prompt was cut from the left to fit the context
+    top: list[list[tuple[str, float]]] = field(default_factory=list)  # --show-top: per position
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    path: str
+    context: int
+    add_bos: bool  # prepend BOS to prompts (sparklm models: every training document starts with it)
+
+
+def model_dir(path: str) -> Path:
+    """A sparklm run directory's ``model/``, or ``path`` itself when it is an HF model directory."""
+    p = Path(path)
+    if (p / "model" / "config.json").is_file():
+        return p / "model"
+    if (p / "config.json").is_file():
+        return p
+    if not p.exists():
+        raise SparklmError(f"model {path} not found", hint="pass a sparklm run directory or a local HF model directory")
+    raise SparklmError(f"{path} is neither a sparklm run directory nor an HF model directory (no config.json)",
+                       hint="pass the --output of `sparklm train`/`run`, or a directory written by save_pretrained")
+
+
+def load(path: str, *, threads: int = 0) -> LoadedModel:
+    """Load a model and its tokenizer from local files (safetensors only: nothing is unpickled)."""
+    from transformers import AutoTokenizer
+
+    from ..model import load_model
+
+    if threads:
+        torch.set_num_threads(threads)
+    directory = model_dir(path)
+    model = load_model(str(directory)).eval()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except Exception as e:
+        raise SparklmError(f"cannot load the tokenizer in {directory}: {' '.join(str(e).split())[:200]}",
+                           hint="the model directory needs tokenizer files (tokenizer.json or the model's own)") from None
+    cfg = model.config
+    context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
+    bos = tok.bos_token_id
+    adds_bos = bool(tok("a")["input_ids"][:1] == [bos]) if bos is not None else False
+    add_bos = bos is not None and bos != tok.eos_token_id and not adds_bos
+    return LoadedModel(model, tok, str(directory), int(context), add_bos)
+
+
+def encode(lm: LoadedModel, prompt: str, max_new_tokens: int) -> tuple[list[int], bool]:
+    """Token ids of a prompt, cut from the left so that prompt + new tokens fit the context."""
+    if not prompt.strip():
+        raise SparklmError("empty prompt", hint="give --prompt some text (or a non-empty line per prompt in --prompt-file)")
+    if max_new_tokens >= lm.context:
+        raise SparklmError(f"--max-new-tokens {max_new_tokens} does not fit the model's context of {lm.context} tokens",
+                           hint=f"use at most {lm.context - 1}")
+    ids = lm.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    if lm.add_bos:
+        ids = [lm.tokenizer.bos_token_id, *ids]
+    keep = lm.context - max_new_tokens
+    return (ids[-keep:], True) if len(ids) > keep else (ids, False)
+
+
+@torch.no_grad()
+def generate(lm: LoadedModel, prompts: list[str], *, sampling: Sampling = Sampling(), keys: list[int] | None = None,
+             batch_size: int = 8, show_top: int = 0, on_text: Callable[[int, str], None] | None = None,
+             warn: bool = True) -> list[Generation]:
+    """``sampling.num_samples`` continuations of every prompt; ``on_text(row, piece)`` streams text."""
+    keys = list(range(len(prompts))) if keys is None else list(keys)
+    rows = []  # (key, sample, prompt, ids, truncated)
+    for key, prompt in zip(keys, prompts):
+        ids, truncated = encode(lm, prompt, sampling.max_new_tokens)
+        if truncated and warn:
+            progress.warn(f"prompt {key} is longer than the context: kept its last {len(ids)} tokens")
+        rows += [(key, s, prompt, ids, truncated) for s in range(sampling.num_samples)]
+    out: list[Generation] = []
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start:start + batch_size]
+        gens = [row_generator(sampling.seed, key, s) for key, s, *_ in batch]
+        stream = (lambda i, piece, base=start: on_text(base + i, piece)) if on_text else None
+        ids, tops = _generate_batch(lm, [r[3] for r in batch], sampling, gens, show_top, stream)
+        for (key, s, prompt, prompt_ids, truncated), new, top in zip(batch, ids, tops):
+            text = lm.tokenizer.decode(new, skip_special_tokens=True)
+            out.append(Generation(key, s, prompt, text, new, len(prompt_ids), truncated, top))
+    return out
+
+
+def _generate_batch(lm: LoadedModel, prompts: list[list[int]], sampling: Sampling, gens: list[torch.Generator],
+                    show_top: int, stream) -> tuple[list[list[int]], list[list]]:
+    tok, model = lm.tokenizer, lm.model
+    eos = tok.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos if eos is not None else 0)
+    vocab = len(tok)
+    b, t = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((b, t), pad, dtype=torch.long)
+    attn = torch.zeros((b, t), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding: every row's last prompt token is at the end
+        ids[i, t - len(p):] = torch.tensor(p)
+        attn[i, t - len(p):] = 1
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    previous = ids.masked_fill(attn == 0, -1)  # for the repetition penalty
+    # Only the last position's logits are needed: skip the LM head for the rest of the prompt.
+    last_only = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+    out = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True, **last_only)
+    new: list[list[int]] = [[] for _ in range(b)]
+    tops: list[list] = [[] for _ in range(b)]
+    texts = [""] * b
+    done = torch.zeros(b, dtype=torch.bool)
+    for _ in range(sampling.max_new_tokens):
+        logits = out.logits[:, -1, :].float()
+        if logits.size(-1) > vocab:  # embedding rows beyond the tokenizer (rounded-up tables) are never text
+            logits[:, vocab:] = float("-inf")
+        chosen = next_tokens(logits, sampling, gens, previous)
+        if show_top:
+            probs, top_ids = logits.softmax(-1).topk(show_top, dim=-1)
+        for i in range(b):
+            if done[i]:
+                continue
+            new[i].append(int(chosen[i]))
+            if show_top:
+                tops[i].append([(tok.decode([int(j)]), float(p)) for p, j in zip(probs[i], top_ids[i])])
+            if stream:
+                text = tok.decode(new[i], skip_special_tokens=True)
+                if len(text) > len(texts[i]) and not text.endswith("\ufffd"):  # whole characters only
+                    stream(i, text[len(texts[i]):])
+                    texts[i] = text
+        if eos is not None:
+            done |= chosen == eos
+        if bool(done.all()):
+            break
+        chosen = chosen.masked_fill(done, pad)  # finished rows only feed padding (as HF generate does)
+        attn = torch.cat([attn, torch.ones((b, 1), dtype=torch.long)], dim=1)
+        positions = positions[:, -1:] + 1
+        previous = torch.cat([previous, chosen[:, None]], dim=1)
+        ids = torch.cat([ids, chosen[:, None]], dim=1)
+        if getattr(model, "recomputes", False):  # a backend without a KV cache (ONNX): run it all again
+            out = model(input_ids=ids, attention_mask=attn)
+        else:
+            out = model(input_ids=chosen[:, None], attention_mask=attn, position_ids=positions,
+                        past_key_values=out.past_key_values, use_cache=True)
+    return new, tops
+
+
+def _accepts(model, name: str) -> bool:
+    import inspect
+
+    forward = getattr(model, "forward", None)
+    try:
+        return forward is not None and name in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False

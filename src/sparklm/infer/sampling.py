@@ -1,0 +1,101 @@
+"""Choosing the next token: repetition penalty, temperature, top-k and top-p (nucleus), as pure functions.
+
+The order and meaning follow ``transformers``' logits processors (repetition penalty, then
+temperature, top-k, top-p), so a sparklm sample and an HF ``generate`` sample mean the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import SparklmError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """How to pick tokens. ``temperature = 0`` is greedy (top-k/top-p then do nothing)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.8
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    repetition_penalty: float = 1.0  # 1.0: off
+    num_samples: int = 1
+    seed: int = 0
+
+    def __post_init__(self):
+        checks = [
+            (self.max_new_tokens >= 1, "max-new-tokens must be >= 1"),
+            (self.temperature >= 0, "temperature must be >= 0 (0 = greedy)"),
+            (self.top_k >= 0, "top-k must be >= 0 (0 = off)"),
+            (0 < self.top_p <= 1, "top-p must be in (0, 1] (1 = off)"),
+            (self.repetition_penalty > 0, "repetition-penalty must be > 0 (1 = off)"),
+            (self.num_samples >= 1, "num-samples must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SparklmError(f"invalid sampling setting: {message}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def repetition_penalty(logits: torch.Tensor, previous: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL's penalty (as HF): for tokens already in ``previous`` (B, T), divide positive logits by
+    ``penalty`` and multiply negative ones. ``previous`` may hold -1 for padding (ignored)."""
+    if penalty == 1.0 or previous.numel() == 0:
+        return logits
+    counts = torch.zeros_like(logits).scatter_add_(1, previous.clamp(min=0), (previous >= 0).to(logits.dtype))
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(counts > 0, penalized, logits)
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the ``k`` largest logits per row (ties at the threshold stay), the rest become -inf."""
+    if k <= 0 or k >= logits.size(-1):
+        return logits
+    threshold = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus filtering: keep the smallest set of most likely tokens whose probability reaches ``p``
+    (always at least the most likely one); the rest become -inf."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    # Drop a token when the tokens ranked above it already reach p.
+    drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= p
+    drop_sorted[..., 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def next_tokens(logits: torch.Tensor, sampling: Sampling, generators: list[torch.Generator] | None,
+                previous: torch.Tensor | None = None) -> torch.Tensor:
+    """One token id per row of ``logits`` (B, V). Each row draws from its own generator, so a row's
+    text does not depend on which other rows share its batch."""
+    logits = logits.float()
+    if previous is not None:
+        logits = repetition_penalty(logits, previous, sampling.repetition_penalty)
+    if sampling.greedy:
+        return logits.argmax(-1)
+    logits = top_p_filter(top_k_filter(logits / sampling.temperature, sampling.top_k), sampling.top_p)
+    probs = logits.softmax(-1)
+    if generators is None:
+        return torch.multinomial(probs, 1).squeeze(1)
+    return torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=g)[0] for i, g in enumerate(generators)])
+
+
+def row_generator(seed: int, *key: int) -> torch.Generator:
+    """A generator for one output row, seeded from (seed, prompt key, sample index)."""
+    g = torch.Generator()
+    h = seed
+    for k in key:
+        h = (h * 1_000_003 + k) % (2**63 - 1)
+    g.manual_seed(h)
+    return g

@@ -1,0 +1,316 @@
+"""Inference: sampling as pure functions, generation against transformers, batch generation on Spark,
+evaluation against a direct computation, ONNX export parity, and the CLI's handling of bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import make_text
+from sparklm.errors import SparklmError
+from sparklm.infer.evaluate import windows
+from sparklm.infer.sampling import Sampling, next_tokens, repetition_penalty, row_generator, top_k_filter, top_p_filter
+
+# -- sampling (pure) ---------------------------------------------------------------------------
+
+
+def test_top_k_keeps_the_k_largest():
+    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0, 2.0]])
+    kept = torch.isfinite(top_k_filter(logits, 2))
+    assert kept.tolist() == [[False, True, False, True, False]]
+    assert torch.equal(top_k_filter(logits, 0), logits)
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    assert torch.isfinite(top_p_filter(logits, 0.7)).tolist() == [[True, True, False, False]]
+    assert torch.isfinite(top_p_filter(logits, 0.81)).tolist() == [[True, True, True, False]]
+    assert torch.isfinite(top_p_filter(logits, 0.01)).tolist() == [[True, False, False, False]]  # never empty
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-5, 5), min_size=2, max_size=30), st.floats(0.05, 0.99))
+def test_top_p_property(values, p):
+    logits = torch.tensor([values])
+    probs = logits.softmax(-1)[0]
+    kept = torch.isfinite(top_p_filter(logits, p))[0]
+    assert kept.any()
+    # What is kept reaches p; without its least likely member it would not.
+    assert probs[kept].sum() >= p - 1e-6 or kept.all()
+    assert probs[kept].sum() - probs[kept].min() < p + 1e-6
+    # Everything kept is at least as likely as everything dropped.
+    if (~kept).any():
+        assert probs[kept].min() >= probs[~kept].max() - 1e-7
+
+
+def test_repetition_penalty_as_ctrl_defines_it():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    previous = torch.tensor([[0, 1, 1, -1]])  # -1: padding, ignored
+    out = repetition_penalty(logits, previous, 2.0)
+    assert out.tolist() == [[1.0, -4.0, 1.0, 0.5]]
+
+
+def test_greedy_and_seeded_sampling():
+    logits = torch.tensor([[0.1, 3.0, 0.2], [2.0, 0.0, 0.1]])
+    assert next_tokens(logits, Sampling(temperature=0), None).tolist() == [1, 0]
+    s = Sampling(temperature=1.5, top_k=3)
+    a = next_tokens(logits.repeat(20, 1), s, [row_generator(7, i) for i in range(40)][:40])
+    b = next_tokens(logits.repeat(20, 1), s, [row_generator(7, i) for i in range(40)][:40])
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1),
+                                 dict(max_new_tokens=0), dict(repetition_penalty=0), dict(num_samples=0)])
+def test_invalid_sampling_settings_are_rejected(bad):
+    with pytest.raises(SparklmError, match="invalid sampling setting"):
+        Sampling(**bad)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 300), st.integers(1, 64), st.data())
+def test_sliding_windows_score_every_token_once(n, max_length, data):
+    stride = data.draw(st.integers(1, max_length))
+    ws = windows(n, max_length, stride)
+    scored = []
+    for begin, end, targets in ws:
+        assert 0 <= begin < end <= n and end - begin <= max_length and 0 < targets <= end - begin
+        # position 0 of a window is never scored (no context): the targets after it are
+        scored += [p for p in range(end - targets, end) if p > begin]
+    assert len(scored) == len(set(scored))  # never twice
+    if stride < max_length:
+        assert sorted(scored) == list(range(1, n))  # with overlap: every token but the first
+
+
+# -- a tiny model on disk -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A sparklm-style run directory (model/ in HF format) with a small random Llama and a BPE."""
+    from sparklm.config import from_dict
+    from sparklm.data.tokenizer import train as train_tokenizer
+    from sparklm.model import build_model
+
+    cfg = from_dict({"tokenizer": {"vocab_size": 400}, "model": {"n_layer": 2, "n_head": 2, "n_embd": 32}})
+    spec = train_tokenizer([make_text(200, seed=s) for s in range(3)], cfg.tokenizer)
+    model = build_model(cfg.model, vocab_size=spec.vocab_size, context=64, bos_id=spec.bos_id, eos_id=spec.eos_id,
+                        pad_id=spec.pad_id, seed=1)
+    with torch.no_grad():  # sharper than init noise, so sampled and greedy texts differ visibly
+        model.lm_head.weight.mul_(10)
+    run = tmp_path_factory.mktemp("infer") / "run"
+    model.generation_config.bos_token_id, model.generation_config.eos_token_id = spec.bos_id, spec.eos_id
+    model.generation_config.pad_token_id = spec.pad_id
+    model.save_pretrained(str(run / "model"), safe_serialization=True)
+    spec.save(run / "model")
+    return run
+
+
+PROMPTS = ["The quick brown fox", "Le cœur a ses raisons", "東京は日本の首都です。", "Москва"]
+
+
+def test_greedy_equals_transformers_generate(run_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sparklm.infer.generate import encode, generate, load
+
+    lm = load(str(run_dir))
+    ours = generate(lm, PROMPTS, sampling=Sampling(temperature=0, max_new_tokens=12), batch_size=4)
+    hf = AutoModelForCausalLM.from_pretrained(str(run_dir / "model")).eval()
+    tok = AutoTokenizer.from_pretrained(str(run_dir / "model"))
+    for g in ours:  # one by one: no padding
+        ids = torch.tensor([encode(lm, g.prompt, 12)[0]])
+        ref = hf.generate(ids, do_sample=False, max_new_tokens=12, pad_token_id=tok.pad_token_id,
+                          eos_token_id=tok.eos_token_id)
+        assert g.token_ids == ref[0, ids.shape[1]:].tolist()[:len(g.token_ids)]
+        assert len(g.token_ids) == 12 or g.token_ids[-1] == tok.eos_token_id
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batching(run_dir):
+    from sparklm.infer.generate import generate, load
+
+    lm = load(str(run_dir))
+    s = Sampling(temperature=1.0, top_k=20, max_new_tokens=10, num_samples=2, seed=3)
+    together = generate(lm, PROMPTS, sampling=s, batch_size=8)
+    alone = [g for i, p in enumerate(PROMPTS) for g in generate(lm, [p], keys=[i], sampling=s, batch_size=1)]
+    assert [g.token_ids for g in together] == [g.token_ids for g in alone]
+    other = generate(lm, PROMPTS, sampling=Sampling(temperature=1.0, top_k=20, max_new_tokens=10, seed=4))
+    assert [g.token_ids for g in other] != [g.token_ids for g in together[::2]]
+
+
+def test_show_top_and_truncation_and_bad_prompts(run_dir):
+    from sparklm.infer.generate import generate, load
+
+    lm = load(str(run_dir))
+    (g,) = generate(lm, ["Ελληνικά"], sampling=Sampling(temperature=0, max_new_tokens=4), show_top=3)
+    assert len(g.top) == len(g.token_ids) and all(len(t) == 3 for t in g.top)
+    assert all(a[1] >= b[1] for t in g.top for a, b in zip(t, t[1:]))
+    assert g.token_ids[0] == lm.tokenizer.convert_tokens_to_ids(g.top[0][0][0]) or g.top[0][0][1] > 0
+    (long,) = generate(lm, [make_text(30)], sampling=Sampling(temperature=0, max_new_tokens=8), warn=False)
+    assert long.truncated and long.prompt_tokens == lm.context - 8
+    with pytest.raises(SparklmError, match="empty prompt"):
+        generate(lm, ["   "])
+    with pytest.raises(SparklmError, match="does not fit"):
+        generate(lm, ["a"], sampling=Sampling(max_new_tokens=64))
+
+
+def test_batch_generation_on_spark_equals_one_by_one(spark, run_dir):
+    from sparklm.infer.batch import generate_dataframe
+    from sparklm.infer.generate import generate, load
+
+    s = Sampling(temperature=0.9, top_p=0.9, max_new_tokens=8, num_samples=2, seed=11)
+    rows = [(10 + i, p) for i, p in enumerate(PROMPTS * 2)]
+    df = spark.createDataFrame(rows, "id long, prompt string").repartition(3)
+    out = sorted((r.id, r.sample, r.text) for r in generate_dataframe(df, model=str(run_dir), sampling=s,
+                                                                        batch_size=3).collect())
+    lm = load(str(run_dir))
+    ref = sorted((g.key, g.sample, g.text) for i, p in rows
+                 for g in generate(lm, [p], keys=[i], sampling=s, batch_size=1))
+    assert out == ref and len(out) == 16
+
+
+def test_eval_equals_a_direct_computation(spark, run_dir, tmp_path):
+    from sparklm.config import from_dict
+    from sparklm.infer.evaluate import evaluate
+    from sparklm.infer.generate import encode, load
+
+    lm = load(str(run_dir))
+    text = "Москва — столица России. The quick brown fox."
+    (tmp_path / "short.txt").write_text(text + "\n")
+    cfg = from_dict({"data": {"doc_mode": "file"}})
+    got = evaluate(str(run_dir), [str(tmp_path / "short.txt")], config=cfg, spark=spark)
+    ids, truncated = encode(lm, text, 1)
+    ids = torch.tensor([ids])
+    assert not truncated
+    with torch.no_grad():
+        direct = lm.model(input_ids=ids, labels=ids).loss.item()
+    assert got["tokens"] == ids.shape[1] - 1
+    assert got["perplexity"] == pytest.approx(math.exp(direct), rel=1e-5)
+    assert got["bits_per_byte"] == pytest.approx(direct * (ids.shape[1] - 1) / len(text.encode()) / math.log(2),
+                                                 rel=1e-5)
+    # A long document with a sliding window: the HF guide's loop, written out here.
+    long_text = " ".join(make_text(12).split())
+    (tmp_path / "long.txt").write_text(long_text)
+    got = evaluate(str(run_dir), [str(tmp_path / "long.txt")], config=cfg, max_length=32, stride=16, spark=spark)
+    from sparklm.data.clean import clean_text
+
+    cleaned = clean_text(long_text)  # eval reads as prepare does: NFC (the text has a combining accent)
+    ids = torch.tensor([[lm.tokenizer.bos_token_id, *lm.tokenizer(cleaned)["input_ids"]]])
+    nll, count, prev_end = 0.0, 0, 0
+    for begin in range(0, ids.shape[1], 16):
+        end = min(begin + 32, ids.shape[1])
+        x = ids[:, begin:end]
+        labels = x.clone()
+        labels[:, :-(end - prev_end)] = -100
+        n = int((labels[:, 1:] != -100).sum())
+        with torch.no_grad():
+            nll += lm.model(input_ids=x, labels=labels).loss.item() * n
+        count += n
+        prev_end = end
+        if end == ids.shape[1]:
+            break
+    assert got["tokens"] == count == ids.shape[1] - 1
+    assert got["loss"] == pytest.approx(nll / count, rel=1e-5)
+
+
+def test_onnx_export_matches_torch_and_generates_the_same(run_dir, tmp_path):
+    pytest.importorskip("onnxruntime")
+    from sparklm.infer.export import export, load_onnx
+    from sparklm.infer.generate import generate, load
+
+    info = export(str(run_dir), str(tmp_path / "onnx"))
+    lm, onnx_lm = load(str(run_dir)), load_onnx(info["path"])
+    ids = torch.tensor([[1, 5, 9, 200, 17, 3], [2, 2, 7, 8, 9, 10]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    from sparklm.infer.export import LogitsGraph
+
+    with torch.no_grad():
+        ref = LogitsGraph(lm.model)(ids, mask)
+    got = onnx_lm.model(input_ids=ids, attention_mask=mask).logits
+    assert (got - ref)[mask.bool()].abs().max() <= 1e-4
+    s = Sampling(temperature=0, max_new_tokens=6)
+    assert [g.token_ids for g in generate(onnx_lm, PROMPTS, sampling=s)] == \
+        [g.token_ids for g in generate(lm, PROMPTS, sampling=s)]
+    q = export(str(run_dir), str(tmp_path / "int8"), quantize="int8")
+    assert q["bytes"] < info["bytes"]
+    logits8 = load_onnx(q["path"]).model(input_ids=ids, attention_mask=mask).logits
+    assert torch.isfinite(logits8).all() and logits8.shape == ref.shape
+
+
+# -- the CLI ---------------------------------------------------------------------------------------
+
+
+def sparklm(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sparklm", *args], capture_output=True, text=True, timeout=600, **kw)
+
+
+def test_cli_generate_streams_and_writes(run_dir, tmp_path):
+    out = sparklm("generate", str(run_dir), "--prompt", "The quick", "--temperature", "0", "--max-new-tokens", "5")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("The quick")
+    again = sparklm("generate", str(run_dir), "--prompt", "The quick", "--temperature", "0", "--max-new-tokens", "5")
+    assert again.stdout == out.stdout
+    (tmp_path / "p.txt").write_text("The quick\nMoskva\n")
+    res = sparklm("generate", str(run_dir), "--prompt-file", str(tmp_path / "p.txt"), "--num-samples", "2",
+                  "--max-new-tokens", "8", "--output", str(tmp_path / "o.jsonl"))
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["sample"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", ""], "empty prompt"),
+    (["--prompt", "a", "--top-p", "0"], "top-p"),
+    (["--prompt", "a", "--temperature", "-1"], "temperature"),
+    (["--prompt", "a", "--max-new-tokens", "500"], "does not fit"),
+])
+def test_cli_generate_bad_input_is_one_line(run_dir, args, message):
+    out = sparklm("generate", str(run_dir), *args)
+    assert out.returncode == 2 and message in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+
+
+def test_cli_missing_model_is_one_line(tmp_path):
+    out = sparklm("generate", str(tmp_path / "nope"), "--prompt", "a")
+    assert out.returncode == 2 and "not found" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_cli_batch_generation_eval_and_export(run_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": 7, "prompt": "The quick"}\n{"id": 3, "prompt": "Москва"}\n\n{"id": 5, "text": "東京"}\n')
+    out = sparklm("generate", str(run_dir), "--input", str(prompts), "--output", str(tmp_path / "out.parquet"),
+                  "--max-new-tokens", "6", "--temperature", "0", "--master", "local[2]", "--set", "spark.ui=false")
+    assert out.returncode == 0, out.stderr
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert [r["id"] for r in table] == [3, 5, 7] and all(0 < r["new_tokens"] <= 6 for r in table)
+    (tmp_path / "bad.jsonl").write_text('{"id": 1, "prompt": "ok"}\nnot json\n')
+    bad = sparklm("generate", str(run_dir), "--input", str(tmp_path / "bad.jsonl"), "--output",
+                  str(tmp_path / "bad.parquet"))
+    assert bad.returncode == 2 and "line 2" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "bad.parquet").exists()
+
+    (tmp_path / "text.txt").write_text(make_text(20))
+    ev = sparklm("eval", str(run_dir), "--input", str(tmp_path / "text.txt"), "--output", str(tmp_path / "ev.json"),
+                 "--master", "local[2]", "--set", "spark.ui=false")
+    assert ev.returncode == 0, ev.stderr
+    figures = json.loads((tmp_path / "ev.json").read_text())
+    assert figures["documents"] == 20 and figures["perplexity"] == pytest.approx(math.exp(figures["loss"]))
+    missing = sparklm("eval", str(run_dir), "--input", str(tmp_path / "nope.txt"))
+    assert missing.returncode == 2 and "no files match" in missing.stderr
+
+    ex = sparklm("export", str(run_dir), "--output", str(tmp_path / "onnx"), "--quantize", "int8")
+    assert ex.returncode == 0, ex.stderr
+    gen = sparklm("generate", str(tmp_path / "onnx"), "--backend", "onnx", "--prompt", "The quick",
+                  "--temperature", "0", "--max-new-tokens", "4")
+    assert gen.returncode == 0 and gen.stdout.startswith("The quick"), gen.stderr
+    again = sparklm("export", str(run_dir), "--output", str(tmp_path / "onnx"))
+    assert again.returncode == 2 and "already exists" in again.stderr
