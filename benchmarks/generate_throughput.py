@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/generate_throughput.py [--model RUN_DIR]
 
 1. Generation tokens/s at batch 1 and 8, greedy, sparklm's KV-cache loop vs HF ``model.generate``
-   on the same model, prompts and settings (both stop at EOS, so both produce the same tokens).
+   on the same model, prompts and settings; ``min_new_tokens = max_new_tokens`` in both, so every
+   row generates exactly that many tokens (the same tokens: checked).
 2. Batch generation over a Spark DataFrame with 2 workers × 1 thread (local[2]) vs one process with
    2 threads, the same 32 prompts.
 3. ONNX fp32 vs int8 (dynamic) vs int4 (weight-only): scoring throughput (tokens/s of batch-8
@@ -52,7 +53,7 @@ def bench_generate(run: Path, new_tokens: int) -> list[dict]:
 
     torch.set_num_threads(THREADS)
     lm = load(str(run))
-    s = Sampling(temperature=0, max_new_tokens=new_tokens)
+    s = Sampling(temperature=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     rows = []
     for batch in (1, 8):
         prompts = prompts_of(batch)
@@ -67,14 +68,15 @@ def bench_generate(run: Path, new_tokens: int) -> list[dict]:
         width = max(len(i) for i in ids)
         x = torch.tensor([[tok.pad_token_id] * (width - len(i)) + i for i in ids])
         mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
-        kw = dict(do_sample=False, max_new_tokens=new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        kw = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=tok.pad_token_id,
+                  eos_token_id=tok.eos_token_id)
         with torch.no_grad():
-            lm.model.generate(x, attention_mask=mask, **{**kw, "max_new_tokens": 4})
+            lm.model.generate(x, attention_mask=mask, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
             t = time.perf_counter()
             ref = lm.model.generate(x, attention_mask=mask, **kw)
             t_hf = time.perf_counter() - t
         new = ref[:, width:]
-        n_hf = int(sum(((row != tok.pad_token_id).cumsum(0) > 0).sum() for row in new)) if batch > 1 else new.shape[1]
+        n_hf = new.numel()  # every row runs to max_new_tokens
         same = all(g.token_ids == new[i, :len(g.token_ids)].tolist() for i, g in enumerate(ours))
         rows.append({"batch": batch, "ours_tok_s": n_ours / t_ours, "hf_tok_s": n_hf / t_hf, "ours_tokens": n_ours,
                      "hf_tokens": n_hf, "same_tokens": same})
@@ -90,7 +92,7 @@ def bench_spark(run: Path, new_tokens: int, n_prompts: int) -> dict:
     from sparklm.infer.sampling import Sampling
     from sparklm.spark import get_session
 
-    s = Sampling(temperature=0.8, top_k=50, max_new_tokens=new_tokens, seed=1)
+    s = Sampling(temperature=0.8, top_k=50, max_new_tokens=new_tokens, min_new_tokens=new_tokens, seed=1)
     prompts = prompts_of(n_prompts)
     torch.set_num_threads(THREADS)
     lm = load(str(run))
@@ -99,7 +101,7 @@ def bench_spark(run: Path, new_tokens: int, n_prompts: int) -> dict:
     t_single = time.perf_counter() - t
     spark = get_session(SparkConfig(master="local[2]", ui=False))
     df = spark.createDataFrame(list(enumerate(prompts)), "id long, prompt string").repartition(2)
-    generate_dataframe(df.limit(2), model=str(run), sampling=s, threads=1).collect()  # workers start, load the model
+    generate_dataframe(df, model=str(run), sampling=s, batch_size=8, threads=1).collect()  # workers load the model
     t = time.perf_counter()
     rows = generate_dataframe(df, model=str(run), sampling=s, batch_size=8, threads=1).collect()
     t_spark = time.perf_counter() - t
@@ -123,7 +125,9 @@ def bench_quantized(run: Path, work: Path, eval_kb: int) -> list[dict]:
     ctx = lm.context
     ws = windows(len(ids), ctx, ctx // 2)
     torch_graph = LogitsGraph(lm.model).eval()
-    variants = {"torch fp32": lambda x, m: torch_graph(x, m)}
+    int8_graph = LogitsGraph(torch.ao.quantization.quantize_dynamic(load(str(run)).model, {torch.nn.Linear},
+                                                                    dtype=torch.qint8)).eval()
+    variants = {"torch fp32": lambda x, m: torch_graph(x, m), "torch int8 (dynamic)": lambda x, m: int8_graph(x, m)}
     for q in ("none", "int8", "int4"):
         out = work / f"onnx-{q}"
         try:
@@ -167,6 +171,23 @@ def bench_quantized(run: Path, work: Path, eval_kb: int) -> list[dict]:
     return results
 
 
+def random_model(work: Path, run: Path, layers: int, width: int) -> Path:
+    """The trained model's tokenizer with a random Llama of another size: for speed figures only."""
+    from sparklm.config import from_dict
+    from sparklm.infer.generate import load
+    from sparklm.model import build_model
+
+    out = work / f"random-{layers}L-{width}"
+    lm = load(str(run))
+    tok = lm.tokenizer
+    cfg = from_dict({"model": {"n_layer": layers, "n_embd": width, "n_head": max(1, width // 64)}})
+    model = build_model(cfg.model, vocab_size=lm.model.config.vocab_size, context=lm.context, bos_id=tok.bos_token_id,
+                        eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    model.save_pretrained(str(out / "model"), safe_serialization=True)
+    tok.save_pretrained(str(out / "model"))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="a run directory (default: train one here)")
@@ -175,6 +196,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--eval-kb", type=int, default=256)
+    ap.add_argument("--bigger", nargs=2, type=int, default=[8, 768], metavar=("LAYERS", "WIDTH"),
+                    help="also time quantization on a random Llama of this size (speed only)")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(exist_ok=True)
@@ -182,7 +205,12 @@ def main() -> None:
     gen = bench_generate(run, args.new_tokens)
     spark = bench_spark(run, args.new_tokens // 2, args.prompts)
     quant = bench_quantized(run, work, args.eval_kb)
+    big = random_model(work, run, *args.bigger)
+    print(f"random Llama {args.bigger[0]}L/{args.bigger[1]} (speed only; its perplexity means nothing):", flush=True)
+    quant_big = bench_quantized(big, work, args.eval_kb // 4)
     print("\n| batch | sparklm tok/s | HF generate tok/s | ratio | same tokens |\n|---|---|---|---|---|")
+    print(f"\nbatch generation: Spark 2 workers x 1 thread {spark['spark_tok_s']:,.1f} tok/s vs one process 2 threads "
+          f"{spark['single_tok_s']:,.1f} tok/s")
     for r in gen:
         print(f"| {r['batch']} | {r['ours_tok_s']:,.1f} | {r['hf_tok_s']:,.1f} | **{r['ours_tok_s'] / r['hf_tok_s']:.2f}×** "
               f"| {r['same_tokens']} |")
@@ -190,8 +218,10 @@ def main() -> None:
     for r in quant:
         print(f"| {r['variant']} | {r['tok_s']:,.0f} | {r['speedup_vs_onnx_fp32']:.2f}× | {r['perplexity']:.3f} | "
               f"{r['ppl_change_vs_onnx_fp32']:+.2%} |")
-    (work / "generate_throughput.json").write_text(json.dumps({"generate": gen, "spark": spark, "quantized": quant},
-                                                              indent=2))
+    print(f"\nrandom Llama {args.bigger[0]}L/{args.bigger[1]}: " + "; ".join(
+        f"{r['variant']} {r['tok_s']:,.0f} tok/s ({r['speedup_vs_onnx_fp32']:.2f}x)" for r in quant_big))
+    (work / "generate_throughput.json").write_text(json.dumps({"generate": gen, "spark": spark, "quantized": quant,
+                                                               "quantized_bigger": quant_big}, indent=2))
 
 
 if __name__ == "__main__":

@@ -305,7 +305,7 @@ def test_cli_batch_generation_eval_and_export(run_dir, tmp_path):
     figures = json.loads((tmp_path / "ev.json").read_text())
     assert figures["documents"] == 20 and figures["perplexity"] == pytest.approx(math.exp(figures["loss"]))
     missing = sparklm("eval", str(run_dir), "--input", str(tmp_path / "nope.txt"))
-    assert missing.returncode == 2 and "no files match" in missing.stderr
+    assert missing.returncode == 2 and "input not found" in missing.stderr
 
     ex = sparklm("export", str(run_dir), "--output", str(tmp_path / "onnx"), "--quantize", "int8")
     assert ex.returncode == 0, ex.stderr

@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--input", metavar="FILE", help="prompts.{txt,jsonl,parquet}: batch generation on Spark")
     g.add_argument("--output", "-o", metavar="FILE", help="write results to .jsonl or .parquet")
     g.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    g.add_argument("--min-new-tokens", type=int, default=0, metavar="N", help="no end-of-text before N tokens")
     g.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy")
     g.add_argument("--top-k", type=int, default=50, metavar="K", help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="1 = off")
@@ -238,7 +239,7 @@ def _run(args: argparse.Namespace) -> int:
 def _sampling(args: argparse.Namespace):
     from .infer.sampling import Sampling
 
-    return Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+    return Sampling(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, repetition_penalty=args.repetition_penalty, num_samples=args.num_samples,
                     seed=args.seed)
 

@@ -134,10 +134,12 @@ def _generate_batch(lm: LoadedModel, prompts: list[list[int]], sampling: Samplin
     tops: list[list] = [[] for _ in range(b)]
     texts = [""] * b
     done = torch.zeros(b, dtype=torch.bool)
-    for _ in range(sampling.max_new_tokens):
+    for step in range(sampling.max_new_tokens):
         logits = out.logits[:, -1, :].float()
         if logits.size(-1) > vocab:  # embedding rows beyond the tokenizer (rounded-up tables) are never text
             logits[:, vocab:] = float("-inf")
+        if step < sampling.min_new_tokens and eos is not None:
+            logits[:, eos] = float("-inf")
         chosen = next_tokens(logits, sampling, gens, previous)
         if show_top:
             probs, top_ids = logits.softmax(-1).topk(show_top, dim=-1)

@@ -18,6 +18,7 @@ class Sampling:
     """How to pick tokens. ``temperature = 0`` is greedy (top-k/top-p then do nothing)."""
 
     max_new_tokens: int = 64
+    min_new_tokens: int = 0  # EOS is masked until this many tokens are generated (as in HF)
     temperature: float = 0.8
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
@@ -28,6 +29,7 @@ class Sampling:
     def __post_init__(self):
         checks = [
             (self.max_new_tokens >= 1, "max-new-tokens must be >= 1"),
+            (0 <= self.min_new_tokens <= self.max_new_tokens, "min-new-tokens must be between 0 and max-new-tokens"),
             (self.temperature >= 0, "temperature must be >= 0 (0 = greedy)"),
             (self.top_k >= 0, "top-k must be >= 0 (0 = off)"),
             (0 < self.top_p <= 1, "top-p must be in (0, 1] (1 = off)"),

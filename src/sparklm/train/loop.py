@@ -28,6 +28,7 @@ from ..errors import SparklmError
 from ..model import build_model, flops_per_token, load_model, param_count
 from . import checkpoint
 from .metrics import MetricsWriter, matmul_peak, rss_mb
+from .report import write_samples
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,7 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
     if is_main:
         _export(model, spec, run_dir / "model")
         metrics.close()
+        write_samples(model, run_dir, dataset, config)
     _trim_memory()
     return {"steps": step, "tokens": tokens_seen, "seconds": elapsed, "params": n_params,
             "flops_per_token": flops_tok, "final": last_eval, "peak_flops": peak,

@@ -31,27 +31,29 @@ def plot_loss(metrics_csv: Path, out: Path) -> None:
     plt.close(fig)
 
 
-def write_samples(model_dir: Path, dataset, out: Path, config) -> None:
-    """A few temperature-sampled continuations of fixed prompts (openings of validation documents)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def write_samples(model, run_dir: Path, dataset, config) -> None:
+    """samples.txt: a few temperature-sampled continuations of fixed prompts (openings of validation
+    documents), written by rank 0 with the model it holds and the tokenizer it exported."""
+    from transformers import AutoTokenizer
+
+    from ..infer.generate import LoadedModel, generate
+    from ..infer.sampling import Sampling
 
     tc = config.train
-    if not tc.samples:
+    context = dataset.seq_len
+    new_tokens = min(tc.sample_tokens, context // 2)  # leave the prompt room within the context
+    if not tc.samples or new_tokens < 1:
         return
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), use_safetensors=True).eval()
-    prompts = _prompts(dataset, tok, tc.samples, config)
-    torch.manual_seed(tc.seed)
-    lines = [f"# {len(prompts)} samples: temperature 0.8, top-k 50, {tc.sample_tokens} new tokens\n"]
-    for prompt in prompts:
-        ids = torch.tensor([[tok.bos_token_id, *tok(prompt, add_special_tokens=False)["input_ids"]]])
-        with torch.no_grad():
-            generated = model.generate(ids, do_sample=True, temperature=0.8, top_k=50, max_new_tokens=tc.sample_tokens,
-                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-        text = tok.decode(generated[0, ids.shape[1]:], skip_special_tokens=True)
-        lines.append(f"--- prompt: {prompt!r}\n{prompt}{text}\n")
-    out.write_text("\n".join(lines))
+    tok = AutoTokenizer.from_pretrained(str(run_dir / "model"), local_files_only=True)
+    prompts = [p if p.strip() else "The" for p in _prompts(dataset, tok, tc.samples, config)]
+    lm = LoadedModel(model.eval(), tok, str(run_dir / "model"), context, add_bos=True)
+    sampling = Sampling(temperature=0.8, top_k=50, max_new_tokens=new_tokens, seed=tc.seed)
+    lines = [f"# {len(prompts)} samples: temperature 0.8, top-k 50, {new_tokens} new tokens (seed {tc.seed})\n"]
+    for g in generate(lm, prompts, sampling=sampling, warn=False):
+        lines.append(f"--- prompt: {g.prompt!r}\n{g.prompt}{g.text}\n")
+    tmp = run_dir / ".samples.txt.tmp"
+    tmp.write_text("\n".join(lines))
+    tmp.replace(run_dir / "samples.txt")
 
 
 def _prompts(dataset, tok, n: int, config) -> list[str]:

@@ -1,8 +1,8 @@
 """``sparklm train``: a prepared dataset → a run directory, trained by ranks on Spark tasks.
 
 The driver checks the inputs, writes the resolved ``config.json``, starts the ranks, follows
-rank 0's ``metrics.csv`` to show live progress, then writes ``summary.json``, ``loss.png`` and
-``samples.txt``.
+rank 0's ``metrics.csv`` to show live progress, then writes ``summary.json`` and ``loss.png``
+(rank 0 writes ``model/`` and ``samples.txt``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ..data.tokenizer import TokenizerSpec, from_tokenizer
 from ..errors import SparklmError
 from ..fs import effective, resolve
 from .metrics import read_metrics
-from .report import plot_loss, write_samples
+from .report import plot_loss
 
 
 def dataset_tokenizer(dataset: PreparedDataset, storage: StorageConfig | None = None) -> TokenizerSpec:
@@ -84,7 +84,6 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
         follower.stop()
     summary = _summary(run_dir, config, dataset, result, spark, time.time() - t0, spark_start)
     plot_loss(run_dir / "metrics.csv", run_dir / "loss.png")
-    write_samples(run_dir / "model", dataset, run_dir / "samples.txt", config)
     final = summary["final"]
     if final:
         progress.info(f"validation: loss {final['val_loss']:.3f}, perplexity {final['val_ppl']:.1f}, "
