@@ -198,10 +198,19 @@ def main() -> None:
     ap.add_argument("--eval-kb", type=int, default=256)
     ap.add_argument("--bigger", nargs=2, type=int, default=[8, 768], metavar=("LAYERS", "WIDTH"),
                     help="also time quantization on a random Llama of this size (speed only)")
+    ap.add_argument("--quant-only", action="store_true", help="only the quantization figures for --model")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(exist_ok=True)
     run = Path(args.model) if args.model else trained_model(work, args.train_seconds)
+    if args.quant_only:
+        quant = bench_quantized(run, work, args.eval_kb)
+        print("\n| variant | scoring tok/s | vs ONNX fp32 | perplexity | change |\n|---|---|---|---|---|")
+        for r in quant:
+            print(f"| {r['variant']} | {r['tok_s']:,.0f} | {r['speedup_vs_onnx_fp32']:.2f}× | {r['perplexity']:.3f} | "
+                  f"{r['ppl_change_vs_onnx_fp32']:+.2%} |")
+        (work / "generate_quant_only.json").write_text(json.dumps({"model": str(run), "quantized": quant}, indent=2))
+        return
     gen = bench_generate(run, args.new_tokens)
     spark = bench_spark(run, args.new_tokens // 2, args.prompts)
     quant = bench_quantized(run, work, args.eval_kb)

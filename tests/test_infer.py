@@ -145,6 +145,19 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batching(run_dir):
     assert [g.token_ids for g in other] != [g.token_ids for g in together[::2]]
 
 
+def test_int8_quantized_generation(run_dir):
+    from sparklm.infer.generate import generate, load
+
+    fp32, int8 = load(str(run_dir)), load(str(run_dir), quantize="int8")
+    assert not any(type(m) is torch.nn.Linear for m in int8.model.modules())  # every Linear quantized
+    ids = torch.tensor([[1, 5, 9, 200, 17, 3]])
+    with torch.no_grad():
+        a, b = fp32.model(input_ids=ids).logits, int8.model(input_ids=ids).logits
+    assert (a - b).abs().max() < 0.1 * a.abs().max()  # close, not equal: weights are int8
+    (g,) = generate(int8, ["The quick"], sampling=Sampling(temperature=0, max_new_tokens=5))
+    assert len(g.token_ids) >= 1
+
+
 def test_show_top_and_truncation_and_bad_prompts(run_dir):
     from sparklm.infer.generate import generate, load
 
@@ -257,6 +270,8 @@ def test_cli_generate_streams_and_writes(run_dir, tmp_path):
     assert out.stdout.startswith("The quick")
     again = sparklm("generate", str(run_dir), "--prompt", "The quick", "--temperature", "0", "--max-new-tokens", "5")
     assert again.stdout == out.stdout
+    q = sparklm("generate", str(run_dir), "--prompt", "The quick", "--max-new-tokens", "5", "--quantize", "int8")
+    assert q.returncode == 0 and q.stdout.startswith("The quick") and "Warning" not in q.stderr, q.stderr
     (tmp_path / "p.txt").write_text("The quick\nMoskva\n")
     res = sparklm("generate", str(run_dir), "--prompt-file", str(tmp_path / "p.txt"), "--num-samples", "2",
                   "--max-new-tokens", "8", "--output", str(tmp_path / "o.jsonl"))

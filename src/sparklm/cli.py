@@ -110,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, metavar="X")
     g.add_argument("--show-top", type=int, default=0, metavar="N", help="show the N most likely tokens at each step")
     g.add_argument("--backend", choices=["torch", "onnx"], default="torch")
+    g.add_argument("--quantize", choices=["none", "int8"], default="none",
+                   help="torch backend: dynamic int8 Linear layers for CPU inference")
     g.add_argument("--batch-size", type=int, default=8, metavar="N")
     g.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads (default: all)")
     _common(g)
@@ -285,7 +287,7 @@ def _generate(args: argparse.Namespace) -> int:
 
         lm = load_onnx(args.model, threads=args.threads)
     else:
-        lm = load(args.model, threads=args.threads)
+        lm = load(args.model, threads=args.threads, quantize=args.quantize)
     streaming = len(prompts) == 1 and sampling.num_samples == 1 and not args.show_top and not args.output
     if streaming:
         sys.stdout.write(prompts[0])
