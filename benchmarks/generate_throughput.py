@@ -116,12 +116,12 @@ def bench_spark(run: Path, new_tokens: int, n_prompts: int) -> dict:
 def bench_quantized(run: Path, work: Path, eval_kb: int) -> list[dict]:
     from sparklm.infer.evaluate import windows
     from sparklm.infer.export import LogitsGraph, export, load_onnx
-    from sparklm.infer.generate import load
+    from sparklm.infer.generate import load, token_ids
 
     torch.set_num_threads(THREADS)
     lm = load(str(run))
     text = (SHARED / "wikitext-2" / "test.txt").read_text()[: eval_kb * 1024]
-    ids = [lm.tokenizer.bos_token_id, *lm.tokenizer(text)["input_ids"]] if lm.add_bos else lm.tokenizer(text)["input_ids"]
+    ids = token_ids(lm, text)
     ctx = lm.context
     ws = windows(len(ids), ctx, ctx // 2)
     torch_graph = LogitsGraph(lm.model).eval()

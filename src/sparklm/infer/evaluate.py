@@ -66,7 +66,7 @@ def evaluate(model: str, inputs: list[str], *, config: Config | None = None, max
 
     from ..data.sources import OK, documents, plan_units
     from ..spark import get_session
-    from .generate import load, model_dir
+    from .generate import load, model_dir, token_ids
 
     config = config or Config()
     directory = str(model_dir(model).resolve())
@@ -93,9 +93,7 @@ def evaluate(model: str, inputs: list[str], *, config: Config | None = None, max
             if status != OK:
                 sums[5] += 1
                 continue
-            ids = lm.tokenizer(text, add_special_tokens=True)["input_ids"]
-            if lm.add_bos:
-                ids = [lm.tokenizer.bos_token_id, *ids]
+            ids = token_ids(lm, text)
             sums[3] += len(text.encode("utf-8"))
             sums[4] += 1
             if len(ids) < 2:  # nothing to predict

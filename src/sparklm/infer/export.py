@@ -99,9 +99,6 @@ class OnnxModel:
                                                   "attention_mask": attention_mask.numpy().astype("int64")})
         return SimpleNamespace(logits=torch.from_numpy(logits), past_key_values=None)
 
-    def eval(self):
-        return self
-
 
 def load_onnx(path: str, *, threads: int = 0):
     """A LoadedModel over an exported directory (``sparklm export``)."""

@@ -89,6 +89,12 @@ def load(path: str, *, threads: int = 0, quantize: str = "none") -> LoadedModel:
     return LoadedModel(model, tok, str(directory), int(context), add_bos)
 
 
+def token_ids(lm: LoadedModel, text: str) -> list[int]:
+    """The ids the model sees for ``text``: its tokenizer's, with BOS first where training put it."""
+    ids = lm.tokenizer(text, add_special_tokens=True)["input_ids"]
+    return [lm.tokenizer.bos_token_id, *ids] if lm.add_bos else ids
+
+
 def encode(lm: LoadedModel, prompt: str, max_new_tokens: int) -> tuple[list[int], bool]:
     """Token ids of a prompt, cut from the left so that prompt + new tokens fit the context."""
     if not prompt.strip():
@@ -96,9 +102,7 @@ def encode(lm: LoadedModel, prompt: str, max_new_tokens: int) -> tuple[list[int]
     if max_new_tokens >= lm.context:
         raise SparklmError(f"--max-new-tokens {max_new_tokens} does not fit the model's context of {lm.context} tokens",
                            hint=f"use at most {lm.context - 1}")
-    ids = lm.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    if lm.add_bos:
-        ids = [lm.tokenizer.bos_token_id, *ids]
+    ids = token_ids(lm, prompt)
     keep = lm.context - max_new_tokens
     return (ids[-keep:], True) if len(ids) > keep else (ids, False)
 
