@@ -310,9 +310,7 @@ def _generate(args: argparse.Namespace) -> int:
                 cells = "  ".join(f"{t!r} {p:.1%}" for t, p in top)
                 print(f"  {i:>3} {chosen!r:>14} <- {cells}")
     if args.output:
-        batch.write_generations([{"id": g.key, "sample": g.sample, "prompt": g.prompt, "text": g.text,
-                                  "prompt_tokens": g.prompt_tokens, "new_tokens": len(g.token_ids),
-                                  "truncated": g.truncated} for g in gens], args.output)
+        batch.write_generations([g.record() for g in gens], args.output)
         progress.plain(args.output)
     return 0
 

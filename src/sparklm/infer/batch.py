@@ -16,6 +16,7 @@ from .sampling import Sampling
 _MODELS: dict = {}  # per Python worker process: (path, threads) -> LoadedModel
 
 OUTPUT_SCHEMA = "id long, sample int, prompt string, text string, prompt_tokens int, new_tokens int, truncated boolean"
+OUTPUT_COLUMNS = [c.split()[0] for c in OUTPUT_SCHEMA.split(", ")]
 
 
 def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: str = "id",
@@ -48,10 +49,7 @@ def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: st
                 continue
             gens = generate(lm, [str(p) for p in frame["prompt"]], keys=[int(i) for i in frame["id"]],
                             sampling=sampling, batch_size=batch_size, warn=False)
-            yield pd.DataFrame({
-                "id": [g.key for g in gens], "sample": [g.sample for g in gens], "prompt": [g.prompt for g in gens],
-                "text": [g.text for g in gens], "prompt_tokens": [g.prompt_tokens for g in gens],
-                "new_tokens": [len(g.token_ids) for g in gens], "truncated": [g.truncated for g in gens]})
+            yield pd.DataFrame([g.record() for g in gens], columns=OUTPUT_COLUMNS)
 
     prompts = df.select(F.col(id_col).cast("long").alias("id"), F.col(prompt_col).cast("string").alias("prompt"))
     return prompts.mapInPandas(run, OUTPUT_SCHEMA)

@@ -29,6 +29,11 @@ class Generation:
     truncated: bool = False  # the prompt was cut from the left to fit the context
     top: list[list[tuple[str, float]]] = field(default_factory=list)  # --show-top: per position
 
+    def record(self) -> dict:
+        """One output row (the schema of batch.OUTPUT_SCHEMA and of ``--output`` files)."""
+        return {"id": self.key, "sample": self.sample, "prompt": self.prompt, "text": self.text,
+                "prompt_tokens": self.prompt_tokens, "new_tokens": len(self.token_ids), "truncated": self.truncated}
+
 
 @dataclass
 class LoadedModel:
