@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import free_port, make_text
 
 from sparklm.config import from_dict
@@ -51,7 +52,7 @@ def standalone(tmp_path_factory):
                 state = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=2).read())
                 if sum(w["state"] == "ALIVE" for w in state["workers"]) == 2:
                     break
-            except OSError:
+            except (OSError, ValueError):  # not up yet, or its UI answered before it was ready
                 pass
             if time.time() > deadline:
                 pytest.fail(f"standalone cluster did not start; see {work}")
@@ -101,3 +102,45 @@ def _nest(settings):
         section, name = key.split(".")
         out.setdefault(section, {})[name] = json.loads(value) if value[0] in '"0123456789-' else value
     return out
+
+
+def test_diloco_on_a_standalone_cluster_recomputes_a_failed_task_exactly(spark, standalone, tmp_path):
+    """Plain tasks on the cluster: one task fails after its inner steps; Spark's retry recomputes the same
+    delta, so the run ends with the weights of the failure-free run (and local mode's losses)."""
+    from safetensors.torch import load_file
+
+    (tmp_path / "a.txt").write_text(make_text(300, seed=11))
+    settings = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "train.batch_size=4", "train.max_steps=6",
+                "train.eval_every=0", "train.eval_batches=2", "train.dtype=\"float32\"", "train.samples=0",
+                "train.threads=1", "train.strategy=\"diloco\"", "train.sync_every=2"]
+    data = prepare([str(tmp_path / "a.txt")], output=str(tmp_path / "data"), spark=spark,
+                   config=from_dict({"data": {"seq_len": 32}, "tokenizer": {"vocab_size": 300}}))
+    local = tmp_path / "local"
+    train(data.uri, output=str(local), config=from_dict(_nest(settings + ["train.workers=2"])), spark=spark)
+
+    def remote(name, fault=None):
+        out = tmp_path / name
+        args = [sys.executable, "-m", "sparklm", "train", "--data", data.uri, "--output", str(out), "--workers", "2",
+                "--master", standalone, "--conf", "spark.executor.memory=1g", "--conf", "spark.ui.enabled=false"]
+        for s in settings:
+            args += ["--set", s]
+        env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
+        env.pop("SPARKLM_INJECT_FAULT", None)
+        if fault:
+            env["SPARKLM_INJECT_FAULT"] = fault
+        r = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        with (out / "rounds.csv").open() as f:
+            rows = list(__import__("csv").DictReader(f))
+        return rows, load_file(str(sorted((out / "checkpoints").glob("step-*"))[-1] / "model.safetensors"))
+
+    clean_rows, clean = remote("clean")
+    fault_rows, faulted = remote("faulted", "round=1,worker=1,attempts=1")
+    assert [r["attempts"] for r in clean_rows] == ["0;0"] * 3
+    assert sorted(fault_rows[1]["attempts"].split(";")) == ["0", "1"]  # worker 1 of round 1 ran twice
+    assert all(r["workers_done"] == "2" for r in fault_rows)
+    for k in clean:
+        assert torch.equal(clean[k], faulted[k]), k
+    a = [float(r["loss"]) for r in clean_rows]
+    b = [row["loss"] for row in read_metrics(local / "metrics.csv") if row["kind"] == "train"]
+    assert a == pytest.approx(b, abs=1e-4)

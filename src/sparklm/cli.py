@@ -24,7 +24,9 @@ _FLAG_KEYS = {
     "workers": "train.workers", "threads": "train.threads", "max_steps": "train.max_steps", "epochs": "train.epochs",
     "max_tokens": "train.max_tokens", "time_budget": "train.time_budget", "init_from": "model.init_from",
     "eval_every": "train.eval_every", "checkpoint_every": "train.checkpoint_every",
+    "strategy": "train.strategy", "sync_every": "train.sync_every",
 }
+_STARTED: list = []  # sessions this command started, stopped when it ends
 RUN_TIME_BUDGET = 360  # seconds of training when `sparklm run` is given no budget: the whole job fits in 10 minutes
 
 
@@ -143,7 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _train_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
-    g.add_argument("--workers", type=int, metavar="N", help="Spark tasks, one DDP rank each (default 1)")
+    g.add_argument("--workers", type=int, metavar="N", help="Spark tasks training at once (default 1)")
+    g.add_argument("--strategy", choices=["ddp", "average", "diloco"],
+                   help="ddp (default): synchronous, barrier tasks; average: parameter averaging every --sync-every "
+                        "steps on plain tasks; diloco: averaging with an outer Nesterov step (communicates ~H× less)")
+    g.add_argument("--sync-every", type=int, metavar="H", help="average/diloco: inner steps per round (default 32)")
     g.add_argument("--threads", type=int, metavar="N", help="torch threads per worker (default: cores / workers)")
     g.add_argument("--max-steps", type=int, metavar="N", help="optimizer steps")
     g.add_argument("--epochs", type=float, metavar="N", help="passes over the training tokens")
@@ -173,9 +179,14 @@ def _session_factory(args: argparse.Namespace, config):
     from .spark import default_jvm_log, get_session
 
     def start():
+        from pyspark.sql import SparkSession
+
         log = None if args.debug else default_jvm_log()
         t0 = time.time()
+        running = SparkSession.getActiveSession()
         spark = get_session(config.spark, jvm_log=log)
+        if spark is not running:
+            _STARTED.append(spark)
         progress.info(f"Spark {spark.version} ({config.spark.master}) started in {time.time() - t0:.1f}s"
                       + (f" [dim](JVM log: {log})[/dim]" if log else ""))
         return spark
@@ -362,12 +373,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _stop_spark() -> None:
-    if "pyspark" in sys.modules:
-        from pyspark.sql import SparkSession
-
-        active = SparkSession.getActiveSession()
-        if active is not None:
-            active.stop()
+    """Stop the session this command started (not one it found running: main() may run in a caller's process)."""
+    while _STARTED:
+        _STARTED.pop().stop()
 
 
 if __name__ == "__main__":

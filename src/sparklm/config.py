@@ -109,9 +109,22 @@ class ModelConfig:
 class TrainConfig:
     """The training loop and its distribution."""
 
-    workers: int = _f(1, "Spark tasks, one torch.distributed rank each", min=1)
-    threads: int = _f(0, "torch threads per worker; 0: the machine's cores divided by workers", min=0)
-    strategy: Literal["ddp"] = _f("ddp", "ddp: synchronous data parallelism on Spark barrier tasks")
+    workers: int = _f(1, "Spark tasks training at once (DDP ranks, or the tasks of a round)", min=1)
+    threads: int = _f(0, "torch threads per worker; 0: the machine's cores divided by workers (local mode), "
+                         "spark.task.cpus on a cluster for average/diloco", min=0)
+    strategy: Literal["ddp", "average", "diloco"] = _f(
+        "ddp", "ddp: synchronous data parallelism on Spark barrier tasks; average: rounds of plain tasks whose "
+               "weights are averaged every sync_every steps; diloco: the same rounds with an outer Nesterov step"
+    )
+    sync_every: int = _f(32, "average/diloco: inner steps each worker runs between synchronisations (H)", min=1)
+    outer_lr: float = _f(0.7, "diloco: outer learning rate (average uses 1.0)", min=0.0)
+    outer_momentum: float = _f(0.9, "diloco: outer Nesterov momentum, as in the paper (average uses none); for "
+                                    "runs of a few dozen rounds 0.5 measured better (BENCHMARKS.md)",
+                               min=0.0, max=0.999)
+    inner_state: Literal["keep", "reset"] = _f(
+        "keep", "average/diloco: a worker's AdamW state across rounds: keep (on the executor's disk, per worker) "
+                "or reset every round"
+    )
     batch_size: int = _f(8, "sequences per micro-batch per worker", min=1)
     grad_accum: int = _f(1, "micro-batches per optimizer step", min=1)
     lr: float = _f(3e-3, "peak learning rate", min=0.0)

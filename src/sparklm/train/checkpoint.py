@@ -24,23 +24,45 @@ _STATE = "state.json"
 def save(directory: Path, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          state: dict[str, Any], rng: dict[str, torch.Tensor], keep: int) -> Path:
     """Write ``directory/step-NNNNNNN`` atomically and prune older checkpoints."""
+    weights = {k: v.detach().contiguous().cpu().clone() for k, v in model.state_dict().items()}
+    tensors, groups = _optimizer_tensors(optimizer)
+    return save_files(directory, step, files={"model": _untie(weights), "optimizer": tensors,
+                                              "rng": {k: v.contiguous() for k, v in rng.items()}},
+                      state={**state, "param_groups": groups}, keep=keep)
+
+
+def save_files(directory: Path, step: int, *, files: dict[str, dict[str, torch.Tensor]], state: dict[str, Any],
+               keep: int, adopt: dict[str, Path] | None = None) -> Path:
+    """A checkpoint of named safetensors files (``NAME.safetensors``) and ``state.json``, written under a
+    temporary name and renamed when complete. ``adopt`` moves finished directories in (name → path)."""
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"step-{step:07d}"
     tmp = directory / f".tmp-step-{step:07d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    weights = {k: v.detach().contiguous().cpu().clone() for k, v in model.state_dict().items()}
-    save_file(_untie(weights), str(tmp / "model.safetensors"))
-    tensors, groups = _optimizer_tensors(optimizer)
-    save_file(tensors, str(tmp / "optimizer.safetensors"))
-    save_file({k: v.contiguous() for k, v in rng.items()}, str(tmp / "rng.safetensors"))
-    (tmp / _STATE).write_text(json.dumps({**state, "step": step, "param_groups": groups}, indent=2))
+    for name, tensors in files.items():
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / f"{name}.safetensors"))
+    for name, path in (adopt or {}).items():
+        if path.is_dir():
+            path.rename(tmp / name)
+    (tmp / _STATE).write_text(json.dumps({**state, "step": step}, indent=2))
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
     for old in sorted(directory.glob("step-*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def load_files(path: Path, names: list[str]) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+    """``state.json`` and the named safetensors files of a checkpoint (a missing file loads as empty)."""
+    try:
+        state = json.loads((path / _STATE).read_text())
+        files = {n: load_file(str(path / f"{n}.safetensors")) if (path / f"{n}.safetensors").is_file() else {}
+                 for n in names}
+    except (OSError, ValueError) as e:
+        raise SparklmError(f"checkpoint {path} is unreadable: {e}", hint="delete it to resume from an older one") from None
+    return state, files
 
 
 def latest(directory: Path) -> Path | None:

@@ -98,21 +98,7 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
         lr = _lr(step, progress_frac, tc)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss_sum = torch.zeros(())
-        for micro in range(tc.grad_accum):
-            ids, mask = next(batches)
-            x = torch.from_numpy(ids)
-            labels = x.masked_fill(torch.from_numpy(mask) == 0, -100) if mask is not None else x
-            attn = torch.from_numpy(mask).long() if mask is not None else None
-            sync = rank.world == 1 or micro == tc.grad_accum - 1
-            ctx = net.no_sync() if not sync and hasattr(net, "no_sync") else nullcontext()
-            with ctx, torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-                loss = net(input_ids=x, attention_mask=attn, labels=labels).loss / tc.grad_accum
-            loss.backward()
-            loss_sum += loss.detach().float()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or float("inf"))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss_sum, grad_norm = train_step(net, model, optimizer, batches, tc=tc, dtype=dtype, world=rank.world)
         step += 1
         position += rows_per_step
         tokens_seen += rows_per_step * seq_len
@@ -151,7 +137,29 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
             "dtype": str(dtype).replace("torch.", "")}
 
 
-@torch.no_grad()
+def train_step(net, model, optimizer, batches, *, tc, dtype, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over ``tc.grad_accum`` micro-batches (lr already set); returns (loss, grad norm).
+
+    Shared by every strategy, so one worker of a round trains exactly like the single-process loop.
+    """
+    loss_sum = torch.zeros(())
+    for micro in range(tc.grad_accum):
+        ids, mask = next(batches)
+        x = torch.from_numpy(ids)
+        labels = x.masked_fill(torch.from_numpy(mask) == 0, -100) if mask is not None else x
+        attn = torch.from_numpy(mask).long() if mask is not None else None
+        sync = world == 1 or micro == tc.grad_accum - 1
+        ctx = net.no_sync() if not sync and hasattr(net, "no_sync") else nullcontext()
+        with ctx, torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            loss = net(input_ids=x, attention_mask=attn, labels=labels).loss / tc.grad_accum
+        loss.backward()
+        loss_sum += loss.detach().float()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or float("inf"))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm
+
+
 def evaluate(net, groups, seq_len: int, tc, rank: Rank, dtype, byte_lengths: torch.Tensor, config) -> dict:
     """Loss, perplexity, bits per byte and next-token accuracy over (a part of) the validation split.
 
@@ -160,9 +168,18 @@ def evaluate(net, groups, seq_len: int, tc, rank: Rank, dtype, byte_lengths: tor
     """
     if not groups:
         return {}
+    sums = eval_sums(net, groups, seq_len, tc, rank, dtype, byte_lengths, config)
+    if rank.world > 1:
+        dist.all_reduce(sums)
+    return eval_metrics(sums.tolist())
+
+
+@torch.no_grad()
+def eval_sums(net, groups, seq_len: int, tc, rank: Rank, dtype, byte_lengths: torch.Tensor, config) -> torch.Tensor:
+    """[nats, tokens, bytes, correct] over this rank's part of the validation split (row i → rank i mod world)."""
     net.eval()
     limit = tc.eval_batches * tc.batch_size if tc.eval_batches else None
-    sums = torch.zeros(4, dtype=torch.float64)  # nats, tokens, bytes, correct
+    sums = torch.zeros(4, dtype=torch.float64)
     for ids, mask in validation_rows(groups, seq_len=seq_len, rank=rank.rank, world=rank.world, limit=limit,
                                      storage=config.storage):
         for i in range(0, len(ids), tc.batch_size):
@@ -177,10 +194,12 @@ def evaluate(net, groups, seq_len: int, tc, rank: Rank, dtype, byte_lengths: tor
             sums[1] += valid.sum()
             sums[2] += byte_lengths[target.reshape(-1)[valid]].sum()
             sums[3] += (logits.argmax(-1).reshape(-1)[valid] == target.reshape(-1)[valid]).sum()
-    if rank.world > 1:
-        dist.all_reduce(sums)
     net.train()
-    nats, tokens, nbytes, correct = sums.tolist()
+    return sums
+
+
+def eval_metrics(sums: list[float]) -> dict:
+    nats, tokens, nbytes, correct = sums
     if tokens == 0:
         return {}
     loss = nats / tokens

@@ -41,7 +41,7 @@ def dataset_tokenizer(dataset: PreparedDataset, storage: StorageConfig | None = 
 def train(data: str | None, *, output: str, config: Config | None = None, resume: bool = False, spark=None) -> dict:
     """Train a model on a prepared dataset into ``output`` (a run directory); return the summary."""
     from ..spark import get_session
-    from .strategies import ddp
+    from .strategies import averaging, ddp
 
     run_dir = Path(output)
     if resume:
@@ -52,6 +52,7 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
         base = from_dict(meta["config"])
         config = base.replace(train=config.train) if config is not None else base  # a new budget may extend it
         data = data or meta["data"]
+        _check_resumable(run_dir, config)
     elif (run_dir / "config.json").exists() or (run_dir / "checkpoints").exists():
         raise SparklmError(f"run directory {run_dir} already holds a run",
                            hint="use --resume to continue it, or another --output")
@@ -72,16 +73,24 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
     spark = spark() if callable(spark) else get_session(config.spark, spark=spark)
     spark_start = time.time() - t_spark
     job = {"config": config.to_dict(), "data": data, "run_dir": str(run_dir.resolve()), "resume": resume}
-    follower = _Follower(run_dir / "metrics.csv")
-    follower.start()
+    tc = config.train
+    label = f"train: {tc.strategy}, {tc.workers} worker{'s' * (tc.workers > 1)}"
+    if tc.strategy != "ddp":
+        label += f", sync every {tc.sync_every} steps"
     t0 = time.time()
-    try:
-        with progress.stage(spark, f"train ({config.train.workers} worker{'s' * (config.train.workers > 1)})",
-                            quiet=True):
-            result = ddp.run(spark, job, workers=config.train.workers, threads=config.train.threads,
-                             log_dir=str(run_dir / "logs"))
-    finally:
-        follower.stop()
+    if tc.strategy == "ddp":
+        follower = _Follower(run_dir / "metrics.csv")  # the ranks write metrics.csv; the driver shows it
+        follower.start()
+        try:
+            with progress.stage(spark, label, quiet=True):
+                result = ddp.run(spark, job, workers=tc.workers, threads=tc.threads, log_dir=str(run_dir / "logs"))
+        finally:
+            follower.stop()
+        result["bytes_communicated"] = _allreduce_bytes(result, tc.workers)
+    else:
+        with progress.stage(spark, label, quiet=True):
+            result = averaging.run(spark, job, workers=tc.workers,
+                                   threads=tc.threads or averaging.default_threads(spark, tc.workers), run_dir=run_dir)
     summary = _summary(run_dir, config, dataset, result, spark, time.time() - t0, spark_start)
     plot_loss(run_dir / "metrics.csv", run_dir / "loss.png")
     final = summary["final"]
@@ -89,6 +98,24 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
         progress.info(f"validation: loss {final['val_loss']:.3f}, perplexity {final['val_ppl']:.1f}, "
                       f"{final['val_bpb']:.3f} bits/byte, accuracy {final['val_acc']:.1%}")
     return summary
+
+
+def _check_resumable(run_dir: Path, config: Config) -> None:
+    """The newest checkpoint must come from the same strategy (and, in rounds, the same sync_every)."""
+    done = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if (p / "state.json").is_file())
+    if not done:
+        return  # killed before its first checkpoint: the run starts again from the beginning
+    state = json.loads((done[-1] / "state.json").read_text())
+    was = state.get("strategy", "ddp")
+    if was != config.train.strategy:
+        raise SparklmError(f"{done[-1]} was written by strategy {was}, not {config.train.strategy}",
+                           hint=f"resume with --strategy {was}")
+
+
+def _allreduce_bytes(result: dict, workers: int) -> int:
+    """DDP's traffic, computed (gloo has no counters): a ring all-reduce of the fp32 gradients per step
+    sends 2·(N−1)/N of them from each of the N ranks."""
+    return int(result["steps"] * 2 * (workers - 1) * 4 * (result.get("params") or 0))
 
 
 def _check_init_from(config: Config, spec: TokenizerSpec) -> None:
@@ -119,7 +146,10 @@ def _summary(run_dir: Path, config: Config, dataset: PreparedDataset, result: di
         "mfu": _mean(steady, "mfu"), "peak_rss_mb": max((r["rss_mb"] or 0 for r in train_rows), default=0),
         "params": result["params"], "flops_per_token": result["flops_per_token"],
         "peak_flops": result["peak_flops"], "dtype": result["dtype"],
-        "workers": config.train.workers, "spark_application_id": spark.sparkContext.applicationId,
+        "workers": config.train.workers, "strategy": config.train.strategy,
+        "bytes_communicated": result.get("bytes_communicated"),
+        **{k: result[k] for k in ("rounds", "bytes_broadcast", "bytes_returned") if k in result},
+        "spark_application_id": spark.sparkContext.applicationId,
         "spark_master": spark.sparkContext.master, "sparklm_version": __version__,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
