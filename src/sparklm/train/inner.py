@@ -79,9 +79,11 @@ def run_worker(job: dict, worker: int, weights: bytes, rnd: dict, *, attempt: in
         torch.manual_seed(_seed(tc.seed, rnd["step0"], worker))  # dropout: a function of (seed, step, worker)
         shard_rank, shard_world = job["shards"][worker]
         rows_per_step = tc.batch_size * tc.grad_accum * shard_world
-        batches = iter(TokenStream(ctx["train_groups"], seq_len=seq_len, batch_size=tc.batch_size, rank=shard_rank,
-                                   world=shard_world, seed=tc.seed, window=tc.window_row_groups,
-                                   start=rnd["step0"] * rows_per_step, storage=config.storage))
+        stream = TokenStream(ctx["train_groups"], seq_len=seq_len, batch_size=tc.batch_size, rank=shard_rank,
+                             world=shard_world, seed=tc.seed, window=tc.window_row_groups,
+                             start=rnd["step0"] * rows_per_step, storage=config.storage)
+        seen = [0]  # tokens trained on, padding excluded: the worker's weight in the average
+        batches = _counted(iter(stream), seen)
         model.train()
         for i in range(steps):
             step = rnd["step0"] + i
@@ -91,8 +93,10 @@ def run_worker(job: dict, worker: int, weights: bytes, rnd: dict, *, attempt: in
             loss, grad_norm = train_step(model, model, optimizer, batches, tc=tc, dtype=dtype, world=1)
             out["losses"].append(float(loss))
         out.update(lr=lr, grad_norm=float(grad_norm))
-        out["tokens"] = steps * tc.batch_size * tc.grad_accum * seq_len
-        out["weight"] = out["tokens"] / (steps * tc.batch_size * tc.grad_accum * seq_len)
+        # weight = tokens / the tokens of a full, unpadded round: exactly 1.0 for unpadded data, so a
+        # one-worker round leaves its delta bit for bit unchanged
+        out["tokens"] = seen[0]
+        out["weight"] = seen[0] / (steps * tc.batch_size * tc.grad_accum * seq_len)
         with torch.no_grad():
             out["delta"] = {n: (global_w[n] - p.detach()).mul_(out["weight"]).numpy()
                             for n, p in model.named_parameters()}
@@ -143,6 +147,12 @@ def _context(job: dict) -> dict:
             "byte_lengths": torch.tensor(token_byte_lengths(spec), dtype=torch.float64),
         }
     return _CACHE[key]
+
+
+def _counted(batches, seen: list[int]):
+    for ids, mask in batches:
+        seen[0] += ids.size if mask is None else int(mask.sum())
+        yield ids, mask
 
 
 def _fraction(step: int, rnd: dict, i: int) -> float:

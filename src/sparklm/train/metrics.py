@@ -13,33 +13,40 @@ COLUMNS = ["kind", "step", "epoch", "tokens", "loss", "lr", "grad_norm", "tokens
            "rss_mb", "elapsed", "val_loss", "val_ppl", "val_bpb", "val_acc", "val_tokens"]
 
 
-class MetricsWriter:
-    """Appends rows to metrics.csv and flushes each one, so the driver can follow the run live."""
+class CsvLog:
+    """Appends rows to a CSV file and flushes each one, so the driver (or a reader) can follow it live."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, columns: list[str]):
         self.path = path
         fresh = not path.exists()
         self.file = path.open("a", newline="")
-        self.writer = csv.DictWriter(self.file, fieldnames=COLUMNS, extrasaction="ignore")
+        self.writer = csv.DictWriter(self.file, fieldnames=columns, extrasaction="ignore")
         if fresh:
             self.writer.writeheader()
         self.file.flush()
 
-    def info(self, **facts) -> None:
-        (self.path.parent / "run_info.json").write_text(json.dumps(facts, indent=2))
-
-    def train(self, **row) -> None:
-        self._write({"kind": "train", **row})
-
-    def evaluation(self, **row) -> None:
-        self._write({"kind": "eval", **row})
-
-    def _write(self, row: dict) -> None:
+    def write(self, row: dict) -> None:
         self.writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
         self.file.flush()
 
     def close(self) -> None:
         self.file.close()
+
+
+class MetricsWriter(CsvLog):
+    """metrics.csv: a row per log step (``train``) or evaluation (``eval``); run_info.json beside it."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, COLUMNS)
+
+    def info(self, **facts) -> None:
+        (self.path.parent / "run_info.json").write_text(json.dumps(facts, indent=2))
+
+    def train(self, **row) -> None:
+        self.write({"kind": "train", **row})
+
+    def evaluation(self, **row) -> None:
+        self.write({"kind": "eval", **row})
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -102,6 +102,7 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
 
 def _check_resumable(run_dir: Path, config: Config) -> None:
     """The newest checkpoint must come from the same strategy (and, in rounds, the same sync_every)."""
+    # checkpoint.latest() without importing torch on the driver
     done = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if (p / "state.json").is_file())
     if not done:
         return  # killed before its first checkpoint: the run starts again from the beginning

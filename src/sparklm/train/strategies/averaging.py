@@ -14,7 +14,6 @@ optimizer states), from which ``--resume`` continues exactly.
 
 from __future__ import annotations
 
-import csv
 import os
 import re
 import shutil
@@ -44,8 +43,8 @@ def run(spark, job: dict, *, workers: int, threads: int, run_dir: Path, shards: 
     from ...data.manifest import load_prepared
     from .. import checkpoint
     from ..loop import _model, _total_steps
-    from ..metrics import MetricsWriter
-    from ..run import dataset_tokenizer
+    from ..metrics import CsvLog, MetricsWriter
+    from ..run import _line, dataset_tokenizer
     from . import outer
 
     config = from_dict(job["config"])
@@ -88,7 +87,7 @@ def run(spark, job: dict, *, workers: int, threads: int, run_dir: Path, shards: 
     fault = _fault(os.environ.get(FAULT_ENV, ""))
     max_failures = _max_failures(spark)
     metrics = MetricsWriter(run_dir / "metrics.csv")
-    rounds = _RoundsWriter(run_dir / "rounds.csv")
+    rounds = CsvLog(run_dir / "rounds.csv", ROUND_COLUMNS)
     facts: dict = {}
     comm = {"broadcast": 0, "returned": 0}
     epoch_tokens = max(dataset.manifest["splits"]["train"]["tokens"], 1)
@@ -130,7 +129,7 @@ def run(spark, job: dict, *, workers: int, threads: int, run_dir: Path, shards: 
             last_eval = _eval(partial)
             metrics.evaluation(step=step, tokens=tokens_seen, **last_eval)
             if last_eval:
-                progress.info(_eval_line(step, last_eval))
+                progress.info(_line({"kind": "eval", "step": step, **last_eval}, {}))
         dropped = partial["errors"]
         if not done:
             raise SparklmError(f"round {rnd_index}: every worker failed; first error: {dropped[0]['error']}",
@@ -316,36 +315,12 @@ def default_threads(spark, workers: int) -> int:
     return int(spark.sparkContext.getConf().get("spark.task.cpus", "1"))
 
 
-class _RoundsWriter:
-    def __init__(self, path: Path):
-        fresh = not path.exists()
-        self.file = path.open("a", newline="")
-        self.writer = csv.DictWriter(self.file, fieldnames=ROUND_COLUMNS)
-        if fresh:
-            self.writer.writeheader()
-
-    def write(self, row: dict) -> None:
-        self.writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
-        self.file.flush()
-
-    def close(self) -> None:
-        self.file.close()
-
-
 def _round_line(rnd, step, total, loss, tps, wall, comm, update_norm, done, workers, elapsed, per_step, budget) -> str:
+    from ..run import _hms
+
     of = f"/{total}" if total < 10**12 else ""
     left = (total - step) * per_step if of else max(budget - elapsed, 0) if budget else 0
     mb = (comm["broadcast"] + comm["returned"]) / 1e6
     who = f" | {done}/{workers} workers" if done < workers else ""
     return (f"round {rnd} | step {step}{of} | loss {loss:.3f} | {tps:,.0f} tok/s | {wall:.1f} s/round | "
             f"outer step {update_norm:.3g} | {mb:,.1f} MB sent{who} | {elapsed:.0f}s | ETA {_hms(left)}")
-
-
-def _eval_line(step: int, e: dict) -> str:
-    return (f"  eval step {step}: val loss {e['val_loss']:.3f} | ppl {e['val_ppl']:.1f} | "
-            f"{e['val_bpb']:.3f} bits/byte | acc {e['val_acc']:.1%}")
-
-
-def _hms(seconds: float) -> str:
-    m, s = divmod(int(seconds), 60)
-    return f"{m}m{s:02d}s" if m else f"{s}s"
