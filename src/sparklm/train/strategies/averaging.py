@@ -256,10 +256,10 @@ def _merge(a: dict | None, b: dict | None) -> dict | None:
         return b if a is None else a
     if a["sum"] is None or b["sum"] is None:
         total = b["sum"] if a["sum"] is None else a["sum"]
-    else:
-        total = a["sum"]
-        for n, arr in b["sum"].items():
-            total[n] = total[n] + arr
+    else:  # the tasks already weighted their deltas by tokens
+        from .outer import weighted_sum
+
+        total = weighted_sum([(a["sum"], 1.0), (b["sum"], 1.0)])
     return {"sum": total, "results": a["results"] + b["results"], "errors": a["errors"] + b["errors"]}
 
 

@@ -21,7 +21,8 @@ Tensors = Mapping[str, torch.Tensor]
 
 
 def weighted_sum(parts: Sequence[tuple[Tensors, float]]) -> dict[str, torch.Tensor]:
-    """Σ wᵢ·Δᵢ, name by name (the associative half of the average: what a tree aggregation adds up)."""
+    """Σ wᵢ·Δᵢ, name by name (the associative half of the average: what the tree aggregation adds up).
+    Works on torch tensors and numpy arrays alike."""
     if not parts:
         raise ValueError("nothing to sum")
     names = parts[0][0].keys()
