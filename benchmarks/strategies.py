@@ -35,12 +35,12 @@ CONTENDERS = {
     "average-32": ["--strategy", "average", "--sync-every", "32"],
     "diloco-32": ["--strategy", "diloco", "--sync-every", "32"],
     "diloco-128": ["--strategy", "diloco", "--sync-every", "128"],
-    "diloco-32-reset": ["--strategy", "diloco", "--sync-every", "32", "--set", "train.inner_state=\"reset\""],
+    "diloco-32-reset": ["--strategy", "diloco", "--sync-every", "32", "--set", "train.rounds.inner_state=\"reset\""],
     # The paper's outer momentum (0.9) carries early, large deltas into the last rounds of a short run;
     # with a few dozen rounds at most, a shorter memory:
-    "diloco-64-m0.5": ["--strategy", "diloco", "--sync-every", "64", "--set", "train.outer_momentum=0.5"],
-    "diloco-128-m0.5": ["--strategy", "diloco", "--sync-every", "128", "--set", "train.outer_momentum=0.5"],
-    "average-8-reset": ["--strategy", "average", "--sync-every", "8", "--set", "train.inner_state=\"reset\""],
+    "diloco-64-m0.5": ["--strategy", "diloco", "--sync-every", "64", "--set", "train.rounds.outer_momentum=0.5"],
+    "diloco-128-m0.5": ["--strategy", "diloco", "--sync-every", "128", "--set", "train.rounds.outer_momentum=0.5"],
+    "average-8-reset": ["--strategy", "average", "--sync-every", "8", "--set", "train.rounds.inner_state=\"reset\""],
 }
 
 

@@ -9,8 +9,8 @@ Same machine, same 2 threads, same batch (16 × 256 tokens), same vocabulary (a 
 on Tiny Shakespeare from ../shared/data). For a 4-layer/128-wide and a ~10M-parameter model:
   * plain: benchmarks/nanogpt_ref.py's GPT and loop (random batches from the same tokens);
   * plain + allocator: the same, with the glibc allocator setting sparklm's loop makes
-    (sparklm.train.loop._keep_freed_memory), to show how much of the difference that setting is;
-  * sparklm (loop): sparklm.train.loop.train in this process (HF model, Parquet stream, AdamW, clipping,
+    (sparklm.train.device.keep_freed_memory), to show how much of the difference that setting is;
+  * sparklm (loop): sparklm.train.core.train in this process (HF model, Parquet stream, AdamW, clipping,
     metrics) — GPT-2 architecture (the same math as the plain GPT) and the default Llama;
   * sparklm (Spark): the same through `sparklm train` on Spark local mode, 1 worker × 2 threads,
     with the time from command start to the first step.
@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 SHARED = ROOT.parent / "shared" / "data"
 
 from nanogpt_ref import GPT, GPTConfig, train_steps  # noqa: E402
-
 from sparklm.config import from_dict  # noqa: E402
-from sparklm.train.metrics import matmul_peak, read_metrics  # noqa: E402
+from sparklm.train.device import matmul_peak  # noqa: E402
+from sparklm.train.sinks import read_metrics  # noqa: E402
 
 SIZES = {"4L/128": {"n_layer": 4, "n_head": 4, "n_embd": 128}, "~10M 8L/320": {"n_layer": 8, "n_head": 8, "n_embd": 320}}
 BATCH, SEQ, THREADS = 16, 256, 2
@@ -86,15 +86,17 @@ def settings(size: dict, arch: str, dtype: str, steps: int, compile: bool = Fals
 
 
 def sparklm_loop(size: dict, arch: str, dtype: str, steps: int, data: Path, compile: bool = False) -> dict:
-    from sparklm.data.manifest import load_prepared
-    from sparklm.train.loop import Rank, train
-    from sparklm.train.run import dataset_tokenizer
+    from sparklm.data.manifest import load_prepared, load_tokenizer
+    from sparklm.train.core import Rank, train
+    from sparklm.train.sinks import METRIC_COLUMNS, CsvSink, JsonSink, Sinks
 
     ds = load_prepared(str(data))
     with tempfile.TemporaryDirectory() as run:
         t0 = time.time()
-        train(from_dict(settings(size, arch, dtype, steps, compile)), ds, dataset_tokenizer(ds), Path(run),
-              rank=Rank(threads=THREADS))
+        sinks = Sinks([CsvSink(f"{run}/metrics.csv", METRIC_COLUMNS, {"train", "eval"}), JsonSink(f"{run}/run_info.json")])
+        train(from_dict(settings(size, arch, dtype, steps, compile)), ds, load_tokenizer(ds), run,
+              rank=Rank(threads=THREADS), sink=sinks)
+        sinks.close()
         rows = read_metrics(Path(run) / "metrics.csv")
         first = next(r for r in rows if r["kind"] == "train")
         info = json.loads((Path(run) / "run_info.json").read_text())
@@ -133,9 +135,9 @@ def one(kind: str, size_name: str, dtype: str, steps: int, data: Path) -> dict:
     size = SIZES[size_name]
     if kind in ("plain", "plain+allocator"):
         if kind == "plain+allocator":
-            from sparklm.train.loop import _keep_freed_memory
+            from sparklm.train.device import keep_freed_memory
 
-            _keep_freed_memory()
+            keep_freed_memory()
         return plain(size, tokens_of(data), getattr(torch, dtype), steps)
     if kind == "spark":
         return sparklm_spark(size, "llama", dtype, steps, data)

@@ -80,3 +80,47 @@ def s3_server():
         else:
             os.environ[k] = v
     server.stop()
+
+
+# -- training: a tiny model on a prepared dataset (shared by the training and rounds tests) ------------
+
+TINY = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32},
+        "train": {"batch_size": 4, "lr": 3e-3, "warmup_steps": 2, "eval_every": 0, "eval_batches": 4,
+                  "log_every": 1, "dtype": "float32", "samples": 1, "sample_tokens": 8, "threads": 1}}
+ROUNDS_KEYS = {"sync_every", "outer_lr", "outer_momentum", "inner_state"}
+
+
+def cfg(**train):
+    """The tiny training config with ``train`` settings (round settings go to [train.rounds])."""
+    import json
+
+    from sparklm.config import from_dict
+
+    raw = json.loads(json.dumps(TINY))
+    raw["train"].update({k: v for k, v in train.items() if k not in ROUNDS_KEYS})
+    rounds = {k: v for k, v in train.items() if k in ROUNDS_KEYS}
+    if rounds:
+        raw["train"]["rounds"] = rounds
+    raw["data"] = {"seq_len": 32}
+    return from_dict(raw)
+
+
+@pytest.fixture(scope="session")
+def dataset(spark, tmp_path_factory):
+    """A prepared dataset of mixed scripts (seq 32, BPE 300), shared by the training tests."""
+    from sparklm.config import from_dict
+    from sparklm.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("data")
+    (root / "a.txt").write_text(make_text(400, seed=9))
+    prep = from_dict({"data": {"seq_len": 32, "val_fraction": 0.1}, "tokenizer": {"vocab_size": 300},
+                      "output": {"row_group_mb": 1}})
+    return prepare([str(root / "a.txt")], output=str(root / "prepared"), config=prep, spark=spark).uri
+
+
+def weights(run_dir):
+    """The newest checkpoint's model tensors."""
+    from safetensors.torch import load_file
+
+    ckpt = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    return load_file(str(ckpt / "model.safetensors"))

@@ -1,9 +1,8 @@
 """sparklm: train and fine-tune transformer language models on Apache Spark, end to end."""
 
-__version__ = "0.1.0"
-
 from .config import Config, load_config  # noqa: E402
 from .errors import SparklmError  # noqa: E402
+from .version import __version__  # noqa: E402
 
 
 def prepare(*args, **kwargs):

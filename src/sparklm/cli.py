@@ -6,26 +6,22 @@ import argparse
 import json
 import sys
 import time
+import typing
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
+from typing import Literal
 
-from . import __version__, progress
-from .config import load_config
+from . import progress
+from .config import fields_with_flags, from_dict, load_raw
 from .errors import SparklmError
+from .fs import write_text
+from .version import __version__
 
-# flag dest -> config key; flags win over --set, which wins over --config.
-_FLAG_KEYS = {
-    "seq_len": "data.seq_len", "stride": "data.stride", "val_fraction": "data.val_fraction",
-    "text_field": "data.text_field", "doc_mode": "data.doc_mode", "min_chars": "data.min_chars",
-    "encoding": "data.encoding", "last_block": "data.last_block", "concat": "data.concat",
-    "dedup": "data.dedup", "vocab_size": "tokenizer.vocab_size", "tokenizer": "tokenizer.path",
-    "master": "spark.master", "endpoint_url": "storage.endpoint_url",
-    "workers": "train.workers", "threads": "train.threads", "max_steps": "train.max_steps", "epochs": "train.epochs",
-    "max_tokens": "train.max_tokens", "time_budget": "train.time_budget", "init_from": "model.init_from",
-    "eval_every": "train.eval_every", "checkpoint_every": "train.checkpoint_every",
-    "strategy": "train.strategy", "sync_every": "train.sync_every",
-}
+# Which config sections give each command its flags (the flags come from the fields' metadata).
+_FLAG_SECTIONS = {"prepare": ("data", "tokenizer"), "train": ("train", "model"),
+                  "run": ("data", "tokenizer", "train", "model")}
+_COMMON_SECTIONS = ("spark", "storage")
 _STARTED: list = []  # sessions this command started, stopped when it ends
 RUN_TIME_BUDGET = 360  # seconds of training when `sparklm run` is given no budget: the whole job fits in 10 minutes
 
@@ -41,9 +37,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", metavar="FILE", help="TOML config file (see configs/default.toml)")
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value, e.g. --set data.seq_len=128 (repeatable)")
-    g.add_argument("--master", metavar="URL", help="Spark master: local[*] (default), spark://host:7077, yarn, k8s://…")
     g.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE", help="Spark configuration (repeatable)")
-    g.add_argument("--endpoint-url", metavar="URL", help="S3 endpoint for s3:// paths (default: AWS_ENDPOINT_URL)")
+    _config_flags(g, _COMMON_SECTIONS)
     g.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -60,20 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", default="prepared", metavar="DIR", help="output directory (default: prepared)")
     p.add_argument("--validation-input", dest="validation_inputs", action="append", default=[], metavar="PATH",
                    help="explicit validation files (repeatable); otherwise a hash split by --val-fraction")
-    tok = p.add_mutually_exclusive_group()
-    tok.add_argument("--tokenizer", metavar="PATH", help="existing tokenizer.json or HF tokenizer directory")
-    tok.add_argument("--vocab-size", type=int, metavar="N", help="train a byte-level BPE of this size")
-    p.add_argument("--seq-len", type=int, metavar="N", help="tokens per sequence")
-    p.add_argument("--stride", type=int, metavar="N", help="window stride (< seq-len: overlapping windows)")
-    p.add_argument("--val-fraction", type=float, metavar="F", help="fraction of documents for validation")
-    p.add_argument("--text-field", metavar="NAME", help="text column/field of JSONL, CSV and Parquet inputs")
-    p.add_argument("--doc-mode", choices=["file", "paragraph", "line"], help="how plain text splits into documents")
-    p.add_argument("--min-chars", type=int, metavar="N", help="drop documents shorter than this")
-    p.add_argument("--encoding", metavar="NAME", help="input text encoding (default utf-8)")
-    p.add_argument("--last-block", choices=["auto", "drop", "pad"], help="last partial block: drop or pad")
-    p.add_argument("--no-concat", dest="concat", action="store_false", default=None,
-                   help="one document per sequence, padded (default: concatenate documents)")
-    p.add_argument("--no-dedup", dest="dedup", action="store_false", default=None, help="keep exact duplicates")
+    _config_flags(p.add_argument_group("data and tokenizer"), _FLAG_SECTIONS["prepare"])
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     _common(p)
 
@@ -81,17 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train a decoder-only transformer on a prepared dataset.")
     t.add_argument("--data", metavar="DIR", help="prepared dataset (from `sparklm prepare`)")
     t.add_argument("--output", "-o", required=True, metavar="RUN_DIR", help="run directory")
-    t.add_argument("--resume", action="store_true", help="continue the run in --output from its last checkpoint")
-    _train_flags(t)
+    t.add_argument("--resume", action="store_true",
+                   help="continue the run in --output from its last checkpoint, with its saved configuration plus "
+                        "only what you set now")
+    _config_flags(t.add_argument_group("training"), _FLAG_SECTIONS["train"])
     _common(t)
 
     r = sub.add_parser("run", help="the main job: prepare → train → samples (default: the bundled corpus)",
                        description="Prepare text, train a model on it and write samples, in one run directory.")
     r.add_argument("inputs", nargs="*", metavar="INPUT", help="text inputs as for prepare; default: the bundled corpus")
     r.add_argument("--output", "-o", metavar="RUN_DIR", help="run directory (default: runs/run-TIMESTAMP)")
-    r.add_argument("--vocab-size", type=int, metavar="N", help="tokenizer vocabulary size")
-    r.add_argument("--seq-len", type=int, metavar="N", help="tokens per sequence")
-    _train_flags(r)
+    _config_flags(r.add_argument_group("data, tokenizer and training"), _FLAG_SECTIONS["run"])
     _common(r)
 
     g = sub.add_parser("generate", help="generate text from a model (one process, or over a Spark DataFrame)",
@@ -102,14 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-file", metavar="FILE", help="one prompt per line")
     g.add_argument("--input", metavar="FILE", help="prompts.{txt,jsonl,parquet}: batch generation on Spark")
     g.add_argument("--output", "-o", metavar="FILE", help="write results to .jsonl or .parquet")
-    g.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
-    g.add_argument("--min-new-tokens", type=int, default=0, metavar="N", help="no end-of-text before N tokens")
-    g.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=50, metavar="K", help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="1 = off")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R", help="1 = off")
-    g.add_argument("--num-samples", type=int, default=1, metavar="S")
-    g.add_argument("--seed", type=int, default=0, metavar="X")
+    # sampling: defaults come from infer.sampling.Sampling (one place for them)
+    g.add_argument("--max-new-tokens", type=int, metavar="N", help="tokens to generate (default 64)")
+    g.add_argument("--min-new-tokens", type=int, metavar="N", help="no end-of-text before N tokens (default 0)")
+    g.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, metavar="K", help="0 = off (default 50)")
+    g.add_argument("--top-p", type=float, metavar="P", help="1 = off (default 1)")
+    g.add_argument("--repetition-penalty", type=float, metavar="R", help="1 = off (default 1)")
+    g.add_argument("--num-samples", type=int, metavar="S", help="samples per prompt (default 1)")
+    g.add_argument("--seed", type=int, metavar="X", help="sampling seed (default 0)")
     g.add_argument("--show-top", type=int, default=0, metavar="N", help="show the N most likely tokens at each step")
     g.add_argument("--backend", choices=["torch", "onnx"], default="torch")
     g.add_argument("--quantize", choices=["none", "int8"], default="none",
@@ -143,35 +126,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _train_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("training")
-    g.add_argument("--workers", type=int, metavar="N", help="Spark tasks training at once (default 1)")
-    g.add_argument("--strategy", choices=["ddp", "average", "diloco"],
-                   help="ddp (default): synchronous, barrier tasks; average: parameter averaging every --sync-every "
-                        "steps on plain tasks; diloco: averaging with an outer Nesterov step (communicates ~H× less)")
-    g.add_argument("--sync-every", type=int, metavar="H", help="average/diloco: inner steps per round (default 32)")
-    g.add_argument("--threads", type=int, metavar="N", help="torch threads per worker (default: cores / workers)")
-    g.add_argument("--max-steps", type=int, metavar="N", help="optimizer steps")
-    g.add_argument("--epochs", type=float, metavar="N", help="passes over the training tokens")
-    g.add_argument("--max-tokens", type=int, metavar="N", help="training tokens")
-    g.add_argument("--time-budget", type=float, metavar="SECONDS", help="seconds of training")
-    g.add_argument("--init-from", metavar="DIR", help="continue training a local HF causal-LM directory")
-    g.add_argument("--eval-every", type=int, metavar="N", help="evaluate every N steps")
-    g.add_argument("--checkpoint-every", type=int, metavar="N", help="checkpoint every N steps")
+def _config_flags(group, sections: tuple[str, ...]) -> None:
+    """Add the flags of the config fields in ``sections`` (their metadata names the flag; dest = the dotted key)."""
+    for key, f, tp in fields_with_flags():
+        if key.split(".")[0] not in sections:
+            continue
+        flag, help_text = f.metadata["flag"], f.metadata["help"]
+        if tp is bool:
+            group.add_argument(flag, dest=key, action="store_false" if flag.startswith("--no-") else "store_true",
+                               default=None, help=help_text)
+            continue
+        choices = typing.get_args(tp) if typing.get_origin(tp) is Literal else None
+        kind = str if choices else tp
+        metavar = None if choices else {int: "N", float: "X"}.get(tp, key.rsplit(".", 1)[1].upper())
+        group.add_argument(flag, dest=key, type=kind, choices=choices, metavar=metavar, help=help_text)
 
 
 def _config(args: argparse.Namespace):
+    """(the resolved Config, what the user set: file, --set, --conf and flags, as nested data)."""
     overrides = list(args.overrides)
-    for dest, key in _FLAG_KEYS.items():
-        value = getattr(args, dest, None)
-        if value is not None:
-            overrides.append(f"{key}={json.dumps(value)}")
     for item in args.conf:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SparklmError(f"bad --conf '{item}'", hint="write --conf key=value, e.g. --conf spark.executor.memory=4g")
         overrides.append(f"spark.conf.{key}={value}")
-    return load_config(args.config, overrides)
+    flags = {key: getattr(args, key) for key, _, _ in fields_with_flags() if getattr(args, key, None) is not None}
+    if "tokenizer.path" in flags and "tokenizer.vocab_size" in flags:
+        raise SparklmError("--tokenizer and --vocab-size exclude each other",
+                           hint="--vocab-size sizes a tokenizer sparklm trains; --tokenizer uses an existing one")
+    raw = load_raw(args.config, overrides, flags)
+    return from_dict(raw), raw
 
 
 def _session_factory(args: argparse.Namespace, config):
@@ -197,7 +181,7 @@ def _session_factory(args: argparse.Namespace, config):
 def _prepare(args: argparse.Namespace) -> int:
     from .data.prepare import prepare
 
-    config = _config(args)
+    config, _ = _config(args)
     inputs = args.inputs or [default_corpus()]
     if not args.inputs:
         progress.info(f"no input given: using the bundled corpus {inputs[0]}")
@@ -210,8 +194,8 @@ def _prepare(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from .train.run import train
 
-    config = _config(args)
-    summary = train(args.data, output=args.output, config=config, resume=args.resume,
+    config, changes = _config(args)
+    summary = train(args.data, output=args.output, config=config, resume=args.resume, changes=changes,
                     spark=_session_factory(args, config))
     progress.plain(args.output)
     return 0 if summary else 1
@@ -221,7 +205,7 @@ def _run(args: argparse.Namespace) -> int:
     from .data.prepare import prepare
     from .train.run import train
 
-    config = _config(args)
+    config, _ = _config(args)
     tc = config.train
     if not (tc.max_steps or tc.epochs or tc.max_tokens or tc.time_budget):
         config = config.replace(train=replace(tc, time_budget=RUN_TIME_BUDGET))
@@ -252,9 +236,9 @@ def _run(args: argparse.Namespace) -> int:
 def _sampling(args: argparse.Namespace):
     from .infer.sampling import Sampling
 
-    return Sampling(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, repetition_penalty=args.repetition_penalty, num_samples=args.num_samples,
-                    seed=args.seed)
+    names = ("max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "num_samples",
+             "seed")
+    return Sampling(**{n: getattr(args, n) for n in names if getattr(args, n) is not None})
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -273,7 +257,7 @@ def _generate(args: argparse.Namespace) -> int:
         from .infer.generate import model_dir
 
         model_dir(args.model)  # a missing model fails here, not in a task
-        config = _config(args)
+        config, _ = _config(args)
         prompts = batch.read_prompts(args.input)
         spark = _session_factory(args, config)()
         df = spark.createDataFrame(prompts, "id long, prompt string")
@@ -329,7 +313,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from .infer.evaluate import evaluate
 
-    config = _config(args)
+    config, _ = _config(args)
     with progress.stage(None, "eval", quiet=True):
         result = evaluate(args.model, args.inputs, config=config, max_length=args.max_length, stride=args.stride,
                           batch_size=args.batch_size, threads=args.threads, spark=_session_factory(args, config))
@@ -338,9 +322,7 @@ def _eval(args: argparse.Namespace) -> int:
     progress.plain(f"loss {result['loss']:.4f} | perplexity {result['perplexity']:.3f} | "
                    f"bits/byte {result['bits_per_byte']:.4f} | accuracy {result['accuracy']:.2%}")
     if args.output:
-        tmp = Path(args.output).with_name(f".{Path(args.output).name}.tmp")
-        tmp.write_text(json.dumps(result, indent=2))
-        tmp.replace(args.output)
+        write_text(args.output, json.dumps(result, indent=2))
     return 0
 
 

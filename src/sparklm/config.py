@@ -8,41 +8,50 @@ resolved configuration is saved as JSON beside every output (:meth:`Config.to_di
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
-import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import tomllib
+
 from .errors import SparklmError
 
 
-def _f(default: Any, help: str, **limits: Any) -> Any:
-    """A config field with a help text and optional ``min``/``max`` limits."""
+def _f(default: Any, help: str, *, flag: str = "", **limits: Any) -> Any:
+    """A config field with a help text, optional ``min``/``max`` limits and an optional command-line ``flag``
+    (the CLI generates its flags from this metadata: no second list of names)."""
+    meta = {"help": help, "flag": flag, **limits}
     if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **limits})
-    return field(default=default, metadata={"help": help, **limits})
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _section(cls: type, help: str) -> Any:
+    """A nested section (a table inside a table, e.g. ``[train.rounds]``)."""
+    return field(default_factory=cls, metadata={"help": help, "flag": ""})
 
 
 @dataclass(kw_only=True)
 class DataConfig:
     """How raw text becomes documents, and documents become training sequences."""
 
-    text_field: str = _f("text", "column/field holding the text in JSONL, CSV and Parquet inputs")
+    text_field: str = _f("text", "column/field holding the text in JSONL, CSV and Parquet inputs", flag="--text-field")
     doc_mode: Literal["file", "paragraph", "line"] = _f(
-        "paragraph", "how plain-text files split into documents: whole file, blank-line paragraphs, or lines"
+        "paragraph", "how plain-text files split into documents: whole file, blank-line paragraphs, or lines", flag="--doc-mode",
     )
-    encoding: str = _f("utf-8", "text encoding of the inputs; bytes invalid in it are replaced and counted")
+    encoding: str = _f("utf-8", "text encoding of the inputs; bytes invalid in it are replaced and counted", flag="--encoding")
     normalize: Literal["NFC", "NFKC", "none"] = _f("NFC", "Unicode normalisation form")
-    min_chars: int = _f(1, "documents shorter than this (after cleaning) are dropped as too short", min=1)
-    dedup: bool = _f(True, "drop exact duplicate documents (by content hash)")
-    val_fraction: float = _f(0.05, "fraction of documents assigned to validation by hash", min=0.0, max=0.9)
-    seq_len: int = _f(256, "tokens per packed sequence (inputs; targets are the inputs shifted by one)", min=2)
-    stride: int = _f(0, "tokens between the starts of consecutive windows; 0 means seq_len (disjoint)", min=0)
-    concat: bool = _f(True, "concatenate documents (separated by EOS); false: one document per sequence, padded")
+    min_chars: int = _f(1, "documents shorter than this (after cleaning) are dropped as too short", min=1, flag="--min-chars")
+    dedup: bool = _f(True, "drop exact duplicate documents (by content hash)", flag="--no-dedup")
+    val_fraction: float = _f(0.05, "fraction of documents assigned to validation by hash", min=0.0, max=0.9, flag="--val-fraction")
+    seq_len: int = _f(256, "tokens per packed sequence (inputs; targets are the inputs shifted by one)", min=2, flag="--seq-len")
+    stride: int = _f(0, "tokens between the starts of consecutive windows; 0 means seq_len (disjoint)", min=0, flag="--stride")
+    concat: bool = _f(True, "concatenate documents (separated by EOS); false: one document per sequence, padded", flag="--no-concat")
     last_block: Literal["auto", "drop", "pad"] = _f(
-        "auto", "the last partial block of a stream: drop, pad, or auto (drop when concat, else pad)"
+        "auto", "the last partial block of a stream: drop, pad, or auto (drop when concat, else pad)", flag="--last-block",
     )
     split_mb: int = _f(64, "plain-text and JSONL files larger than this are read in parallel chunks", min=1)
 
@@ -51,8 +60,8 @@ class DataConfig:
 class TokenizerConfig:
     """Train a byte-level BPE tokenizer, or load one."""
 
-    path: str = _f("", "an existing tokenizer.json or HF tokenizer directory; empty: train one")
-    vocab_size: int = _f(4096, "vocabulary size of a trained tokenizer", min=260, max=1_000_000)
+    path: str = _f("", "an existing tokenizer.json or HF tokenizer directory; empty: train one", flag="--tokenizer")
+    vocab_size: int = _f(4096, "vocabulary size of a trained tokenizer", min=260, max=1_000_000, flag="--vocab-size")
     min_frequency: int = _f(2, "minimum pair frequency for a BPE merge", min=1)
     sample_mb: int = _f(16, "megabytes of training text sampled to train the tokenizer", min=1)
     bos_token: str = _f("<|bos|>", "beginning-of-document token of a trained tokenizer")
@@ -64,7 +73,7 @@ class TokenizerConfig:
 class SparkConfig:
     """Where and how Spark runs."""
 
-    master: str = _f("local[*]", "Spark master URL: local[*], spark://host:7077, yarn, k8s://...")
+    master: str = _f("local[*]", "Spark master URL: local[*], spark://host:7077, yarn, k8s://...", flag="--master")
     app_name: str = _f("sparklm", "Spark application name")
     conf: dict[str, str] = _f({}, "extra Spark configuration (key = value)")
     ui: bool = _f(True, "start the Spark web UI")
@@ -77,7 +86,7 @@ class SparkConfig:
 class StorageConfig:
     """Object storage (s3://) reached from Python on the executors."""
 
-    endpoint_url: str = _f("", "S3 endpoint (empty: AWS_ENDPOINT_URL or AWS's default)")
+    endpoint_url: str = _f("", "S3 endpoint (empty: AWS_ENDPOINT_URL or AWS's default)", flag="--endpoint-url")
     region: str = _f("", "S3 region (empty: AWS_REGION / AWS_DEFAULT_REGION or us-east-1)")
     anonymous: bool = _f(False, "access public buckets without credentials")
 
@@ -102,21 +111,14 @@ class ModelConfig:
     dropout: float = _f(0.0, "dropout probability", min=0.0, max=0.9)
     tie_embeddings: bool = _f(True, "share the input embedding and the LM head")
     rope_theta: float = _f(10000.0, "RoPE base (llama)", min=1.0)
-    init_from: str = _f("", "continue training a local HF causal-LM directory instead of a fresh model")
+    init_from: str = _f("", "continue training a local HF causal-LM directory instead of a fresh model", flag="--init-from")
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
-    """The training loop and its distribution."""
+class RoundsConfig:
+    """Strategies ``average`` and ``diloco``: rounds of plain Spark tasks (``[train.rounds]``)."""
 
-    workers: int = _f(1, "Spark tasks training at once (DDP ranks, or the tasks of a round)", min=1)
-    threads: int = _f(0, "torch threads per worker; 0: the machine's cores divided by workers (local mode), "
-                         "spark.task.cpus on a cluster for average/diloco", min=0)
-    strategy: Literal["ddp", "average", "diloco"] = _f(
-        "ddp", "ddp: synchronous data parallelism on Spark barrier tasks; average: rounds of plain tasks whose "
-               "weights are averaged every sync_every steps; diloco: the same rounds with an outer Nesterov step"
-    )
-    sync_every: int = _f(32, "average/diloco: inner steps each worker runs between synchronisations (H)", min=1)
+    sync_every: int = _f(32, "inner steps each worker runs between synchronisations (H)", min=1, flag="--sync-every")
     outer_lr: float = _f(0.7, "diloco: outer learning rate (average uses 1.0)", min=0.0)
     outer_momentum: float = _f(0.9, "diloco: outer Nesterov momentum, as in the paper (average uses none); for "
                                     "runs of a few dozen rounds 0.5 measured better (BENCHMARKS.md)",
@@ -125,6 +127,19 @@ class TrainConfig:
         "keep", "average/diloco: a worker's AdamW state across rounds: keep (on the executor's disk, per worker) "
                 "or reset every round"
     )
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The training loop and its distribution."""
+
+    workers: int = _f(1, "Spark tasks training at once (DDP ranks, or the tasks of a round)", min=1, flag="--workers")
+    threads: int = _f(0, "torch threads per worker; 0: the machine's cores divided by workers (local mode), "
+                         "spark.task.cpus on a cluster for average/diloco", min=0, flag="--threads")
+    strategy: Literal["ddp", "average", "diloco"] = _f(
+        "ddp", "ddp: synchronous data parallelism on Spark barrier tasks; average: rounds of plain tasks whose "
+               "weights are averaged every sync_every steps; diloco: the same rounds with an outer Nesterov step",
+        flag="--strategy")
     batch_size: int = _f(8, "sequences per micro-batch per worker", min=1)
     grad_accum: int = _f(1, "micro-batches per optimizer step", min=1)
     lr: float = _f(3e-3, "peak learning rate", min=0.0)
@@ -134,23 +149,24 @@ class TrainConfig:
     beta1: float = _f(0.9, "AdamW beta1", min=0.0, max=1.0)
     beta2: float = _f(0.95, "AdamW beta2", min=0.0, max=1.0)
     grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0: off", min=0.0)
-    max_steps: int = _f(0, "optimizer steps; 0: from epochs / max_tokens / time_budget", min=0)
-    epochs: float = _f(0.0, "passes over the training tokens (0: unset)", min=0.0)
-    max_tokens: int = _f(0, "training tokens (0: unset)", min=0)
-    time_budget: float = _f(0.0, "seconds of training (0: unset); the schedule follows elapsed time", min=0.0)
+    max_steps: int = _f(0, "optimizer steps; 0: from epochs / max_tokens / time_budget", min=0, flag="--max-steps")
+    epochs: float = _f(0.0, "passes over the training tokens (0: unset)", min=0.0, flag="--epochs")
+    max_tokens: int = _f(0, "training tokens (0: unset)", min=0, flag="--max-tokens")
+    time_budget: float = _f(0.0, "seconds of training (0: unset); the schedule follows elapsed time", min=0.0, flag="--time-budget")
     dtype: Literal["auto", "float32", "bfloat16"] = _f(
         "auto", "autocast dtype; auto: bfloat16 where bf16 matmuls measure >1.3x faster than fp32, else float32"
     )
     compile: bool = _f(False, "torch.compile the model")
     seed: int = _f(1337, "seed of weights, data order and dropout")
-    eval_every: int = _f(100, "evaluate every N steps (and at the end); 0: only at the end", min=0)
+    eval_every: int = _f(100, "evaluate every N steps (and at the end); 0: only at the end", min=0, flag="--eval-every")
     eval_batches: int = _f(20, "validation micro-batches per evaluation per worker; 0: the whole split", min=0)
-    checkpoint_every: int = _f(200, "checkpoint every N steps (and at the end); 0: only at the end", min=0)
+    checkpoint_every: int = _f(200, "checkpoint every N steps (and at the end); 0: only at the end", min=0, flag="--checkpoint-every")
     keep_checkpoints: int = _f(2, "how many recent checkpoints to keep", min=1)
     log_every: int = _f(10, "print and record a metrics row every N steps", min=1)
     window_row_groups: int = _f(8, "row groups shuffled together (the shuffle buffer, in row groups)", min=1)
     samples: int = _f(3, "temperature-sampled continuations written to samples.txt", min=0)
     sample_tokens: int = _f(80, "tokens per sample", min=1)
+    rounds: RoundsConfig = _section(RoundsConfig, "settings of the strategies average and diloco")
 
 
 SECTIONS: dict[str, type] = {
@@ -186,8 +202,16 @@ class Config:
         return dataclasses.replace(self, **sections)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load a TOML file (optional), then apply ``section.key=value`` overrides, and validate."""
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                flags: dict[str, Any] | None = None) -> Config:
+    """Load a TOML file (optional), apply ``section.key=value`` overrides, then flag values, and validate."""
+    return from_dict(load_raw(path, overrides, flags))
+
+
+def load_raw(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+             flags: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the user set, as nested plain data: the TOML file, then ``--set`` overrides, then flags
+    (``{"train.workers": 2}``; flags win). Keys are checked here; values by :func:`from_dict`."""
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -199,56 +223,166 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise SparklmError(f"config file {p} is not valid TOML: {e}") from None
     for item in overrides:
         _apply_override(raw, item)
-    return from_dict(raw)
+    for key, value in (flags or {}).items():
+        _apply_override(raw, key, value)
+    return raw
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
     """Build a validated :class:`Config` from nested plain data (as read from TOML or JSON)."""
     if not isinstance(raw, dict):
         raise SparklmError("config must be a table of sections")
-    sections = {}
-    for name, value in raw.items():
-        if name not in SECTIONS:
-            raise SparklmError(f"unknown config section '{name}'", hint=f"sections are: {', '.join(SECTIONS)}")
-        if not isinstance(value, dict):
-            raise SparklmError(f"config section '{name}' must be a table, got {type(value).__name__}")
-        sections[name] = _build(SECTIONS[name], value, name)
-    return Config(**sections)
+    return _build(Config, raw, "")
+
+
+def merge(base: Config, changes: dict[str, Any]) -> Config:
+    """``base`` with the nested ``changes`` applied on top (validated)."""
+    return from_dict(_deep_merge(base.to_dict(), changes))
+
+
+def diff(config: Config, base: Config | None = None) -> dict[str, Any]:
+    """The settings where ``config`` differs from ``base`` (default: the defaults), as nested plain data."""
+    return _diff(config.to_dict(), (base or Config()).to_dict())
+
+
+def flatten(raw: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"lr": 1}}`` → ``{"train.lr": 1}`` (dict-valued fields such as spark.conf stay whole)."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and _is_section(name):
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def fields_with_flags() -> list[tuple[str, dataclasses.Field, Any]]:
+    """(dotted key, field, type) of every setting that has a command-line flag."""
+    return [(key, f, tp) for key, f, tp in _leaves(Config, "") if f.metadata.get("flag")]
 
 
 def describe() -> str:
     """Every key with its type, default and help: the text of ``configs/default.toml``."""
     lines = ["# sparklm default configuration (generated from sparklm.config; every key is optional)."]
-    for name, cls in SECTIONS.items():
-        lines += ["", f"[{name}]"]
+
+    def table(cls: type, name: str) -> None:
+        lines.extend(["", f"[{name}]"])
         hints = typing.get_type_hints(cls)
+        nested = []
         for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                nested.append((hints[f.name], f"{name}.{f.name}"))
+                continue
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             lines.append(f"# {f.metadata['help']} ({_type_name(hints[f.name])})")
             lines.append(f"{f.name} = {_toml_value(default)}")
+        for sub, sub_name in nested:
+            table(sub, sub_name)
+
+    for name, cls in SECTIONS.items():
+        table(cls, name)
     return "\n".join(lines) + "\n"
 
 
 # -- internals -------------------------------------------------------------------------------
 
 
-def _apply_override(raw: dict[str, Any], item: str) -> None:
-    key, sep, text = item.partition("=")
-    parts = key.strip().split(".")
-    if not sep or len(parts) < 2 or not all(parts):
-        raise SparklmError(f"bad override '{item}'", hint="write --set section.key=value, e.g. --set data.seq_len=128")
-    section, name, rest = parts[0], parts[1], parts[2:]
-    value = _parse_value(text.strip())
-    table = raw.setdefault(section, {})
-    if not isinstance(table, dict):
-        raise SparklmError(f"config section '{section}' must be a table")
-    if rest:  # a key inside a dict-valued field, e.g. spark.conf.spark.executor.memory=4g
-        sub = table.setdefault(name, {})
-        if not isinstance(sub, dict):
-            raise SparklmError(f"'{section}.{name}' is not a table; cannot set '{key}'")
-        sub[".".join(rest)] = text.strip()
+def _leaves(cls: type, prefix: str):
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from _leaves(tp, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f, tp
+
+
+def _is_section(dotted: str) -> bool:
+    cls: Any = Config
+    for part in dotted.split("."):
+        hints = typing.get_type_hints(cls)
+        if part not in hints or not dataclasses.is_dataclass(hints[part]):
+            return False
+        cls = hints[part]
+    return True
+
+
+def _suggest(key: str) -> str:
+    """A "did you mean" hint for a mistyped or moved key."""
+    known = [k for k, _, _ in _leaves(Config, "")]
+    leaf = key.rsplit(".", 1)[-1]
+    same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == leaf]
+    close = same_leaf or difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean '{close[0]}'?"
+    section = key.split(".")[0]
+    keys = [k.split(".", 1)[1] for k in known if k.startswith(f"{section}.")]
+    return f"keys of [{section}] are: {', '.join(keys)}" if keys else f"sections are: {', '.join(SECTIONS)}"
+
+
+def _apply_override(raw: dict[str, Any], item: str, value: Any = dataclasses.MISSING) -> None:
+    """Set one dotted key in ``raw``: from ``key=text`` (``--set``), or from a key and a typed value (flags)."""
+    if value is dataclasses.MISSING:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise SparklmError(f"bad override '{item}'", hint="write --set section.key=value, e.g. --set data.seq_len=128")
     else:
-        table[name] = value
+        key, text = item, None
+    parts = key.strip().split(".")
+    if len(parts) < 2 or not all(parts):
+        raise SparklmError(f"bad override '{item}'", hint="write --set section.key=value, e.g. --set data.seq_len=128")
+    cls: Any = Config
+    table = raw
+    for i, part in enumerate(parts):
+        hints = typing.get_type_hints(cls)
+        where = ".".join(parts[:i + 1])
+        if part not in hints:
+            if i == 0:
+                raise SparklmError(f"unknown config section '{part}'", hint=f"sections are: {', '.join(SECTIONS)}")
+            raise SparklmError(f"unknown config key '{where}'", hint=_suggest(where))
+        tp = hints[part]
+        if dataclasses.is_dataclass(tp):
+            if i == len(parts) - 1:
+                raise SparklmError(f"'{where}' is a section, not a key", hint=f"set one of its keys, e.g. {where}.KEY=…")
+            sub = table.setdefault(part, {})
+            if not isinstance(sub, dict):
+                raise SparklmError(f"config section '{where}' must be a table")
+            table, cls = sub, tp
+            continue
+        if typing.get_origin(tp) is dict and i < len(parts) - 1:
+            # a key inside a dict-valued field, e.g. spark.conf.spark.executor.memory=4g: kept as text
+            sub = table.setdefault(part, {})
+            if not isinstance(sub, dict):
+                raise SparklmError(f"'{where}' is not a table; cannot set '{key}'")
+            sub[".".join(parts[i + 1:])] = text.strip() if text is not None else value
+            return
+        if i != len(parts) - 1:
+            raise SparklmError(f"'{where}' is not a table; cannot set '{key}'")
+        table[part] = _parse_value(text.strip()) if text is not None else value
+        return
+
+
+def _deep_merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _diff(new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(old.get(key), dict) and key != "conf":
+            sub = _diff(value, old[key])
+            if sub:
+                out[key] = sub
+        elif old.get(key) != value:
+            out[key] = value
+    return out
 
 
 def _parse_value(text: str) -> Any:
@@ -259,16 +393,22 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-def _build(cls: type, values: dict[str, Any], section: str) -> Any:
+def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in values.items():
+        where = f"{prefix}{key}"
         if key not in fields:
-            raise SparklmError(
-                f"unknown config key '{section}.{key}'", hint=f"keys of [{section}] are: {', '.join(fields)}"
-            )
-        kwargs[key] = _check(f"{section}.{key}", value, hints[key], fields[key].metadata)
+            if not prefix:
+                raise SparklmError(f"unknown config section '{key}'", hint=f"sections are: {', '.join(SECTIONS)}")
+            raise SparklmError(f"unknown config key '{where}'", hint=_suggest(where))
+        if dataclasses.is_dataclass(hints[key]):
+            if not isinstance(value, dict):
+                raise SparklmError(f"config section '{where}' must be a table, got {type(value).__name__}")
+            kwargs[key] = _build(hints[key], value, f"{where}.")
+        else:
+            kwargs[key] = _check(where, value, hints[key], fields[key].metadata)
     return cls(**kwargs)
 
 

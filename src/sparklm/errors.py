@@ -40,3 +40,19 @@ def from_spark(exc: BaseException) -> SparklmError | None:
     if not match:
         return None
     return SparklmError(match.group(1), hint=match.group(2) or None)
+
+
+class spark_errors:
+    """``with spark_errors(): rdd.collect()`` — a :class:`SparklmError` raised inside a Spark task comes
+    back as itself (one line) instead of a Java stack trace; any other failure passes through."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None or isinstance(exc, SparklmError):
+            return False
+        found = from_spark(exc)
+        if found is not None:
+            raise found from None
+        return False

@@ -10,7 +10,13 @@ import dataclasses
 import fnmatch
 import os
 import posixpath
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
+from pathlib import Path
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
@@ -22,12 +28,14 @@ _GLOB_CHARS = set("*?[")
 
 
 def is_remote(uri: str) -> bool:
+    uri = os.fspath(uri)
     return "://" in uri and not uri.startswith("file://")
 
 
 def resolve(uri: str, storage: StorageConfig | None = None) -> tuple[pafs.FileSystem, str]:
     """(filesystem, path inside it) for a local path, ``file://``, ``s3://``/``s3a://`` or other pyarrow URI."""
     storage = storage or StorageConfig()
+    uri = os.fspath(uri)
     if uri.startswith(("s3://", "s3a://", "s3n://")):
         parsed = urlparse(uri)
         return _s3(storage.endpoint_url, storage.region, storage.anonymous), f"{parsed.netloc}{parsed.path}".rstrip("/")
@@ -41,8 +49,114 @@ def resolve(uri: str, storage: StorageConfig | None = None) -> tuple[pafs.FileSy
         raise SparklmError(f"cannot open {uri}: {e}", hint="use a local path or an s3:// URL") from None
 
 
+# -- whole files and directories, atomically, on local paths and object stores ---------------------
+# Readers never see a half-written output: a local file or directory is written under a hidden
+# temporary name beside it and renamed into place; an object store's PUT of one object is atomic, and
+# a directory is complete when its marker file (written last) exists.
+
+
+def write_bytes(uri: str, data: bytes, storage: StorageConfig | None = None) -> None:
+    """Write ``uri`` whole: readers see the old content or the new, never a part."""
+    fs, path = resolve(uri, storage)
+    if isinstance(fs, pafs.LocalFileSystem):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return
+    with fs.open_output_stream(path) as f:
+        f.write(data)
+
+
+def write_text(uri: str, text: str, storage: StorageConfig | None = None) -> None:
+    write_bytes(uri, text.encode("utf-8"), storage)
+
+
+def read_bytes(uri: str, storage: StorageConfig | None = None) -> bytes:
+    fs, path = resolve(uri, storage)
+    with fs.open_input_stream(path) as f:
+        return f.read()
+
+
+def read_text(uri: str, storage: StorageConfig | None = None) -> str:
+    return read_bytes(uri, storage).decode("utf-8")
+
+
+def exists(uri: str, storage: StorageConfig | None = None) -> bool:
+    fs, path = resolve(uri, storage)
+    return fs.get_file_info(path).type != pafs.FileType.NotFound
+
+
+def list_names(uri: str, storage: StorageConfig | None = None) -> list[str]:
+    """Names directly under directory ``uri`` (sorted; empty when it does not exist)."""
+    fs, path = resolve(uri, storage)
+    infos = fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
+    return sorted(posixpath.basename(i.path.rstrip("/")) for i in infos)
+
+
+def delete(uri: str, storage: StorageConfig | None = None) -> None:
+    """Remove a file or a directory tree; a missing one is fine."""
+    fs, path = resolve(uri, storage)
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.Directory:
+        fs.delete_dir(path)
+    elif info.type == pafs.FileType.File:
+        fs.delete_file(path)
+
+
+def local_path(uri: str) -> Path | None:
+    """The local path behind ``uri``, or None for an object store."""
+    uri = os.fspath(uri)
+    if is_remote(uri):
+        return None
+    return Path(os.path.abspath(os.path.expanduser(urlparse(uri).path if uri.startswith("file://") else uri)))
+
+
+@contextmanager
+def staged_dir(uri: str, storage: StorageConfig | None = None, *, marker: str | None = None) -> Iterator[Path]:
+    """Fill the yielded local directory; on success it becomes ``uri`` as a whole, replacing what was there.
+
+    Local: a hidden sibling renamed into place. Object store: the files are uploaded, ``marker`` (a file
+    name inside the directory, e.g. ``state.json``) last, so a reader that checks it never takes a partial
+    directory. On an exception nothing is published and the staging is removed.
+    """
+    target = local_path(uri)
+    if target is not None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        stage = target.with_name(f".{target.name}.sparklm-tmp-{uuid.uuid4().hex[:12]}")
+        stage.mkdir()
+        try:
+            yield stage
+            old = None
+            if target.exists():
+                old = target.with_name(f".{target.name}.sparklm-old-{uuid.uuid4().hex[:12]}")
+                target.rename(old)
+            stage.rename(target)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+        return
+    stage = Path(tempfile.mkdtemp(prefix="sparklm-stage-"))
+    try:
+        yield stage
+        delete(uri, storage)
+        files = sorted(p for p in stage.rglob("*") if p.is_file())
+        files.sort(key=lambda p: p.name == marker)  # the marker last
+        for p in files:
+            write_bytes(join(uri, *p.relative_to(stage).parts), p.read_bytes(), storage)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
 def join(uri: str, *parts: str) -> str:
     """Join path parts onto a local path or URL."""
+    uri = os.fspath(uri)
     if is_remote(uri):
         return posixpath.join(uri.rstrip("/"), *parts)
     return os.path.join(uri, *parts)

@@ -79,3 +79,9 @@ def info(message: str) -> None:
 def plain(message: str) -> None:
     """Results on stdout (paths, figures) so scripts can capture them."""
     print(message, file=sys.stdout, flush=True)
+
+
+def duration(seconds: float) -> str:
+    """``1m05s`` or ``42s``: how long something took or will take."""
+    m, s = divmod(int(seconds), 60)
+    return f"{m}m{s:02d}s" if m else f"{s}s"

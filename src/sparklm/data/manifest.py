@@ -13,6 +13,7 @@ from typing import Any
 from ..config import StorageConfig
 from ..errors import SparklmError
 from ..fs import join, resolve
+from .tokenizer import TokenizerSpec, from_tokenizer
 
 MANIFEST = "manifest.json"
 FORMAT = "sparklm.prepared/1"
@@ -54,3 +55,19 @@ def load_prepared(uri: str, storage: StorageConfig | None = None) -> PreparedDat
         raise SparklmError(f"{uri}/{MANIFEST} has format {manifest.get('format')!r}, expected {FORMAT!r}",
                            hint="prepare the data again with this version of sparklm")
     return PreparedDataset(uri=uri, manifest=manifest)
+
+
+def load_tokenizer(dataset: PreparedDataset, storage: StorageConfig | None = None) -> TokenizerSpec:
+    """The tokenizer a prepared dataset was made with, with its special ids from the manifest."""
+    from tokenizers import Tokenizer
+
+    fs, path = resolve(dataset.uri, storage)
+    with fs.open_input_stream(f"{path}/tokenizer.json") as f:
+        tok = Tokenizer.from_str(f.read().decode("utf-8"))
+    t = dataset.manifest["tokenizer"]
+    names = [tok.id_to_token(t[k]) for k in ("bos_id", "eos_id", "pad_id")]
+    spec = from_tokenizer(tok, *names)
+    if spec.sha256 != t["sha256"]:
+        raise SparklmError(f"{dataset.uri}/tokenizer.json does not match its manifest (fingerprint differs)",
+                           hint="prepare the dataset again; do not edit its files")
+    return spec

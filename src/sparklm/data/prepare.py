@@ -25,15 +25,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .. import __version__, progress
+from .. import progress
 from ..config import Config
-from ..errors import SparklmError, from_spark
+from ..errors import SparklmError, spark_errors
 from ..fs import effective, resolve, uri_like
+from ..version import __version__
 from . import clean, sources
 from . import tokenizer as tokenizers_mod
 from .manifest import FORMAT, MANIFEST, SPLITS, PreparedDataset, load_prepared
 from .packing import Packed, Packer, PackSpec
-
 
 
 def prepare(
@@ -74,7 +74,7 @@ def prepare(
     staging_path = _staging_path(out_path)
     staging = uri_like(output, staging_path)
     try:
-        with _spark_errors():
+        with spark_errors():
             if data.dedup:  # duplicates are only known after a look at everything
                 agg, losers, sample, cached = _scan(spark, bins, config, sample_only=False)
                 stats = _stats(agg, n_files, data.encoding)
@@ -429,21 +429,6 @@ def _remove(fs, path: str) -> None:
         fs.delete_dir(path)
     except Exception:  # best effort: the staging name is hidden and never accepted as a dataset
         pass
-
-
-class _spark_errors:
-    """Turn a :class:`SparklmError` raised inside a Spark task back into itself on the driver."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc is None or isinstance(exc, SparklmError):
-            return False
-        found = from_spark(exc)
-        if found is not None:
-            raise found from None
-        return False
 
 
 # -- manifest and summary --------------------------------------------------------------------

@@ -10,10 +10,10 @@ import json
 import os
 from pathlib import Path
 
+from ..cache import process_local
 from ..errors import SparklmError
+from ..fs import write_bytes
 from .sampling import Sampling
-
-_MODELS: dict = {}  # per Python worker process: (path, threads) -> LoadedModel
 
 OUTPUT_SCHEMA = "id long, sample int, prompt string, text string, prompt_tokens int, new_tokens int, truncated boolean"
 OUTPUT_COLUMNS = [c.split()[0] for c in OUTPUT_SCHEMA.split(", ")]
@@ -40,10 +40,7 @@ def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: st
 
         from .generate import generate, load
 
-        key = (model_path, threads)
-        if key not in _MODELS:
-            _MODELS[key] = load(model_path, threads=threads)
-        lm = _MODELS[key]
+        lm = process_local(("model", model_path, threads), lambda: load(model_path, threads=threads))
         for frame in frames:
             if frame.empty:
                 continue
@@ -105,18 +102,13 @@ def write_generations(rows: list[dict], output: str) -> None:
     out = Path(output)
     if not out.name.lower().endswith((".parquet", ".jsonl")):
         raise SparklmError(f"--output {output}: use a .parquet or .jsonl file name")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        if out.name.lower().endswith(".parquet"):
-            import pyarrow as pa
-            import pyarrow.parquet as pq
+    if out.name.lower().endswith(".parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
 
-            pq.write_table(pa.Table.from_pylist(rows), tmp)
-        else:
-            with open(tmp, "w", encoding="utf-8") as f:
-                for r in rows:
-                    f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+        buf = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_pylist(rows), buf)
+        data = buf.getvalue().to_pybytes()
+    else:
+        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
+    write_bytes(str(out), data)

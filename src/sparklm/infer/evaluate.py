@@ -9,15 +9,12 @@ Bits per byte divide the summed nats by the documents' UTF-8 bytes: comparable a
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 
+from ..cache import process_local
 from ..config import Config
-from ..errors import SparklmError, from_spark
-
-_MODELS: dict = {}  # per Python worker process
+from ..errors import SparklmError, spark_errors
+from ..model.task import lm_figures, token_sums
 
 
 def windows(n_tokens: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:
@@ -50,13 +47,8 @@ def score(lm, batch: list[tuple[list[int], int]]) -> torch.Tensor:
         x[i, :len(ids)] = torch.tensor(ids)
         mask[i, :len(ids)] = 1
         target_mask[i, len(ids) - scored:len(ids)] = True
-    logits = lm.model(input_ids=x, attention_mask=mask).logits[:, :-1].float()
-    target, valid = x[:, 1:], target_mask[:, 1:]
-    nats = F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), reduction="none")
-    valid = valid.reshape(-1)
-    correct = logits.argmax(-1).reshape(-1)[valid] == target.reshape(-1)[valid]
-    return torch.tensor([float(nats[valid].double().sum()), float(valid.sum()), float(correct.sum())],
-                        dtype=torch.float64)
+    logits = lm.model(input_ids=x, attention_mask=mask).logits
+    return token_sums(logits[:, :-1], x[:, 1:], target_mask[:, 1:])[:3]
 
 
 def evaluate(model: str, inputs: list[str], *, config: Config | None = None, max_length: int = 0, stride: int = 0,
@@ -83,10 +75,7 @@ def evaluate(model: str, inputs: list[str], *, config: Config | None = None, max
     env_threads = threads
 
     def run(part):
-        key = (directory, env_threads)
-        if key not in _MODELS:
-            _MODELS[key] = load(directory, threads=env_threads)
-        lm = _MODELS[key]
+        lm = process_local(("model", directory, env_threads), lambda: load(directory, threads=env_threads))
         sums = torch.zeros(6, dtype=torch.float64)  # nats, tokens, correct, bytes, documents, dropped
         pending: list[tuple[list[int], int]] = []
         for _unit, _pos, status, text, _invalid, _digest in documents(list(part), data, storage):
@@ -109,17 +98,10 @@ def evaluate(model: str, inputs: list[str], *, config: Config | None = None, max
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     rdd = spark.sparkContext.parallelize(units, max(1, len(units))).mapPartitions(run)
-    try:
+    with spark_errors():
         parts = rdd.collect()
-    except Exception as e:
-        found = from_spark(e)
-        if found is not None:
-            raise found from None
-        raise
     nats, tokens, correct, nbytes, docs, dropped = [sum(p[i] for p in parts) for i in range(6)]
     if tokens == 0:
         raise SparklmError("no tokens to score in the input", hint="check --input (empty, or every record dropped)")
-    loss = nats / tokens
-    return {"loss": loss, "perplexity": math.exp(min(loss, 700)), "bits_per_byte": nats / max(nbytes, 1) / math.log(2),
-            "accuracy": correct / tokens, "tokens": int(tokens), "bytes": int(nbytes), "documents": int(docs),
+    return {**lm_figures(nats, tokens, correct, nbytes), "tokens": int(tokens), "bytes": int(nbytes), "documents": int(docs),
             "dropped_records": int(dropped), "max_length": length, "stride": step, "model": directory}

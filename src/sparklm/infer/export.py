@@ -8,14 +8,13 @@ int4: onnxruntime's block-wise 4-bit weight-only MatMulNBits. The graph has no K
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
 from ..errors import SparklmError
+from ..fs import staged_dir
 
 ONNX_FILE = "model.onnx"
 
@@ -44,10 +43,7 @@ def export(model: str, output: str, *, quantize: str = "none", overwrite: bool =
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise SparklmError(f"{output} already exists", hint="pass --overwrite or another --output")
     lm = load(model)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with staged_dir(str(out), marker="sparklm_export.json") as tmp:
         graph = LogitsGraph(lm.model).eval()
         ids = torch.ones((2, 8), dtype=torch.long)
         mask = torch.ones((2, 8), dtype=torch.long)
@@ -74,11 +70,6 @@ def export(model: str, output: str, *, quantize: str = "none", overwrite: bool =
         info = {"format": "onnx", "quantize": quantize, "source": lm.path, "context": lm.context,
                 "add_bos": lm.add_bos, "inputs": ["input_ids", "attention_mask"], "outputs": ["logits"]}
         (tmp / "sparklm_export.json").write_text(json.dumps(info, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return {**info, "path": str(out), "bytes": (out / ONNX_FILE).stat().st_size}
 
 

@@ -7,9 +7,9 @@ that runs it (which is what makes batch generation on Spark equal one-by-one gen
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 

@@ -20,7 +20,7 @@ class Sampling:
     max_new_tokens: int = 64
     min_new_tokens: int = 0  # EOS is masked until this many tokens are generated (as in HF)
     temperature: float = 0.8
-    top_k: int = 0  # 0: off
+    top_k: int = 50  # 0: off (the CLI's and samples.txt's default too: one place)
     top_p: float = 1.0  # 1.0: off
     repetition_penalty: float = 1.0  # 1.0: off
     num_samples: int = 1

@@ -1,96 +1,95 @@
-"""Atomic checkpoints in safetensors (weights, optimizer state, RNG) plus a JSON state file.
+"""Checkpoints: named safetensors files (weights, optimizer state, RNG) plus ``state.json``, on any
+filesystem the run directory is on (``fs``).
 
-Nothing loaded back is unpickled: tensors come from safetensors, everything else from JSON.
-A checkpoint directory is written under a temporary name and renamed when complete; the
-newest ``keep`` are kept.
+Nothing loaded back is unpickled: tensors come from safetensors, everything else from JSON. A
+checkpoint directory appears whole (a local rename, or ``state.json`` written last on an object
+store, and only directories with it count); the newest ``keep`` are kept.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import load_file, save_file
-
+from ..config import StorageConfig
 from ..errors import SparklmError
+from ..fs import delete, exists, join, list_names, local_path, read_bytes, read_text, staged_dir
 
-_STATE = "state.json"
+if TYPE_CHECKING:
+    import torch
 
-
-def save(directory: Path, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         state: dict[str, Any], rng: dict[str, torch.Tensor], keep: int) -> Path:
-    """Write ``directory/step-NNNNNNN`` atomically and prune older checkpoints."""
-    weights = {k: v.detach().contiguous().cpu().clone() for k, v in model.state_dict().items()}
-    tensors, groups = _optimizer_tensors(optimizer)
-    return save_files(directory, step, files={"model": _untie(weights), "optimizer": tensors,
-                                              "rng": {k: v.contiguous() for k, v in rng.items()}},
-                      state={**state, "param_groups": groups}, keep=keep)
+STATE = "state.json"
+# torch and safetensors are imported where tensors are touched: the DDP driver lists and reads checkpoint
+# states without importing torch (1.5 s of every command's start).
 
 
-def save_files(directory: Path, step: int, *, files: dict[str, dict[str, torch.Tensor]], state: dict[str, Any],
-               keep: int, adopt: dict[str, Path] | None = None) -> Path:
-    """A checkpoint of named safetensors files (``NAME.safetensors``) and ``state.json``, written under a
-    temporary name and renamed when complete. ``adopt`` moves finished directories in (name → path)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    final = directory / f"step-{step:07d}"
-    tmp = directory / f".tmp-step-{step:07d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for name, tensors in files.items():
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / f"{name}.safetensors"))
-    for name, path in (adopt or {}).items():
-        if path.is_dir():
-            path.rename(tmp / name)
-    (tmp / _STATE).write_text(json.dumps({**state, "step": step}, indent=2))
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-    for old in sorted(directory.glob("step-*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+def step_name(step: int) -> str:
+    return f"step-{step:07d}"
+
+
+def save(directory: str, step: int, *, files: dict[str, dict[str, torch.Tensor]], state: dict[str, Any], keep: int,
+         storage: StorageConfig | None = None, adopt: dict[str, str] | None = None) -> str:
+    """Write ``directory/step-NNNNNNN`` as a whole and prune older checkpoints; return its URI.
+
+    ``files``: name → tensors, saved as ``NAME.safetensors``. ``adopt``: name → a directory whose files
+    are taken into the checkpoint as ``NAME/`` (the workers' inner optimizer states) and then removed.
+    """
+    from safetensors.torch import save_file
+
+    final = join(directory, step_name(step))
+    with staged_dir(final, storage, marker=STATE) as tmp:
+        for name, tensors in files.items():
+            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / f"{name}.safetensors"))
+        for name, src in (adopt or {}).items():
+            (tmp / name).mkdir()
+            for f in list_names(src, storage):
+                (tmp / name / f).write_bytes(read_bytes(join(src, f), storage))
+        (tmp / STATE).write_text(json.dumps({**state, "step": step}, indent=2))
+    for src in (adopt or {}).values():
+        delete(src, storage)
+    done = completed(directory, storage)
+    for old in done[:-keep]:
+        delete(old, storage)
     return final
 
 
-def load_files(path: Path, names: list[str]) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
-    """``state.json`` and the named safetensors files of a checkpoint (a missing file loads as empty)."""
-    try:
-        state = json.loads((path / _STATE).read_text())
-        files = {n: load_file(str(path / f"{n}.safetensors")) if (path / f"{n}.safetensors").is_file() else {}
-                 for n in names}
-    except (OSError, ValueError) as e:
-        raise SparklmError(f"checkpoint {path} is unreadable: {e}", hint="delete it to resume from an older one") from None
-    return state, files
+def completed(directory: str, storage: StorageConfig | None = None) -> list[str]:
+    """Finished checkpoints (those with a state.json), oldest first."""
+    names = [n for n in list_names(directory, storage) if n.startswith("step-")]
+    return [join(directory, n) for n in names if exists(join(directory, n, STATE), storage)]
 
 
-def latest(directory: Path) -> Path | None:
-    done = sorted(p for p in directory.glob("step-*") if (p / _STATE).is_file())
+def latest(directory: str, storage: StorageConfig | None = None) -> str | None:
+    done = completed(directory, storage)
     return done[-1] if done else None
 
 
-def load(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-         ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Restore weights and optimizer state in place; return the JSON state and the RNG tensors."""
+def read_state(path: str, storage: StorageConfig | None = None) -> dict[str, Any]:
     try:
-        state = json.loads((path / _STATE).read_text())
-        weights = load_file(str(path / "model.safetensors"))
-        opt = load_file(str(path / "optimizer.safetensors"))
-        rng = load_file(str(path / "rng.safetensors"))
+        return json.loads(read_text(join(path, STATE), storage))
     except (OSError, ValueError) as e:
         raise SparklmError(f"checkpoint {path} is unreadable: {e}", hint="delete it to resume from an older one") from None
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    tied = {k for k in missing if k.endswith("lm_head.weight")}  # tied to the embedding
-    if set(missing) - tied or unexpected:
-        raise SparklmError(f"checkpoint {path} does not fit the model (missing {sorted(missing)[:3]}, "
-                           f"unexpected {sorted(unexpected)[:3]})", hint="resume with the same model config")
-    optimizer.load_state_dict(_optimizer_state(opt, state["param_groups"]))
-    return state, rng
 
 
-def _untie(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses shared storage: keep one name for tied weights (the embedding)."""
+def read_tensors(path: str, name: str, storage: StorageConfig | None = None) -> dict[str, torch.Tensor]:
+    """``NAME.safetensors`` of a checkpoint ({} when it has none)."""
+    from safetensors.torch import load as load_bytes
+    from safetensors.torch import load_file
+
+    uri = join(path, f"{name}.safetensors")
+    try:
+        if not exists(uri, storage):
+            return {}
+        local = local_path(uri)
+        return load_file(str(local)) if local is not None else load_bytes(read_bytes(uri, storage))
+    except (OSError, ValueError) as e:
+        raise SparklmError(f"checkpoint {path} is unreadable: {e}", hint="delete it to resume from an older one") from None
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights for a checkpoint: safetensors refuses shared storage, so tied weights keep one name
+    (the first, e.g. the embedding)."""
+    weights = {k: v.detach() for k, v in model.state_dict().items()}
     seen: dict[int, str] = {}
     out = {}
     for k, v in weights.items():
@@ -102,7 +101,18 @@ def _untie(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+def load_model_tensors(model: torch.nn.Module, weights: dict[str, torch.Tensor], path: str) -> None:
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight")}  # tied to the embedding
+    if set(missing) - tied or unexpected:
+        raise SparklmError(f"checkpoint {path} does not fit the model (missing {sorted(missing)[:3]}, "
+                           f"unexpected {sorted(unexpected)[:3]})", hint="resume with the same model config")
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """An optimizer's state as flat tensors (``PARAM.NAME``) plus its JSON-able param groups."""
+    import torch
+
     sd = optimizer.state_dict()
     tensors = {}
     for pid, st in sd["state"].items():
@@ -112,9 +122,9 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torc
     return tensors, sd["param_groups"]
 
 
-def _optimizer_state(tensors: dict[str, torch.Tensor], groups: list[dict]) -> dict:
+def load_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], groups: list[dict]) -> None:
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         pid, name = key.split(".", 1)
         state.setdefault(int(pid), {})[name] = value
-    return {"state": state, "param_groups": groups}
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import io
 
-from .metrics import read_metrics
+from ..config import StorageConfig
+from ..fs import join, write_bytes, write_text
+from .sinks import read_metrics
 
 
-def plot_loss(metrics_csv: Path, out: Path) -> None:
+def plot_loss(run_dir: str, storage: StorageConfig | None = None) -> None:
+    """loss.png from the run's metrics.csv."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(metrics_csv)
+    rows = read_metrics(join(run_dir, "metrics.csv"), storage)
     train = [r for r in rows if r["kind"] == "train"]
     val = [r for r in rows if r["kind"] == "eval" and r.get("val_loss") is not None]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
@@ -27,14 +30,16 @@ def plot_loss(metrics_csv: Path, out: Path) -> None:
     if val:
         ax.set_title(f"final validation: {val[-1]['val_loss']:.3f} nats/token, {val[-1]['val_bpb']:.3f} bits/byte")
     fig.tight_layout()
-    fig.savefig(out)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
     plt.close(fig)
+    write_bytes(join(run_dir, "loss.png"), png.getvalue(), storage)
 
 
-def write_samples(model, run_dir: Path, dataset, config) -> None:
-    """samples.txt: a few temperature-sampled continuations of fixed prompts (openings of validation
-    documents), written by rank 0 with the model it holds and the tokenizer it exported."""
-    from transformers import AutoTokenizer
+def write_samples(model, spec, run_dir: str, dataset, config) -> None:
+    """samples.txt: a few sampled continuations (sparklm's default sampling) of fixed prompts (openings of
+    validation documents), written by the worker that holds the final model."""
+    from transformers import PreTrainedTokenizerFast
 
     from ..infer.generate import LoadedModel, generate
     from ..infer.sampling import Sampling
@@ -44,16 +49,16 @@ def write_samples(model, run_dir: Path, dataset, config) -> None:
     new_tokens = min(tc.sample_tokens, context // 2)  # leave the prompt room within the context
     if not tc.samples or new_tokens < 1:
         return
-    tok = AutoTokenizer.from_pretrained(str(run_dir / "model"), local_files_only=True)
+    tok = PreTrainedTokenizerFast(tokenizer_object=spec.tokenizer(), bos_token=spec.bos_token,
+                                  eos_token=spec.eos_token, pad_token=spec.pad_token)
     prompts = [p if p.strip() else "The" for p in _prompts(dataset, tok, tc.samples, config)]
-    lm = LoadedModel(model.eval(), tok, str(run_dir / "model"), context, add_bos=True)
-    sampling = Sampling(temperature=0.8, top_k=50, max_new_tokens=new_tokens, seed=tc.seed)
-    lines = [f"# {len(prompts)} samples: temperature 0.8, top-k 50, {new_tokens} new tokens (seed {tc.seed})\n"]
+    lm = LoadedModel(model.eval(), tok, join(run_dir, "model"), context, add_bos=True)
+    sampling = Sampling(max_new_tokens=new_tokens, seed=tc.seed)
+    lines = [f"# {len(prompts)} samples: temperature {sampling.temperature}, top-k {sampling.top_k}, "
+             f"{new_tokens} new tokens (seed {tc.seed})\n"]
     for g in generate(lm, prompts, sampling=sampling, warn=False):
         lines.append(f"--- prompt: {g.prompt!r}\n{g.prompt}{g.text}\n")
-    tmp = run_dir / ".samples.txt.tmp"
-    tmp.write_text("\n".join(lines))
-    tmp.replace(run_dir / "samples.txt")
+    write_text(join(run_dir, "samples.txt"), "\n".join(lines), config.storage)
 
 
 def _prompts(dataset, tok, n: int, config) -> list[str]:

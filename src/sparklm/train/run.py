@@ -1,98 +1,92 @@
-"""``sparklm train``: a prepared dataset → a run directory, trained by ranks on Spark tasks.
+"""``sparklm train``: a prepared dataset → a run directory, trained by a strategy on Spark tasks.
 
-The driver checks the inputs, writes the resolved ``config.json``, starts the ranks, follows
-rank 0's ``metrics.csv`` to show live progress, then writes ``summary.json`` and ``loss.png``
-(rank 0 writes ``model/`` and ``samples.txt``).
+The launcher checks the inputs, resolves the configuration (on ``--resume``: the saved one plus what
+the user set now), writes ``config.json``, and hands the job to the strategy with the metrics sinks
+(metrics.csv, run_info.json, the console); at the end it writes ``summary.json`` and ``loss.png``.
+It knows nothing of training: that is the strategy's and the core's.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
-from .. import __version__, progress
-from ..config import Config, StorageConfig, from_dict
-from ..data.manifest import PreparedDataset, load_prepared
-from ..data.tokenizer import TokenizerSpec, from_tokenizer
+from .. import progress
+from ..config import Config, diff, flatten, from_dict, merge
+from ..data.manifest import PreparedDataset, load_prepared, load_tokenizer
+from ..data.tokenizer import TokenizerSpec
 from ..errors import SparklmError
-from ..fs import effective, resolve
-from .metrics import read_metrics
+from ..fs import effective, exists, join, read_text, write_text
+from ..version import __version__
+from . import checkpoint
 from .report import plot_loss
+from .sinks import METRIC_COLUMNS, ConsoleSink, CsvSink, JsonSink, Sinks, read_metrics
+
+# Settings that decide which rows each step trains on: a resumed run must keep them.
+DATA_ORDER_KEYS = ("train.seed", "train.batch_size", "train.grad_accum", "train.workers", "train.window_row_groups")
 
 
-def dataset_tokenizer(dataset: PreparedDataset, storage: StorageConfig | None = None) -> TokenizerSpec:
-    """The tokenizer a prepared dataset was made with, with its special ids from the manifest."""
-    from tokenizers import Tokenizer
+def train(data: str | None, *, output: str, config: Config | None = None, resume: bool = False, spark=None,
+          changes: dict[str, Any] | None = None) -> dict:
+    """Train a model on a prepared dataset into ``output`` (a run directory); return the summary.
 
-    fs, path = resolve(dataset.uri, storage)
-    with fs.open_input_stream(f"{path}/tokenizer.json") as f:
-        tok = Tokenizer.from_str(f.read().decode("utf-8"))
-    t = dataset.manifest["tokenizer"]
-    names = [tok.id_to_token(t[k]) for k in ("bos_id", "eos_id", "pad_id")]
-    spec = from_tokenizer(tok, *names)
-    if spec.sha256 != t["sha256"]:
-        raise SparklmError(f"{dataset.uri}/tokenizer.json does not match its manifest (fingerprint differs)",
-                           hint="prepare the dataset again; do not edit its files")
-    return spec
-
-
-def train(data: str | None, *, output: str, config: Config | None = None, resume: bool = False, spark=None) -> dict:
-    """Train a model on a prepared dataset into ``output`` (a run directory); return the summary."""
+    On ``resume``, the run's saved configuration is used, with ``changes`` (nested settings, as the CLI
+    collects what the user set) or else the settings where ``config`` differs from the defaults applied on top.
+    """
     from ..spark import get_session
-    from .strategies import averaging, ddp
+    from .strategies import Job, get
 
-    run_dir = Path(output)
+    storage = effective((config or Config()).storage)
+    run_dir = output
     if resume:
-        saved = run_dir / "config.json"
-        if not saved.is_file():
+        saved = join(run_dir, "config.json")
+        if not exists(saved, storage):
             raise SparklmError(f"cannot resume: {saved} not found", hint="pass the run directory of an earlier run")
-        meta = json.loads(saved.read_text())
-        base = from_dict(meta["config"])
-        config = base.replace(train=config.train) if config is not None else base  # a new budget may extend it
+        try:
+            meta = json.loads(read_text(saved, storage))
+            base = from_dict(meta["config"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise SparklmError(f"cannot resume: {saved} is not a sparklm run configuration ({type(e).__name__})",
+                               hint="restore it from a copy, or start a new run with another --output") from None
+        config = resume_config(base, changes if changes is not None else diff(config) if config is not None else {})
         data = data or meta["data"]
         _check_resumable(run_dir, config)
-    elif (run_dir / "config.json").exists() or (run_dir / "checkpoints").exists():
+    elif exists(join(run_dir, "config.json"), storage) or exists(join(run_dir, "checkpoints"), storage):
         raise SparklmError(f"run directory {run_dir} already holds a run",
                            hint="use --resume to continue it, or another --output")
     config = config or Config()
     config = config.replace(storage=effective(config.storage))
+    storage = config.storage
     if not data:
         raise SparklmError("no prepared dataset given", hint="pass --data DIR (made by `sparklm prepare`)")
-    dataset = load_prepared(data, config.storage)
-    spec = dataset_tokenizer(dataset, config.storage)
+    dataset = load_prepared(data, storage)
+    spec = load_tokenizer(dataset, storage)
     _check_init_from(config, spec)
     if dataset.manifest["splits"]["train"]["sequences"] == 0:
         raise SparklmError(f"{data} has no training sequences", hint="prepare more text or a shorter --seq-len")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(
-        {"config": config.to_dict(), "data": data, "sparklm_version": __version__}, indent=2))
+    write_text(join(run_dir, "config.json"), json.dumps(
+        {"config": config.to_dict(), "data": data, "sparklm_version": __version__}, indent=2), storage)
 
     t_spark = time.time()
     spark = spark() if callable(spark) else get_session(config.spark, spark=spark)
     spark_start = time.time() - t_spark
-    job = {"config": config.to_dict(), "data": data, "run_dir": str(run_dir.resolve()), "resume": resume}
     tc = config.train
-    label = f"train: {tc.strategy}, {tc.workers} worker{'s' * (tc.workers > 1)}"
-    if tc.strategy != "ddp":
-        label += f", sync every {tc.sync_every} steps"
+    strategy = get(tc.strategy)
+    job = Job(config=config, data=data, run_dir=run_dir, resume=resume, workers=tc.workers, threads=tc.threads,
+              uid=uuid.uuid4().hex)
+    sinks = Sinks([CsvSink(join(run_dir, "metrics.csv"), METRIC_COLUMNS, {"train", "eval"}, storage),
+                   JsonSink(join(run_dir, "run_info.json"), storage), ConsoleSink()])
     t0 = time.time()
-    if tc.strategy == "ddp":
-        follower = _Follower(run_dir / "metrics.csv")  # the ranks write metrics.csv; the driver shows it
-        follower.start()
-        try:
-            with progress.stage(spark, label, quiet=True):
-                result = ddp.run(spark, job, workers=tc.workers, threads=tc.threads, log_dir=str(run_dir / "logs"))
-        finally:
-            follower.stop()
-        result["bytes_communicated"] = _allreduce_bytes(result, tc.workers)
-    else:
-        with progress.stage(spark, label, quiet=True):
-            result = averaging.run(spark, job, workers=tc.workers,
-                                   threads=tc.threads or averaging.default_threads(spark, tc.workers), run_dir=run_dir)
+    try:
+        with progress.stage(spark, f"train: {strategy.describe(config)}", quiet=True):
+            result = strategy.run(spark, job, sinks).to_dict()
+    finally:
+        sinks.close()
     summary = _summary(run_dir, config, dataset, result, spark, time.time() - t0, spark_start)
-    plot_loss(run_dir / "metrics.csv", run_dir / "loss.png")
+    plot_loss(run_dir, storage)
     final = summary["final"]
     if final:
         progress.info(f"validation: loss {final['val_loss']:.3f}, perplexity {final['val_ppl']:.1f}, "
@@ -100,23 +94,30 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
     return summary
 
 
-def _check_resumable(run_dir: Path, config: Config) -> None:
-    """The newest checkpoint must come from the same strategy (and, in rounds, the same sync_every)."""
-    # checkpoint.latest() without importing torch on the driver
-    done = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if (p / "state.json").is_file())
-    if not done:
+def resume_config(saved: Config, changes: dict[str, Any]) -> Config:
+    """The configuration of a resumed run: the saved one, with only what the user set now applied.
+
+    A change of a setting that decides the data order (seed, batch size, accumulation, workers) is refused:
+    the checkpoint's position in the data would then mean other rows.
+    """
+    was = flatten(saved.to_dict())
+    for key, value in flatten(changes).items():
+        if key in DATA_ORDER_KEYS and key in was and was[key] != value:
+            raise SparklmError(f"cannot change {key} when resuming (the run used {was[key]!r}, now {value!r}): "
+                               "it changes which rows each step trains on",
+                               hint=f"drop the {key} setting to resume, or start a new run with another --output")
+    return merge(saved, changes)
+
+
+def _check_resumable(run_dir: str, config: Config) -> None:
+    """The newest checkpoint must come from the same strategy."""
+    last = checkpoint.latest(join(run_dir, "checkpoints"), config.storage)
+    if last is None:
         return  # killed before its first checkpoint: the run starts again from the beginning
-    state = json.loads((done[-1] / "state.json").read_text())
-    was = state.get("strategy", "ddp")
+    was = checkpoint.read_state(last, config.storage).get("strategy", "ddp")
     if was != config.train.strategy:
-        raise SparklmError(f"{done[-1]} was written by strategy {was}, not {config.train.strategy}",
+        raise SparklmError(f"{last} was written by strategy {was}, not {config.train.strategy}",
                            hint=f"resume with --strategy {was}")
-
-
-def _allreduce_bytes(result: dict, workers: int) -> int:
-    """DDP's traffic, computed (gloo has no counters): a ring all-reduce of the fp32 gradients per step
-    sends 2·(N−1)/N of them from each of the N ranks."""
-    return int(result["steps"] * 2 * (workers - 1) * 4 * (result.get("params") or 0))
 
 
 def _check_init_from(config: Config, spec: TokenizerSpec) -> None:
@@ -132,9 +133,9 @@ def _check_init_from(config: Config, spec: TokenizerSpec) -> None:
                            hint=f"prepare the data with --tokenizer {path}")
 
 
-def _summary(run_dir: Path, config: Config, dataset: PreparedDataset, result: dict, spark, seconds: float,
+def _summary(run_dir: str, config: Config, dataset: PreparedDataset, result: dict, spark, seconds: float,
              spark_start: float) -> dict:
-    rows = read_metrics(run_dir / "metrics.csv")
+    rows = read_metrics(join(run_dir, "metrics.csv"), config.storage)
     train_rows = [r for r in rows if r["kind"] == "train"]
     steady = train_rows[len(train_rows) // 4:] or train_rows  # skip warm-up for the steady-state figures
     epoch_tokens = dataset.manifest["splits"]["train"]["tokens"]
@@ -149,63 +150,14 @@ def _summary(run_dir: Path, config: Config, dataset: PreparedDataset, result: di
         "peak_flops": result["peak_flops"], "dtype": result["dtype"],
         "workers": config.train.workers, "strategy": config.train.strategy,
         "bytes_communicated": result.get("bytes_communicated"),
-        **{k: result[k] for k in ("rounds", "bytes_broadcast", "bytes_returned") if k in result},
+        **{k: result[k] for k in ("rounds", "bytes_broadcast", "bytes_returned") if result.get(k) is not None},
         "spark_application_id": spark.sparkContext.applicationId,
         "spark_master": spark.sparkContext.master, "sparklm_version": __version__,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_text(join(run_dir, "summary.json"), json.dumps(summary, indent=2), config.storage)
     return summary
 
 
 def _mean(rows: list[dict], key: str) -> float | None:
     vals = [r[key] for r in rows if r.get(key) is not None]
     return sum(vals) / len(vals) if vals else None
-
-
-class _Follower:
-    """Prints rank 0's progress from metrics.csv while the ranks run."""
-
-    def __init__(self, path: Path):
-        self.path, self.seen, self._stop = path, 0, threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> None:
-        self.seen = len(read_metrics(self.path))
-        self.thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.thread.join()
-        self._show()
-
-    def _run(self) -> None:
-        while not self._stop.wait(1.0):
-            self._show()
-
-    def _show(self) -> None:
-        try:
-            info = json.loads((self.path.parent / "run_info.json").read_text())
-        except (OSError, ValueError):
-            info = {}
-        rows = read_metrics(self.path)
-        for r in rows[self.seen:]:
-            progress.info(_line(r, info))
-        self.seen = len(rows)
-
-
-def _line(r: dict, info: dict) -> str:
-    if r["kind"] == "eval":
-        return (f"  eval step {r['step']}: val loss {r['val_loss']:.3f} | ppl {r['val_ppl']:.1f} | "
-                f"{r['val_bpb']:.3f} bits/byte | acc {r['val_acc']:.1%}")
-    total = info.get("total_steps") or 0
-    of = f"/{total}" if total and total < 10**12 else ""
-    eta = ""
-    if of and r.get("ms_per_step"):
-        eta = f" | ETA {_hms((total - r['step']) * r['ms_per_step'] / 1000)}"
-    return (f"step {r['step']}{of} | loss {r['loss']:.3f} | lr {r['lr']:.2e} | {r['tokens_per_s']:,.0f} tok/s | "
-            f"{r['ms_per_step']:.0f} ms/step | MFU {r['mfu']:.0%} | {r['elapsed']:.0f}s{eta}")
-
-
-def _hms(seconds: float) -> str:
-    m, s = divmod(int(seconds), 60)
-    return f"{m}m{s:02d}s" if m else f"{s}s"

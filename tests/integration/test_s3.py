@@ -3,8 +3,8 @@
 import boto3
 import pyarrow.parquet as pq
 import pytest
-from conftest import make_text
 
+from conftest import make_text
 from sparklm.data.manifest import load_prepared
 from sparklm.data.prepare import prepare
 from sparklm.errors import SparklmError

@@ -10,8 +10,8 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import MULTILINGUAL, make_text
 
+from conftest import MULTILINGUAL, make_text
 from sparklm.config import from_dict
 from sparklm.data.clean import clean_text
 from sparklm.data.manifest import load_prepared

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, make_text
 
+from conftest import free_port, make_text
 from sparklm.config import from_dict
 from sparklm.data.prepare import prepare
 from sparklm.java import find_java_home
-from sparklm.train.metrics import read_metrics
 from sparklm.train.run import train
+from sparklm.train.sinks import read_metrics
 
 pytestmark = pytest.mark.cluster
 
@@ -99,8 +99,11 @@ def _nest(settings):
     out: dict = {}
     for s in settings:
         key, value = s.split("=", 1)
-        section, name = key.split(".")
-        out.setdefault(section, {})[name] = json.loads(value) if value[0] in '"0123456789-' else value
+        *tables, name = key.split(".")
+        table = out
+        for t in tables:
+            table = table.setdefault(t, {})
+        table[name] = json.loads(value) if value[0] in '"0123456789-' else value
     return out
 
 
@@ -112,7 +115,7 @@ def test_diloco_on_a_standalone_cluster_recomputes_a_failed_task_exactly(spark, 
     (tmp_path / "a.txt").write_text(make_text(300, seed=11))
     settings = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "train.batch_size=4", "train.max_steps=6",
                 "train.eval_every=0", "train.eval_batches=2", "train.dtype=\"float32\"", "train.samples=0",
-                "train.threads=1", "train.strategy=\"diloco\"", "train.sync_every=2"]
+                "train.threads=1", "train.strategy=\"diloco\"", "train.rounds.sync_every=2"]
     data = prepare([str(tmp_path / "a.txt")], output=str(tmp_path / "data"), spark=spark,
                    config=from_dict({"data": {"seq_len": 32}, "tokenizer": {"vocab_size": 300}}))
     local = tmp_path / "local"

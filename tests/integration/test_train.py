@@ -7,39 +7,12 @@ import shutil
 
 import pytest
 import torch
-from conftest import make_text
-from safetensors.torch import load_file
 
+from conftest import TINY, cfg, weights
 from sparklm.config import from_dict
-from sparklm.data.prepare import prepare
 from sparklm.errors import SparklmError
-from sparklm.train.metrics import read_metrics
 from sparklm.train.run import train
-
-TINY = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32},
-        "train": {"batch_size": 4, "lr": 3e-3, "warmup_steps": 2, "eval_every": 0, "eval_batches": 4,
-                  "log_every": 1, "dtype": "float32", "samples": 1, "sample_tokens": 8, "threads": 1}}
-
-
-def cfg(**train):
-    raw = json.loads(json.dumps(TINY))
-    raw["train"].update(train)
-    raw["data"] = {"seq_len": 32}
-    return from_dict(raw)
-
-
-@pytest.fixture(scope="module")
-def dataset(spark, tmp_path_factory):
-    root = tmp_path_factory.mktemp("data")
-    (root / "a.txt").write_text(make_text(400, seed=9))
-    prep = from_dict({"data": {"seq_len": 32, "val_fraction": 0.1}, "tokenizer": {"vocab_size": 300},
-                      "output": {"row_group_mb": 1}})
-    return prepare([str(root / "a.txt")], output=str(root / "prepared"), config=prep, spark=spark).uri
-
-
-def weights(run_dir):
-    ckpt = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
-    return load_file(str(ckpt / "model.safetensors"))
+from sparklm.train.sinks import read_metrics
 
 
 def test_loss_falls_and_the_run_directory_is_complete(spark, dataset, tmp_path):
@@ -138,3 +111,35 @@ def test_init_from_continues_a_model_and_checks_its_tokenizer(spark, dataset, tm
     raw["model"]["init_from"] = str(other)
     with pytest.raises(SparklmError, match="tokenizer of .* differs from the dataset's"):
         train(dataset, output=str(tmp_path / "bad"), config=from_dict(raw), spark=spark)
+
+
+def test_cli_resume_keeps_the_saved_settings_and_refuses_a_new_data_order(dataset, tmp_path):
+    """The regression: `--resume` rebuilt a complete default Config, so lr, batch size and seed of the run
+    reverted to the defaults. Now only what the user sets on the resuming command is applied."""
+    import os
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    common = ["--master", "local[2]", "--set", "spark.ui=false", "--set", "model.n_layer=1", "--set", "model.n_head=2",
+              "--set", "model.n_embd=32", "--set", "train.eval_batches=2", "--set", "train.samples=0",
+              "--set", 'train.dtype="float32"', "--threads", "1"]
+    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "sparklm", "train", *args], capture_output=True, text=True,
+                              timeout=600, env=env)
+
+    r = cli("--data", dataset, "-o", str(run), "--max-steps", "2", "--set", "train.lr=1e-3", "--set",
+            "train.batch_size=16", "--set", "train.seed=7", *common)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = cli("-o", str(run), "--resume", "--max-steps", "4", "--master", "local[2]", "--set", "spark.ui=false")
+    assert r.returncode == 0, r.stderr[-2000:]
+    saved = json.loads((run / "config.json").read_text())["config"]["train"]
+    assert (saved["lr"], saved["batch_size"], saved["seed"], saved["max_steps"]) == (1e-3, 16, 7, 4)
+    assert json.loads((run / "summary.json").read_text())["steps"] == 4
+    r = cli("-o", str(run), "--resume", "--max-steps", "6", "--set", "train.seed=8")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: cannot change train.seed when resuming")
+    r = cli("-o", str(run), "--resume", "--set", "train.sync_every=4")
+    assert r.returncode == 2 and "did you mean 'train.rounds.sync_every'" in r.stderr

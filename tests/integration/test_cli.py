@@ -9,8 +9,8 @@ import sys
 import time
 
 import pytest
-from conftest import make_text
 
+from conftest import make_text
 from sparklm.cli import main
 
 

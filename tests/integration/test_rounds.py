@@ -1,6 +1,6 @@
-"""Rounds of plain Spark tasks: parameter averaging and DiLoCo (train/strategies/averaging.py, outer.py).
+"""Rounds of plain Spark tasks: parameter averaging and DiLoCo (train/strategies/rounds.py, rounds_task.py).
 
-The arithmetic is tested as pure functions; the strategy on real Spark local mode against the
+The strategy on real Spark local mode against the
 single-process loop, against itself with identical data, with a worker failing, and across a resume.
 """
 
@@ -11,11 +11,10 @@ import shutil
 
 import pytest
 import torch
-from test_train import cfg, dataset, weights  # noqa: F401  (the module's prepared dataset fixture)
 
-from sparklm.train.metrics import read_metrics
+from conftest import cfg, weights
 from sparklm.train.run import train
-from sparklm.train.strategies import outer
+from sparklm.train.sinks import read_metrics
 
 
 def rounds(run_dir):
@@ -30,62 +29,10 @@ def worst(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-# -- the arithmetic, pure -----------------------------------------------------------------------
-
-
-def test_weighted_average_weights_by_tokens():
-    d1 = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.0])}
-    d2 = {"w": torch.tensor([4.0, 8.0]), "b": torch.tensor([3.0])}
-    avg = outer.weighted_average([(d1, 1.0), (d2, 1.0)])
-    assert torch.equal(avg["w"], torch.tensor([2.5, 5.0])) and torch.equal(avg["b"], torch.tensor([1.5]))
-    # a worker that saw 3x the tokens counts 3x
-    avg = outer.weighted_average([(d1, 1.0), (d2, 3.0)])
-    assert torch.allclose(avg["w"], torch.tensor([3.25, 6.5])) and torch.allclose(avg["b"], torch.tensor([2.25]))
-    with pytest.raises(ValueError):
-        outer.weighted_average([(d1, 1.0), ({"w": d1["w"]}, 1.0)])
-    with pytest.raises(ValueError):
-        outer.weighted_average([(d1, 0.0)])
-
-
-def test_plain_averaging_gives_the_mean_of_the_workers_weights():
-    params = {"w": torch.tensor([1.0, -1.0])}
-    locals_ = [torch.tensor([0.5, -0.5]), torch.tensor([0.0, 1.0])]
-    avg = outer.weighted_average([({"w": params["w"] - x}, 1.0) for x in locals_])
-    new, buf = outer.outer_step(params, avg, None, lr=1.0, mu=0.0)
-    assert buf is None and torch.allclose(new["w"], torch.tensor([0.25, 0.25]))
-    assert torch.equal(params["w"], torch.tensor([1.0, -1.0]))  # inputs untouched
-
-
-def test_outer_nesterov_by_hand():
-    # θ=1, lr=0.7, μ=0.9; deltas 0.1 then 0.2:
-    # step 1: buf=0.1, update=0.1+0.9*0.1=0.19, θ=1-0.7*0.19=0.867
-    # step 2: buf=0.9*0.1+0.2=0.29, update=0.2+0.9*0.29=0.461, θ=0.867-0.7*0.461=0.5443
-    p, buf = {"x": torch.tensor([1.0], dtype=torch.float64)}, None
-    p, buf = outer.outer_step(p, {"x": torch.tensor([0.1], dtype=torch.float64)}, buf, lr=0.7, mu=0.9)
-    assert p["x"].item() == pytest.approx(0.867) and buf["x"].item() == pytest.approx(0.1)
-    p, buf = outer.outer_step(p, {"x": torch.tensor([0.2], dtype=torch.float64)}, buf, lr=0.7, mu=0.9)
-    assert p["x"].item() == pytest.approx(0.5443) and buf["x"].item() == pytest.approx(0.29)
-
-
-def test_outer_step_matches_torch_sgd_nesterov():
-    gen = torch.Generator().manual_seed(0)
-    start = torch.randn(5, 3, generator=gen)
-    deltas = [torch.randn(5, 3, generator=gen) for _ in range(4)]
-    ref = torch.nn.Parameter(start.clone())
-    sgd = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
-    p, buf = {"w": start.clone()}, None
-    for d in deltas:
-        ref.grad = d.clone()
-        sgd.step()
-        p, buf = outer.outer_step(p, {"w": d}, buf, lr=0.7, mu=0.9)
-    assert torch.allclose(p["w"], ref.detach(), atol=1e-6)
-    assert outer.norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}) == pytest.approx(5.0)
-
-
 # -- the strategy on Spark -------------------------------------------------------------------
 
 
-def test_one_worker_in_rounds_equals_the_single_process_loop(spark, dataset, tmp_path):  # noqa: F811
+def test_one_worker_in_rounds_equals_the_single_process_loop(spark, dataset, tmp_path):
     plain, rounds_ = tmp_path / "plain", tmp_path / "rounds"
     train(dataset, output=str(plain), config=cfg(max_steps=6, samples=0), spark=spark)
     s = train(dataset, output=str(rounds_), config=cfg(max_steps=6, samples=0, strategy="average", sync_every=3),
@@ -101,15 +48,17 @@ def test_one_worker_in_rounds_equals_the_single_process_loop(spark, dataset, tmp
         assert (rounds_ / name).exists() or name == "samples.txt", name
 
 
-def test_two_workers_averaging_identical_data_equal_one_worker(spark, dataset, tmp_path):  # noqa: F811
-    from sparklm.train.strategies import averaging
+def test_two_workers_averaging_identical_data_equal_one_worker(spark, dataset, tmp_path):
+    from sparklm.train.sinks import Sinks
+    from sparklm.train.strategies import Job, get
 
     def run(name, workers, shards):
         config = cfg(max_steps=4, samples=0, strategy="average", sync_every=2)
         run_dir = tmp_path / name
         run_dir.mkdir()
-        job = {"config": config.to_dict(), "data": dataset, "run_dir": str(run_dir), "resume": False}
-        averaging.run(spark, job, workers=workers, threads=1, run_dir=run_dir, shards=shards)
+        job = Job(config=config, data=dataset, run_dir=str(run_dir), resume=False, workers=workers, threads=1,
+                  uid=name)
+        get("average").run(spark, job, Sinks([]), shards=shards)
         return weights(run_dir)
 
     one = run("one", 1, None)
@@ -117,7 +66,7 @@ def test_two_workers_averaging_identical_data_equal_one_worker(spark, dataset, t
     assert worst(one, two) <= 1e-6
 
 
-def test_diloco_learns_and_accounts_its_communication(spark, dataset, tmp_path):  # noqa: F811
+def test_diloco_learns_and_accounts_its_communication(spark, dataset, tmp_path):
     run = tmp_path / "diloco"
     s = train(dataset, output=str(run), config=cfg(max_steps=12, samples=0, strategy="diloco", sync_every=4,
                                                    workers=2, eval_every=4), spark=spark)
@@ -137,7 +86,7 @@ def test_diloco_learns_and_accounts_its_communication(spark, dataset, tmp_path):
     assert (ckpt / "outer.safetensors").is_file() and (ckpt / "inner" / "w1.safetensors").is_file()
 
 
-def test_a_worker_that_fails_is_left_out_of_the_round(spark, dataset, tmp_path, monkeypatch):  # noqa: F811
+def test_a_worker_that_fails_is_left_out_of_the_round(spark, dataset, tmp_path, monkeypatch):
     # local[2] gives a task one attempt: worker 1 fails in round 1 for good; the round averages worker 0 alone
     monkeypatch.setenv("SPARKLM_INJECT_FAULT", "round=1,worker=1,attempts=9,at=start")
     run = tmp_path / "fewer"
@@ -149,7 +98,7 @@ def test_a_worker_that_fails_is_left_out_of_the_round(spark, dataset, tmp_path, 
     assert s["steps"] == 6 and s["final"]["val_loss"] > 0
 
 
-def test_resume_in_rounds_ends_with_the_same_weights(spark, dataset, tmp_path):  # noqa: F811
+def test_resume_in_rounds_ends_with_the_same_weights(spark, dataset, tmp_path):
     full = tmp_path / "full"
     conf = cfg(max_steps=8, checkpoint_every=4, samples=0, strategy="diloco", sync_every=2, workers=2)
     train(dataset, output=str(full), config=conf, spark=spark)
@@ -163,7 +112,7 @@ def test_resume_in_rounds_ends_with_the_same_weights(spark, dataset, tmp_path): 
         assert torch.equal(a[k], b[k]), k
 
 
-def test_bad_inputs_in_rounds_are_one_line(spark, dataset, tmp_path):  # noqa: F811
+def test_bad_inputs_in_rounds_are_one_line(spark, dataset, tmp_path):
     from sparklm.errors import SparklmError
 
     with pytest.raises(SparklmError, match="fewer than one global batch"):
@@ -173,7 +122,7 @@ def test_bad_inputs_in_rounds_are_one_line(spark, dataset, tmp_path):  # noqa: F
     train(dataset, output=str(ddp_run), config=cfg(max_steps=2, samples=0), spark=spark)
     with pytest.raises(SparklmError, match="written by strategy ddp, not diloco"):
         train(None, output=str(ddp_run), config=cfg(max_steps=4, strategy="diloco"), resume=True, spark=spark)
-    from sparklm.train.strategies.averaging import _fault
+    from sparklm.train.strategies.rounds import parse_fault
 
     with pytest.raises(SparklmError, match="is not round=R,worker=W"):
-        _fault("round=one")
+        parse_fault("round=one")

@@ -5,7 +5,7 @@ import pytest
 from sparklm.config import Config, describe, from_dict, load_config
 from sparklm.errors import SparklmError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_and_overrides(tmp_path):

@@ -1,0 +1,130 @@
+"""The task seam: what is trained. A task builds the model, computes its loss and evaluation sums,
+says which parameters train (and which decay), and exports the result.
+
+The training core and every strategy talk to a task only through this interface, so an encoder task
+(classification, embeddings, masked LM) or LoRA (a trainable subset of a frozen base, merged on
+export) plugs in here without touching the loop; rounds ship only the trainable parameters' deltas.
+``CausalLM`` is the task today.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..config import Config, StorageConfig
+from ..data.tokenizer import TokenizerSpec
+from ..errors import SparklmError
+from .build import build_model, load_model
+
+IGNORE = -100  # label of positions without a loss (padding), as in HF and torch's cross_entropy
+
+
+@dataclass(frozen=True)
+class Batch:
+    input_ids: torch.Tensor  # (B, T)
+    attention_mask: torch.Tensor | None  # (B, T) 1 = real token; None: no padding
+    labels: torch.Tensor  # (B, T) targets before the shift; IGNORE where no loss
+
+
+def make_batch(ids: np.ndarray, mask: np.ndarray | None) -> Batch:
+    """A batch from a stream's (input_ids, attention_mask) arrays; padded positions get no loss."""
+    x = torch.from_numpy(ids)
+    if mask is None:
+        return Batch(x, None, x)
+    m = torch.from_numpy(mask)
+    return Batch(x, m.long(), x.masked_fill(m == 0, IGNORE))
+
+
+def token_sums(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
+               byte_lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """[nats, tokens, correct, bytes] (float64) of next-token predictions ``logits`` (…, V) for ``targets``
+    (…) at the ``valid`` positions. The one masked LM sum: training's evaluation and ``sparklm eval``."""
+    logits = logits.float().reshape(-1, logits.size(-1))
+    targets, valid = targets.reshape(-1), valid.reshape(-1).bool()
+    nats = F.cross_entropy(logits, targets, reduction="none")[valid]
+    hits = logits.argmax(-1)[valid] == targets[valid]
+    nbytes = byte_lengths[targets[valid]].sum() if byte_lengths is not None else 0.0
+    return torch.tensor([float(nats.double().sum()), float(valid.sum()), float(hits.sum()), float(nbytes)],
+                        dtype=torch.float64)
+
+
+def lm_figures(nats: float, tokens: float, correct: float, nbytes: float) -> dict:
+    """Loss (nats/token), perplexity, bits per byte and accuracy from summed counts; {} when nothing counted."""
+    if tokens == 0:
+        return {}
+    loss = nats / tokens
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700)), "bits_per_byte": nats / max(nbytes, 1) / math.log(2),
+            "accuracy": correct / tokens}
+
+
+class Task(Protocol):
+    name: str
+
+    def build(self, config: Config, spec: TokenizerSpec, context: int) -> torch.nn.Module: ...
+
+    def loss(self, net: torch.nn.Module, batch: Batch) -> torch.Tensor: ...
+
+    def eval_sums(self, model: torch.nn.Module, batch: Batch, byte_lengths: torch.Tensor) -> torch.Tensor: ...
+
+    def trainable(self, model: torch.nn.Module) -> dict[str, torch.nn.Parameter]: ...
+
+    def decays(self, model: torch.nn.Module) -> set[int]: ...
+
+    def export(self, model: torch.nn.Module, spec: TokenizerSpec, uri: str, storage: StorageConfig) -> None: ...
+
+
+class CausalLM:
+    """Next-token prediction with an HF causal LM (built from config, or continued from a directory)."""
+
+    name = "causal-lm"
+
+    def build(self, config: Config, spec: TokenizerSpec, context: int) -> torch.nn.Module:
+        vocab = spec.vocab_size
+        if config.model.init_from:
+            model = load_model(config.model.init_from)
+            have = model.get_input_embeddings().weight.shape[0]
+            if have < vocab:
+                raise SparklmError(f"{config.model.init_from} has a vocabulary of {have} tokens, the data's tokenizer "
+                                   f"{vocab}", hint="prepare the data with --tokenizer pointing at that model's tokenizer")
+            return model
+        # Round the embedding table up to a multiple of 64: faster matmuls, unused rows are never targets.
+        return build_model(config.model, vocab_size=64 * math.ceil(vocab / 64), context=context, bos_id=spec.bos_id,
+                           eos_id=spec.eos_id, pad_id=spec.pad_id, seed=config.train.seed)
+
+    def loss(self, net: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        return net(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels).loss
+
+    def eval_sums(self, model: torch.nn.Module, batch: Batch, byte_lengths: torch.Tensor) -> torch.Tensor:
+        mask = batch.attention_mask if batch.attention_mask is not None else torch.ones_like(batch.input_ids)
+        logits = model(input_ids=batch.input_ids, attention_mask=mask).logits
+        return token_sums(logits[:, :-1], batch.input_ids[:, 1:], mask[:, 1:], byte_lengths)
+
+    def trainable(self, model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+        return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+    def decays(self, model: torch.nn.Module) -> set[int]:
+        """Weight decay on matrices, not on norms, biases or the embedding table."""
+        embed = id(model.get_input_embeddings().weight)
+        return {id(p) for p in model.parameters() if p.dim() >= 2 and id(p) != embed}
+
+    def export(self, model: torch.nn.Module, spec: TokenizerSpec, uri: str, storage: StorageConfig) -> None:
+        """An HF model directory: config, model.safetensors, tokenizer files, generation config."""
+        from ..fs import staged_dir
+
+        model.generation_config.bos_token_id = spec.bos_id
+        model.generation_config.eos_token_id = spec.eos_id
+        model.generation_config.pad_token_id = spec.pad_id
+        with staged_dir(uri, storage, marker="config.json") as tmp:
+            model.save_pretrained(str(tmp), safe_serialization=True)
+            spec.save(tmp)
+
+
+def task_for(config: Config) -> Task:
+    """The task a configuration trains (one today: causal language modelling)."""
+    return CausalLM()

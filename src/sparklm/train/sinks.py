@@ -1,0 +1,250 @@
+"""Metrics sinks: the training core emits rows (dicts with a ``kind``) and sinks record or show them.
+
+Kinds: ``info`` (the run's facts, once), ``train`` (a log step), ``eval`` (an evaluation), ``round``
+(a round of average/DiLoCo). Sinks today: ``CsvSink`` (metrics.csv, rounds.csv on any filesystem),
+``JsonSink`` (run_info.json), ``ConsoleSink`` (progress lines); MLflow or TensorBoard sinks plug in the
+same way. DDP ranks run in other processes, maybe on other hosts: rank 0 sends its rows to the driver
+over a TCP ``Channel`` (as TorchDistributor streams rank logs), and the driver feeds its own sinks —
+no shared disk is assumed.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from typing import Protocol
+
+from .. import progress
+from ..config import StorageConfig
+from ..fs import exists, local_path, read_text, write_text
+
+METRIC_COLUMNS = ["kind", "step", "epoch", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "ms_per_step", "mfu",
+                  "rss_mb", "elapsed", "val_loss", "val_ppl", "val_bpb", "val_acc", "val_tokens"]
+
+
+class Sink(Protocol):
+    def write(self, row: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Sinks:
+    """Fan-out to several sinks."""
+
+    def __init__(self, sinks: Iterable[Sink]):
+        self.sinks = list(sinks)
+
+    def write(self, row: dict) -> None:
+        for s in self.sinks:
+            s.write(row)
+
+    def close(self) -> None:
+        for s in self.sinks:
+            s.close()
+
+
+class CsvSink:
+    """Rows of the given kinds appended to a CSV file on any filesystem (an existing file is continued,
+    as on ``--resume``). A local file is appended and flushed row by row; an object-store file is
+    rewritten whole (objects cannot be appended), at most every ``every`` seconds and at close."""
+
+    def __init__(self, uri: str, columns: list[str], kinds: set[str], storage: StorageConfig | None = None,
+                 every: float = 10.0):
+        self.uri, self.columns, self.kinds, self.storage, self.every = uri, columns, kinds, storage, every
+        self.path = local_path(uri)
+        self.last_flush, self.dirty = 0.0, False
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fresh = not self.path.exists() or self.path.stat().st_size == 0
+            self.file = self.path.open("a", newline="")
+            self.writer = csv.DictWriter(self.file, fieldnames=columns, extrasaction="ignore")
+            if fresh:
+                self.writer.writeheader()
+                self.file.flush()
+        else:
+            self.file = io.StringIO()
+            if exists(uri, storage):
+                self.file.write(read_text(uri, storage))
+            self.writer = csv.DictWriter(self.file, fieldnames=columns, extrasaction="ignore")
+            if not self.file.tell():
+                self.writer.writeheader()
+
+    def write(self, row: dict) -> None:
+        if row.get("kind") not in self.kinds:
+            return
+        self.writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
+        self.dirty = True
+        if self.path is not None:
+            self.file.flush()
+        elif time.monotonic() - self.last_flush >= self.every:
+            self._upload()
+
+    def _upload(self) -> None:
+        write_text(self.uri, self.file.getvalue(), self.storage)
+        self.last_flush, self.dirty = time.monotonic(), False
+
+    def close(self) -> None:
+        if self.path is None:
+            if self.dirty:
+                self._upload()
+        else:
+            self.file.close()
+
+
+class JsonSink:
+    """The ``info`` row as a JSON file (run_info.json)."""
+
+    def __init__(self, uri: str, storage: StorageConfig | None = None):
+        self.uri, self.storage = uri, storage
+
+    def write(self, row: dict) -> None:
+        if row.get("kind") == "info":
+            write_text(self.uri, json.dumps({k: v for k, v in row.items() if k != "kind"}, indent=2), self.storage)
+
+    def close(self) -> None:
+        pass
+
+
+class ConsoleSink:
+    """Progress lines on the console: one per log step, evaluation or round, with an ETA."""
+
+    def __init__(self):
+        self.total: int | None = None
+        self.rounds = False  # in rounds, a round's line says what its train row says
+
+    def write(self, row: dict) -> None:
+        kind = row.get("kind")
+        if kind == "info":
+            self.total = row.get("total_steps")
+            self.rounds = row.get("strategy", "ddp") != "ddp"
+        elif kind == "eval" and row.get("val_loss") is not None:
+            progress.info(f"  eval step {row['step']}: val loss {row['val_loss']:.3f} | ppl {row['val_ppl']:.1f} | "
+                          f"{row['val_bpb']:.3f} bits/byte | acc {row['val_acc']:.1%}")
+        elif kind == "train" and not self.rounds:
+            progress.info(train_line(row, self.total))
+        elif kind == "round":
+            progress.info(round_line(row))
+
+    def close(self) -> None:
+        pass
+
+
+def train_line(r: dict, total: int | None) -> str:
+    of = f"/{total}" if total else ""
+    eta = f" | ETA {progress.duration((total - r['step']) * r['ms_per_step'] / 1000)}" if of and r.get("ms_per_step") else ""
+    return (f"step {r['step']}{of} | loss {r['loss']:.3f} | lr {r['lr']:.2e} | {r['tokens_per_s']:,.0f} tok/s | "
+            f"{r['ms_per_step']:.0f} ms/step | MFU {r['mfu']:.0%} | {r['elapsed']:.0f}s{eta}")
+
+
+def round_line(r: dict) -> str:
+    of = f"/{r['total_steps']}" if r.get("total_steps") else ""
+    who = f" | {r['workers_done']}/{r['workers']} workers" if r["workers_done"] < r["workers"] else ""
+    return (f"round {r['round']} | step {r['step']}{of} | loss {r['loss']:.3f} | {r['tokens_per_s']:,.0f} tok/s | "
+            f"{r['round_s']:.1f} s/round | outer step {r['outer_update_norm']:.3g} | {r['sent_mb']:,.1f} MB sent{who} | "
+            f"{r['elapsed']:.0f}s | ETA {progress.duration(r['eta_s'])}")
+
+
+def read_metrics(uri: str, storage: StorageConfig | None = None) -> list[dict]:
+    """The rows of a metrics.csv (numbers parsed; empty cells None); [] when there is none."""
+    if not exists(uri, storage):
+        return []
+    return [{k: _num(v) for k, v in row.items()} for row in csv.DictReader(io.StringIO(read_text(uri, storage)))]
+
+
+def _num(v: str):
+    if v in ("", None):
+        return None
+    try:
+        f = float(v)
+    except ValueError:
+        return v
+    return int(f) if f.is_integer() and "." not in v and "e" not in v else f
+
+
+# -- rows from ranks to the driver ----------------------------------------------------------------
+
+
+class Channel:
+    """The driver's end: a TCP listener that feeds rows sent by a rank into ``sink``.
+
+    It binds to the driver's address (``host``), which the ranks can reach (Spark's executors already
+    talk to the driver there); a random token authenticates the sender, so nothing else on the network
+    can inject rows.
+    """
+
+    def __init__(self, sink: Sink, host: str = "127.0.0.1"):
+        self.sink, self.token = sink, secrets.token_hex(16)
+        self.server = socket.create_server((host, 0))
+        self.server.settimeout(0.5)
+        self.address = (host, self.server.getsockname()[1])
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._accept = threading.Thread(target=self._serve, daemon=True)
+        self._accept.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            t = threading.Thread(target=self._read, args=(conn,), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _read(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("r", encoding="utf-8") as lines:
+            if lines.readline().strip() != self.token:
+                return
+            for line in lines:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                with self._lock:
+                    self.sink.write(row)
+
+    def close(self) -> None:
+        """Stop listening, after every connected rank has closed its end (its rows are all in)."""
+        self._stop.set()
+        self._accept.join()
+        self.server.close()
+        for t in self._threads:
+            t.join(timeout=30)
+
+
+class ChannelSink:
+    """A rank's end: rows as JSON lines to the driver's :class:`Channel`."""
+
+    def __init__(self, host: str, port: int, token: str):
+        try:
+            self.sock = socket.create_connection((host, port), timeout=30)
+        except OSError as e:
+            from ..errors import SparklmError
+
+            raise SparklmError(f"a training rank cannot reach the driver at {host}:{port} to report progress: {e}",
+                               hint="the executors must reach the driver's address (spark.driver.host)") from None
+        self.sock.settimeout(None)
+        self.file = self.sock.makefile("w", encoding="utf-8")
+        self.file.write(token + "\n")
+        self.file.flush()
+
+    def write(self, row: dict) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        try:
+            self.file.close()
+            self.sock.close()
+        except OSError:
+            pass

@@ -1,0 +1,116 @@
+"""The strategy seam: how a run is spread over Spark tasks, behind one small interface.
+
+A strategy gets the job (what to train, where) and a metrics sink, runs the workers on Spark and
+returns the run's result. It never knows the task (what is trained) and the launcher (train/run.py)
+knows nothing of training. Messages between the driver and its workers are these frozen dataclasses.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Protocol
+
+from ...config import Config, from_dict
+from ..sinks import Sink
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training run, as every worker sees it."""
+
+    config: Config
+    data: str  # the prepared dataset's URI
+    run_dir: str  # the run directory's URI
+    resume: bool
+    workers: int
+    threads: int  # torch threads per worker; 0: decided where the worker runs
+    uid: str  # unique per launch: keys per-process caches and executor-side state
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "config": self.config.to_dict()})
+
+    @classmethod
+    def from_json(cls, text: str) -> Job:
+        raw = json.loads(text)
+        return cls(**{**raw, "config": from_dict(raw["config"])})
+
+
+@dataclass(frozen=True)
+class RoundSpec:
+    """What every worker does in one round of average/DiLoCo."""
+
+    round: int
+    step0: int  # the global step the round starts at
+    steps: int  # inner steps (0: only evaluate / finish)
+    total_steps: int | None  # None: the time budget ends the run
+    eval: bool  # evaluate the incoming global weights first
+    persist: str  # where to copy the inner optimizer state (a checkpoint round), or ""
+    finish: bool  # the last task: worker 0 exports model/ and samples; the workers drop their state
+    time_frac0: float | None  # the run's time fraction at the round's start, as the driver projects it
+    time_frac_per_step: float
+    shards: tuple[tuple[int, int], ...]  # worker w streams slice shards[w][0] of shards[w][1] of each global batch
+    inner_from: str = ""  # a checkpoint to take inner optimizer states from (the first round after --resume)
+
+    def fraction(self, i: int) -> float:
+        """The schedule's progress at the round's i-th step: by steps, or by the projected time."""
+        step = self.step0 + i
+        frac = step / self.total_steps if self.total_steps else 0.0
+        if self.time_frac0 is not None:
+            frac = max(frac, self.time_frac0 + i * self.time_frac_per_step)
+        return frac
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    """One worker's figures for one round (its delta travels beside it, summed by the tree aggregation)."""
+
+    worker: int
+    attempt: int
+    tokens: int = 0  # tokens trained on, padding excluded
+    weight: float = 0.0  # tokens / the tokens of a full, unpadded round: the worker's weight in the average
+    losses: tuple[float, ...] = ()
+    cold: bool = False  # started from a fresh optimizer state
+    lr: float = 0.0
+    grad_norm: float = 0.0
+    load_s: float = 0.0
+    compute_s: float = 0.0
+    task_s: float = 0.0
+    rss_mb: float = 0.0
+    delta_bytes: int = 0
+    eval_sums: tuple[float, ...] | None = None
+    facts: dict[str, Any] | None = None  # worker 0, first round: params, FLOPs/token, peak, dtype
+    error: str | None = None  # set when the worker's last attempt failed
+
+    @property
+    def mean_loss(self) -> float:
+        return sum(self.losses) / len(self.losses) if self.losses else float("nan")
+
+
+@dataclass(frozen=True)
+class RunResult:
+    steps: int
+    tokens: int
+    seconds: float
+    params: int | None
+    flops_per_token: float | None
+    peak_flops: float | None
+    dtype: str | None
+    final: dict = field(default_factory=dict)
+    bytes_communicated: int = 0
+    rounds: int | None = None
+    bytes_broadcast: int | None = None
+    bytes_returned: int | None = None
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class Strategy(Protocol):
+    name: str
+
+    def describe(self, config: Config) -> str:
+        """A few words for the progress line, e.g. ``ddp, 2 workers``."""
+        ...
+
+    def run(self, spark, job: Job, sink: Sink) -> RunResult: ...

@@ -1,0 +1,160 @@
+"""One worker's part of a round (strategies ``average`` and ``diloco``), run inside a plain Spark task.
+
+The task gets the global weights, optionally evaluates them on its part of the validation split,
+runs ``steps`` inner steps of the training core on its shard of the data and returns its delta
+(``global − local``) over the task's trainable parameters. Everything it computes is a function of
+(job, round, worker id): the data rows come from the same pure global order as every other strategy
+(worker w takes slice w of each global batch), the learning rate from the global step, dropout from
+(seed, step, worker), and the inner optimizer state from the worker's own previous round. So when
+Spark retries a lost task, the retry recomputes the same delta.
+
+Inner optimizer state (``train.rounds.inner_state = "keep"``) stays with the worker id, not the
+driver: a file per worker and round in the executor's temporary directory, read by the next round's
+task for that worker. Only checkpoints copy it into the run directory (so ``--resume`` is exact). A
+task that does not find its state (its executor was lost, or the previous round dropped it) starts
+from a fresh AdamW state and says so (``cold``) in the round's metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import load as load_bytes
+from safetensors.torch import save as save_bytes
+
+from ...cache import process_local
+from ...data.manifest import load_prepared, load_tokenizer
+from ...fs import exists, join, local_path, read_bytes, write_bytes
+from ...model.task import Batch
+from .. import checkpoint, device
+from ..core import Rank, Trainer, TrainState
+from .base import Job, RoundSpec, WorkerResult
+
+
+def run_worker(job: Job, worker: int, weights: bytes, spec: RoundSpec, *, attempt: int = 0
+               ) -> tuple[WorkerResult, dict[str, np.ndarray] | None]:
+    """Run ``worker``'s part of round ``spec`` from the serialized global ``weights``; return its figures and
+    its delta (name → float32 array, already multiplied by the worker's weight), or None without steps."""
+    t_task = time.time()
+    torch.set_num_threads(job.threads)
+    device.keep_freed_memory()
+    trainer: Trainer = process_local(("rounds", job.uid), lambda: _trainer(job))
+    tc = trainer.tc
+    t0 = time.time()
+    global_w = load_bytes(weights)
+    trainable = trainer.task.trainable(trainer.model)
+    with torch.no_grad():
+        for n, p in trainable.items():
+            p.copy_(global_w[n])
+    out: dict = {"worker": worker, "attempt": attempt, "load_s": time.time() - t0}
+    if worker == 0 and spec.round == 0:
+        out["facts"] = {**trainer.facts(), "threads": job.threads}
+    if spec.eval:
+        out["eval_sums"] = tuple(trainer.eval_sums(worker, job.workers).tolist())
+
+    t0 = time.time()
+    state_dir = Path(tempfile.gettempdir()) / "sparklm-inner" / job.uid
+    delta = None
+    if spec.steps:
+        trainer.optimizer = trainer.new_optimizer()
+        if tc.rounds.inner_state == "keep" and spec.step0 > 0:
+            out["cold"] = not _load_inner(trainer.optimizer, _inner_sources(spec, worker, state_dir),
+                                           trainer.config.storage)
+        torch.manual_seed(_seed(tc.seed, spec.step0, worker))  # dropout: a function of (seed, step, worker)
+        part, parts = spec.shards[worker]
+        rows_per_step = tc.batch_size * tc.grad_accum * parts
+        seen = [0]  # tokens trained on, padding excluded: the worker's weight in the average
+        batches = _counted(trainer.batches(spec.step0 * rows_per_step, part=part, parts=parts), seen)
+        trainer.state = TrainState(step=spec.step0)
+        losses, last = [], (0.0, 0.0)
+        for loss, grad_norm, lr in trainer.run_steps(batches, spec.steps, spec.fraction, stop=False):
+            losses.append(float(loss))
+            last = (float(grad_norm), lr)
+        # weight = tokens / the tokens of a full, unpadded round: exactly 1.0 for unpadded data, so a
+        # one-worker round leaves its delta bit for bit unchanged
+        weight = seen[0] / (spec.steps * tc.batch_size * tc.grad_accum * trainer.seq_len)
+        with torch.no_grad():
+            delta = {n: (global_w[n] - p.detach()).mul_(weight).numpy() for n, p in trainable.items()}
+        out.update(losses=tuple(losses), grad_norm=last[0], lr=last[1], tokens=seen[0], weight=weight,
+                   delta_bytes=sum(a.nbytes for a in delta.values()))
+        if tc.rounds.inner_state == "keep":
+            _save_inner(trainer.optimizer, state_dir / _state_name(worker, spec.step0 + spec.steps))
+            _prune_inner(state_dir, worker, spec.step0)
+    out["compute_s"] = time.time() - t0
+
+    if spec.persist and tc.rounds.inner_state == "keep":  # a checkpoint round: copy the state beside the checkpoint
+        src = state_dir / _state_name(worker, spec.step0 + spec.steps)
+        if src.is_file():
+            write_bytes(join(spec.persist, f"w{worker}.safetensors"), src.read_bytes(), trainer.config.storage)
+    if spec.finish:
+        if worker == 0:
+            trainer.export(job.run_dir)
+        for f in state_dir.glob(f"w{worker}-*"):
+            f.unlink(missing_ok=True)
+    return WorkerResult(**out, rss_mb=device.rss_mb(), task_s=time.time() - t_task), delta
+
+
+def _trainer(job: Job) -> Trainer:
+    """The job's dataset, tokenizer and model, built once per Python worker and reused across rounds."""
+    config = job.config
+    dataset = load_prepared(job.data, config.storage)
+    return Trainer(config, dataset, load_tokenizer(dataset, config.storage), rank=Rank(0, 1, job.threads),
+                   workers=job.workers)
+
+
+def _counted(batches: Iterator[Batch], seen: list[int]) -> Iterator[Batch]:
+    for b in batches:
+        seen[0] += b.input_ids.numel() if b.attention_mask is None else int(b.attention_mask.sum())
+        yield b
+
+
+def _seed(seed: int, step: int, worker: int) -> int:
+    return (seed * 1_000_003 + step * 7919 + worker) % (2**63)
+
+
+def _state_name(worker: int, step: int) -> str:
+    return f"w{worker}-step{step:07d}.safetensors"
+
+
+def _inner_sources(spec: RoundSpec, worker: int, state_dir: Path) -> list[str]:
+    sources = [str(state_dir / _state_name(worker, spec.step0))]
+    if spec.inner_from:  # resuming from a checkpoint
+        sources.append(join(spec.inner_from, "inner", f"w{worker}.safetensors"))
+    return sources
+
+
+def _save_inner(optimizer: torch.optim.Optimizer, path: Path) -> None:
+    tensors, groups = checkpoint.optimizer_tensors(optimizer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes(str(path), save_bytes(tensors, metadata={"param_groups": json.dumps(groups)}))
+
+
+def _load_inner(optimizer: torch.optim.Optimizer, sources: list[str], storage) -> bool:
+    for uri in sources:
+        if not exists(uri, storage):
+            continue
+        local = local_path(uri)
+        with tempfile.NamedTemporaryFile(suffix=".safetensors") as tmp:
+            if local is None:  # safe_open reads the metadata from a file
+                tmp.write(read_bytes(uri, storage))
+                tmp.flush()
+            with safe_open(str(local or tmp.name), framework="pt") as f:
+                groups = json.loads(f.metadata()["param_groups"])
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        checkpoint.load_optimizer(optimizer, tensors, groups)
+        return True
+    return False
+
+
+def _prune_inner(state_dir: Path, worker: int, keep_from: int) -> None:
+    """Drop this worker's states older than the round's start (a retry of this round still needs that one)."""
+    for f in state_dir.glob(f"w{worker}-step*.safetensors"):
+        if int(f.stem.rsplit("step", 1)[1]) < keep_from:
+            f.unlink(missing_ok=True)

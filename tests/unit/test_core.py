@@ -1,0 +1,170 @@
+"""The training core without Spark: schedule, step plan, stream resume, checkpoints, resume config, LM sums."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from sparklm.config import Config, TrainConfig, diff, from_dict, merge
+from sparklm.data.stream import TokenStream, row_groups
+from sparklm.errors import SparklmError
+from sparklm.model.task import IGNORE, lm_figures, make_batch, token_sums
+from sparklm.train import checkpoint
+from sparklm.train.core import eval_metrics, fraction, lr_at, plan
+from sparklm.train.run import resume_config
+
+# -- the schedule ---------------------------------------------------------------------------------
+
+
+def test_lr_warms_up_linearly_then_follows_a_cosine_to_the_floor():
+    tc = TrainConfig(lr=1e-2, warmup_steps=4, min_lr_ratio=0.1)
+    assert [lr_at(s, 0.0, tc) for s in range(4)] == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2])
+    assert lr_at(10, 0.0, tc) == pytest.approx(1e-2)
+    assert lr_at(10, 0.5, tc) == pytest.approx(1e-3 + 0.5 * 9e-3)
+    assert lr_at(10, 1.0, tc) == pytest.approx(1e-3)
+    assert lr_at(10, 3.0, tc) == pytest.approx(1e-3)  # past the end: the floor
+    lrs = [lr_at(s, s / 100, tc) for s in range(4, 100)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_fraction_is_by_steps_or_by_time_whichever_is_further():
+    assert fraction(5, 10, 100.0, 0.0) == 0.5
+    assert fraction(5, None, 30.0, 60.0) == 0.5
+    assert fraction(5, 10, 54.0, 60.0) == pytest.approx(0.9)
+    assert fraction(0, None, 0.0, 0.0) == 0.0
+
+
+# -- the step plan ----------------------------------------------------------------------------------
+
+
+def test_plan_takes_the_smallest_limit_and_one_epoch_by_default():
+    tc = TrainConfig(batch_size=8, grad_accum=2)
+    p = plan(tc, train_rows=1000, seq_len=64, workers=2)
+    assert p.rows_per_step == 32 and p.tokens_per_step == 32 * 64 and p.total_steps == math.ceil(1000 / 32)
+    assert plan(TrainConfig(max_steps=7, epochs=5.0), train_rows=1000, seq_len=64, workers=1).total_steps == 7
+    assert plan(TrainConfig(max_steps=700, epochs=0.5), train_rows=800, seq_len=64, workers=1).total_steps == 50
+    assert plan(TrainConfig(max_tokens=64 * 8 * 3), train_rows=800, seq_len=64, workers=1).total_steps == 3
+    assert plan(TrainConfig(time_budget=60), train_rows=800, seq_len=64, workers=1).total_steps is None
+    with pytest.raises(SparklmError, match="fewer than one global batch"):
+        plan(TrainConfig(batch_size=8), train_rows=15, seq_len=64, workers=2)
+
+
+# -- the data stream resumes exactly ----------------------------------------------------------------
+
+
+@pytest.fixture
+def parquet_rows(tmp_path):
+    seq = 4
+    files = []
+    for f in range(3):
+        ids = np.arange(f * 1000, f * 1000 + 37 * seq, dtype=np.int64).reshape(-1, seq)
+        table = pa.table({"input_ids": pa.array(list(ids), type=pa.list_(pa.int32()))})
+        path = tmp_path / f"part-{f}.parquet"
+        pq.write_table(table, path, row_group_size=10)
+        files.append(str(path))
+    return row_groups(files), seq
+
+
+def test_stream_started_at_a_position_is_the_tail_of_the_stream_from_zero(parquet_rows):
+    groups, seq = parquet_rows
+    def take(start, n, rank=0, world=1):
+        it = iter(TokenStream(groups, seq_len=seq, batch_size=4, rank=rank, world=world, seed=3, window=2,
+                              start=start))
+        return [next(it)[0].copy() for _ in range(n)]
+
+    whole = take(0, 60)  # past one epoch (111 rows)
+    for k in (1, 7, 27, 40):
+        tail = take(4 * k, 60 - k)
+        assert all(np.array_equal(a, b) for a, b in zip(whole[k:], tail))
+    # two ranks together see exactly the rows one rank sees with twice the batch, in the same order
+    one = iter(TokenStream(groups, seq_len=seq, batch_size=8, seed=3, window=2))
+    r0, r1 = take(0, 10, 0, 2), take(0, 10, 1, 2)
+    for i in range(10):
+        assert np.array_equal(next(one)[0], np.concatenate([r0[i], r1[i]]))
+
+
+# -- checkpoints round-trip ---------------------------------------------------------------------------
+
+
+def test_checkpoint_round_trip_and_pruning(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    ckpts = str(tmp_path / "checkpoints")
+    tensors, groups = checkpoint.optimizer_tensors(opt)
+    for step in (2, 4, 6):
+        checkpoint.save(ckpts, step, files={"model": checkpoint.model_tensors(model), "optimizer": tensors},
+                        state={"param_groups": groups, "note": "x"}, keep=2)
+    assert [p.rsplit("/", 1)[1] for p in checkpoint.completed(ckpts)] == ["step-0000004", "step-0000006"]
+    last = checkpoint.latest(ckpts)
+    state = checkpoint.read_state(last)
+    assert state["step"] == 6 and state["note"] == "x"
+    other = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    checkpoint.load_model_tensors(other, checkpoint.read_tensors(last, "model"), last)
+    checkpoint.load_optimizer(other_opt, checkpoint.read_tensors(last, "optimizer"), state["param_groups"])
+    for a, b in zip(model.parameters(), other.parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], other_opt.state_dict()["state"][0]["exp_avg"])
+    assert checkpoint.read_tensors(last, "missing") == {}
+    (tmp_path / "checkpoints" / "step-0000006" / "state.json").write_text("{garbled")
+    with pytest.raises(SparklmError, match="unreadable"):
+        checkpoint.read_state(last)
+
+
+# -- the configuration of a resumed run ---------------------------------------------------------------
+
+
+def test_resume_keeps_the_saved_config_and_applies_only_what_is_set_now():
+    saved = from_dict({"train": {"lr": 1e-3, "batch_size": 16, "seed": 7, "max_steps": 10}})
+    cont = resume_config(saved, {"train": {"max_steps": 20}})
+    assert (cont.train.lr, cont.train.batch_size, cont.train.seed, cont.train.max_steps) == (1e-3, 16, 7, 20)
+    # setting a data-order key to the value it had is no change
+    assert resume_config(saved, {"train": {"seed": 7}}).train.seed == 7
+    for key, value in (("seed", 1337), ("batch_size", 8), ("grad_accum", 2), ("workers", 2)):
+        with pytest.raises(SparklmError, match=f"cannot change train.{key} when resuming"):
+            resume_config(saved, {"train": {key: value}})
+
+
+def test_config_diff_and_merge():
+    c = from_dict({"train": {"lr": 1e-3, "rounds": {"sync_every": 4}}, "spark": {"conf": {"a": "1"}}})
+    d = diff(c)
+    assert d == {"train": {"lr": 1e-3, "rounds": {"sync_every": 4}}, "spark": {"conf": {"a": "1"}}}
+    assert merge(Config(), d) == c
+
+
+# -- the LM sums: one function for training's evaluation and `sparklm eval` ---------------------------
+
+
+def test_token_sums_match_a_direct_computation():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=gen)
+    targets = torch.randint(0, 11, (2, 5), generator=gen)
+    valid = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    byte_lengths = torch.arange(11, dtype=torch.float64)
+    nats, tokens, correct, nbytes = token_sums(logits, targets, valid, byte_lengths).tolist()
+    mask = valid.bool()
+    ref = torch.nn.functional.cross_entropy(logits[mask], targets[mask], reduction="sum")
+    assert nats == pytest.approx(float(ref), rel=1e-6) and tokens == 8
+    assert correct == float((logits.argmax(-1)[mask] == targets[mask]).sum())
+    assert nbytes == float(byte_lengths[targets[mask]].sum())
+    f = lm_figures(nats, tokens, correct, nbytes)
+    assert f["loss"] == pytest.approx(nats / 8) and f["perplexity"] == pytest.approx(math.exp(nats / 8))
+    assert f["bits_per_byte"] == pytest.approx(nats / nbytes / math.log(2))
+    assert lm_figures(1e6, 1, 0, 1)["perplexity"] == math.exp(700)  # capped, not an overflow
+    assert eval_metrics([nats, tokens, correct, nbytes])["val_loss"] == pytest.approx(f["loss"])
+    assert lm_figures(0, 0, 0, 0) == {} and eval_metrics([0.0] * 4) == {}
+
+
+def test_padded_positions_get_no_loss():
+    ids = np.array([[5, 6, 7, 0]], dtype=np.int64)
+    b = make_batch(ids, np.array([[1, 1, 1, 0]], dtype=np.int8))
+    assert b.labels.tolist() == [[5, 6, 7, IGNORE]] and b.attention_mask.dtype == torch.long
+    assert make_batch(ids, None).attention_mask is None

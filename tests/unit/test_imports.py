@@ -1,0 +1,77 @@
+"""The package's structure: no module imports another module's ``_private`` names, and the import graph
+(lazy imports inside functions included: they hide a cycle rather than remove it) has no cycle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "sparklm"
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in SRC.rglob("*.py"):
+        parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, list[str]]]:
+    """(module imported, names taken from it) for every import in the file, resolved to sparklm modules."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("sparklm"):
+                continue
+            names = [a.name for a in node.names]
+            for n in names:  # `from . import checkpoint` imports a module
+                if f"{target}.{n}" in known:
+                    found.append((f"{target}.{n}", []))
+            rest = [n for n in names if f"{target}.{n}" not in known]
+            if rest:  # names defined in the module itself (not submodules of a package)
+                found.append((target, rest))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, []) for a in node.names if a.name.startswith("sparklm")]
+    return [(t, n) for t, n in found if t in known]
+
+
+def test_no_module_imports_another_modules_private_names():
+    mods = modules()
+    bad = [f"{name} imports {n} from {target}" for name, path in mods.items()
+           for target, names in imports(name, path, set(mods)) for n in names
+           if n.startswith("_") and not n.startswith("__") and target != name]
+    assert not bad, bad
+
+
+def test_the_import_graph_has_no_cycle():
+    mods = modules()
+    graph = {name: {t for t, _ in imports(name, path, set(mods)) if t != name} for name, path in mods.items()}
+    # a package's __init__ is imported with any of its modules; edges into a parent package are fine only
+    # when the parent does not import back
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph[n]):
+            if state.get(m) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(m):] + [m]))
+            if m not in state:
+                visit(m)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n)

@@ -1,0 +1,92 @@
+"""Plumbing written once: atomic files and directories (fs), per-process caches, the rank → driver channel."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from sparklm.cache import process_local
+from sparklm.fs import exists, list_names, read_text, staged_dir, write_text
+from sparklm.train.sinks import METRIC_COLUMNS, Channel, ChannelSink, ConsoleSink, CsvSink, Sinks, read_metrics
+
+
+def test_write_text_replaces_whole_and_leaves_no_temporary(tmp_path):
+    f = tmp_path / "sub" / "a.json"
+    write_text(str(f), "one")
+    write_text(str(f), "two")
+    assert read_text(str(f)) == "two" and list_names(str(f.parent)) == ["a.json"]
+
+
+def test_staged_dir_appears_whole_or_not_at_all(tmp_path):
+    target = tmp_path / "model"
+    with staged_dir(str(target)) as d:
+        (d / "config.json").write_text("{}")
+        assert not target.exists()  # invisible until complete
+    assert (target / "config.json").read_text() == "{}"
+    with pytest.raises(RuntimeError):
+        with staged_dir(str(target)) as d:
+            (d / "other").write_text("x")
+            raise RuntimeError("killed midway")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # the old one intact, no staging left
+    assert list_names(str(target)) == ["config.json"]
+    with staged_dir(str(target)) as d:
+        (d / "new").write_text("x")
+    assert list_names(str(target)) == ["new"]
+
+
+def test_staged_dir_on_an_object_store_writes_its_marker_last(s3_server):
+    import boto3
+
+    from sparklm.config import StorageConfig
+
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket="runs")
+    storage = StorageConfig(endpoint_url=s3_server)
+    with staged_dir("s3://runs/ckpt", storage, marker="state.json") as d:
+        (d / "state.json").write_text("{}")
+        (d / "model.safetensors").write_bytes(b"x")
+    assert list_names("s3://runs/ckpt", storage) == ["model.safetensors", "state.json"]
+    assert exists("s3://runs/ckpt/state.json", storage)
+
+
+def test_process_local_builds_once_per_key_and_keeps_the_latest():
+    built = []
+
+    def make(tag):
+        built.append(tag)
+        return object()
+
+    a = process_local(("t", 1), lambda: make(1))
+    assert process_local(("t", 1), lambda: make(1)) is a
+    process_local(("t", 2), lambda: make(2))
+    process_local(("t", 1), lambda: make(1))
+    assert built == [1, 2, 1]
+
+
+def test_rows_travel_from_a_rank_to_the_driver_sinks(tmp_path, capsys):
+    csv_path = tmp_path / "metrics.csv"
+    sinks = Sinks([CsvSink(str(csv_path), METRIC_COLUMNS, {"train", "eval"}), ConsoleSink()])
+    channel = Channel(sinks)
+    # a stranger without the token is ignored
+    stranger = ChannelSink(*channel.address, "not-the-token")
+    stranger.write({"kind": "train", "step": 99})
+    stranger.close()
+
+    def rank():
+        sink = ChannelSink(*channel.address, channel.token)
+        sink.write({"kind": "info", "total_steps": 4, "strategy": "ddp"})
+        for step in (1, 2):
+            sink.write({"kind": "train", "step": step, "loss": 3.0 / step, "lr": 1e-3, "tokens_per_s": 100.0,
+                        "ms_per_step": 10.0, "mfu": 0.5, "elapsed": step})
+        sink.write({"kind": "eval", "step": 2, "val_loss": 2.0, "val_ppl": 7.4, "val_bpb": 1.5, "val_acc": 0.25})
+        sink.close()
+
+    t = threading.Thread(target=rank)
+    t.start()
+    t.join()
+    channel.close()
+    sinks.close()
+    rows = read_metrics(str(csv_path))
+    assert [(r["kind"], r["step"]) for r in rows] == [("train", 1), ("train", 2), ("eval", 2)]
+    err = capsys.readouterr().err
+    assert "step 1/4" in err and "eval step 2" in err and "step 99" not in err
