@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import typing
@@ -12,9 +13,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-from . import progress
+from . import progress, redact
 from .config import fields_with_flags, from_dict, load_raw
-from .errors import SparklmError
+from .errors import SparklmError, known_cause
 from .fs import write_text
 from .version import __version__
 
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-file", metavar="FILE", help="one prompt per line")
     g.add_argument("--input", metavar="FILE", help="prompts.{txt,jsonl,parquet}: batch generation on Spark")
     g.add_argument("--output", "-o", metavar="FILE", help="write results to .jsonl or .parquet")
+    g.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     # sampling: defaults come from infer.sampling.Sampling (one place for them)
     g.add_argument("--max-new-tokens", type=int, metavar="N", help="tokens to generate (default 64)")
     g.add_argument("--min-new-tokens", type=int, metavar="N", help="no end-of-text before N tokens (default 0)")
@@ -113,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=int, default=8, metavar="N")
     e.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads per task (default: all)")
     e.add_argument("--output", "-o", metavar="FILE", help="also write the figures as JSON")
+    e.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     _common(e)
 
     x = sub.add_parser("export", help="export a model to ONNX (optionally int8 / int4 quantized)",
@@ -155,6 +158,7 @@ def _config(args: argparse.Namespace):
         raise SparklmError("--tokenizer and --vocab-size exclude each other",
                            hint="--vocab-size sizes a tokenizer sparklm trains; --tokenizer uses an existing one")
     raw = load_raw(args.config, overrides, flags)
+    redact.mapping(raw)  # remember secret values given here, so no printed line shows them
     return from_dict(raw), raw
 
 
@@ -252,6 +256,7 @@ def _generate(args: argparse.Namespace) -> int:
             raise SparklmError("give prompts either with --input (batch on Spark) or with --prompt/--prompt-file")
         if not args.output:
             raise SparklmError("--input needs --output FILE (.jsonl or .parquet)")
+        batch.check_output(args.output, args.overwrite)
         if args.backend != "torch":
             raise SparklmError("batch generation on Spark uses the torch backend", hint="drop --backend onnx")
         from .infer.generate import model_dir
@@ -272,6 +277,8 @@ def _generate(args: argparse.Namespace) -> int:
         return 0
     from .infer.generate import generate, load
 
+    if args.output:
+        batch.check_output(args.output, args.overwrite)
     prompts = list(args.prompt)
     if args.prompt_file:
         prompts += [text for _, text in batch.read_prompts(args.prompt_file)]
@@ -314,6 +321,8 @@ def _eval(args: argparse.Namespace) -> int:
     from .infer.evaluate import evaluate
 
     config, _ = _config(args)
+    if args.output and Path(args.output).exists() and not args.overwrite:
+        raise SparklmError(f"{args.output} already exists", hint="pass --overwrite to replace it, or another --output")
     with progress.stage(None, "eval", quiet=True):
         result = evaluate(args.model, args.inputs, config=config, max_length=args.max_length, stride=args.stride,
                           batch_size=args.batch_size, threads=args.threads, spark=_session_factory(args, config))
@@ -336,6 +345,8 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    for name in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        redact.remember(os.environ.get(name, ""))
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -350,6 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # the driver's own disk or memory: foreseeable, one line
+        cause = known_cause(f"{e} errno {e.errno}")
+        if cause is None or args.debug:
+            raise
+        print(SparklmError(f"{cause[0]}: {e.filename or e}", hint=cause[1]).one_line(), file=sys.stderr)
+        return 2
     finally:
         _stop_spark()
 

@@ -166,6 +166,10 @@ class TrainConfig:
     window_row_groups: int = _f(8, "row groups shuffled together (the shuffle buffer, in row groups)", min=1)
     samples: int = _f(3, "temperature-sampled continuations written to samples.txt", min=0)
     sample_tokens: int = _f(80, "tokens per sample", min=1)
+    collective_timeout: float = _f(300.0, "ddp: seconds a collective (all-reduce, barrier) may wait for the other ranks "
+                                         "before the run fails naming the rank and host", min=10.0)
+    max_restarts: int = _f(2, "ddp: times the ranks restart from the last checkpoint after a rank is lost (a crash, "
+                              "an out-of-memory kill, a lost executor)", min=0)
     rounds: RoundsConfig = _section(RoundsConfig, "settings of the strategies average and diloco")
 
 
@@ -194,6 +198,12 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def to_saved(self) -> dict[str, Any]:
+        """:meth:`to_dict` for files: values of secret-looking keys (e.g. an S3 secret in spark.conf) masked."""
+        from .redact import mapping
+
+        return mapping(self.to_dict())
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)

@@ -24,10 +24,12 @@ class SparklmError(Exception):
         self.exit_code = exit_code
 
     def one_line(self) -> str:
-        text = f"error: {self.message}"
+        from .redact import text as redact_text
+
+        line = f"error: {self.message}"
         if self.hint:
-            text += f" (hint: {self.hint})"
-        return " ".join(text.split())
+            line += f" (hint: {self.hint})"
+        return redact_text(" ".join(line.split()))
 
     def __str__(self) -> str:
         # Marked so the text survives the trip through a Spark task failure.
@@ -40,6 +42,26 @@ def from_spark(exc: BaseException) -> SparklmError | None:
     if not match:
         return None
     return SparklmError(match.group(1), hint=match.group(2) or None)
+
+
+# Failures that are not sparklm's fault but are foreseeable, recognised in an exception's or a log's text.
+_CAUSES = [
+    (re.compile(r"No space left on device|ENOSPC|errno 28\b", re.I),
+     "no space left on device", "free disk space (or point the output and spark.local.dir elsewhere) and run again"),
+    (re.compile(r"\bMemoryError\b|Cannot allocate memory|std::bad_alloc|DefaultCPUAllocator: can't allocate", re.I),
+     "out of memory", "lower train.batch_size or the model size, or give the executors more memory"),
+    (re.compile(r"Connection closed by peer|Connection reset by peer|Timed out|timeout.*gloo|gloo.*timeout", re.I),
+     "a peer rank stopped answering (it died or is stuck)", "see the other ranks' logs; the run can continue "
+     "with --resume from its last checkpoint"),
+]
+
+
+def known_cause(text: str) -> tuple[str, str] | None:
+    """(what happened, how to fix it) for a foreseeable failure named in ``text``, else None."""
+    for pattern, what, hint in _CAUSES:
+        if pattern.search(text):
+            return what, hint
+    return None
 
 
 class spark_errors:
@@ -55,4 +77,7 @@ class spark_errors:
         found = from_spark(exc)
         if found is not None:
             raise found from None
+        cause = known_cause(str(exc))
+        if cause is not None:
+            raise SparklmError(f"a Spark task failed: {cause[0]}", hint=cause[1]) from None
         return False

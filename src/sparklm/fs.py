@@ -154,6 +154,59 @@ def staged_dir(uri: str, storage: StorageConfig | None = None, *, marker: str | 
         shutil.rmtree(stage, ignore_errors=True)
 
 
+def remove_stale(uri: str, storage: StorageConfig | None = None, *, before: float) -> list[str]:
+    """Remove the staging leftovers of ``uri`` (``.NAME.sparklm-tmp-*``, ``.NAME.sparklm-old-*`` beside it) that
+    a killed earlier job left, i.e. last changed before ``before`` (a Unix time); return what was removed."""
+    parent, name = posixpath.split(os.fspath(uri).rstrip("/")) if is_remote(uri) else os.path.split(
+        os.path.abspath(os.fspath(uri)))
+    fs, path = resolve(parent, storage)
+    removed = []
+    for info in fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True)):
+        base = posixpath.basename(info.path.rstrip("/"))
+        if not base.startswith((f".{name}.sparklm-tmp-", f".{name}.sparklm-old-")):
+            continue
+        mtime = info.mtime.timestamp() if info.mtime is not None else 0.0  # object-store "directories" have none
+        if mtime < before:
+            if info.type == pafs.FileType.Directory:
+                fs.delete_dir(info.path)
+            else:
+                fs.delete_file(info.path)
+            removed.append(base)
+    return removed
+
+
+CHECKSUMS = "sparklm_checksums.json"
+
+
+def write_checksums(directory: Path) -> None:
+    """``sparklm_checksums.json``: the SHA-256 of every file in a local directory (written last, before publishing)."""
+    import hashlib
+    import json
+
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != CHECKSUMS)
+    sums = {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    (directory / CHECKSUMS).write_text(json.dumps(sums, indent=2))
+
+
+def verify_checksums(directory: Path) -> None:
+    """Check a local directory against its ``sparklm_checksums.json`` (if it has one); one line when a file differs."""
+    import hashlib
+    import json
+
+    listing = directory / CHECKSUMS
+    if not listing.is_file():
+        return
+    try:
+        sums = json.loads(listing.read_text())
+    except (OSError, ValueError):
+        raise SparklmError(f"{listing} is unreadable", hint="export the model again") from None
+    for name, want in sums.items():
+        path = directory / name
+        if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != want:
+            raise SparklmError(f"{path} is damaged: it does not match the SHA-256 recorded when it was written",
+                               hint="restore it from a copy or export the model again")
+
+
 def join(uri: str, *parts: str) -> str:
     """Join path parts onto a local path or URL."""
     uri = os.fspath(uri)

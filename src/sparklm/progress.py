@@ -10,6 +10,8 @@ from contextlib import contextmanager
 from rich.console import Console
 from rich.table import Table
 
+from . import redact
+
 console = Console(stderr=True, highlight=False)
 
 
@@ -69,11 +71,11 @@ def table(title: str, rows: list[tuple[str, ...]], header: tuple[str, ...]) -> N
 
 
 def warn(message: str) -> None:
-    console.print(f"[yellow]warning:[/yellow] {message}", soft_wrap=True)
+    console.print(f"[yellow]warning:[/yellow] {redact.text(message)}", soft_wrap=True)
 
 
 def info(message: str) -> None:
-    console.print(message, soft_wrap=True)
+    console.print(redact.text(message), soft_wrap=True)
 
 
 def plain(message: str) -> None:

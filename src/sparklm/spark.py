@@ -43,6 +43,11 @@ def get_session(config: SparkConfig | None = None, *, spark=None, jvm_log: str |
         "spark.ui.showConsoleProgress": "false",  # sparklm draws its own progress
         "spark.driver.memory": "4g",
         "spark.sql.execution.arrow.pyspark.enabled": "true",
+        # DDP's barrier stage: fail in seconds, not minutes, when there are too few slots (Spark retries its
+        # check 40 times every 15 s by default), and never wait forever for a rank that does not arrive
+        "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures": "3",
+        "spark.scheduler.barrier.maxConcurrentTasksCheck.interval": "5s",
+        "spark.barrier.sync.timeout": "600s",
         "spark.driver.extraJavaOptions": " ".join([f"-Dlog4j2.configurationFile=file:{log4j}", *cds]),
     }
     for key, value in config.conf.items():

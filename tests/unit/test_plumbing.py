@@ -90,3 +90,34 @@ def test_rows_travel_from_a_rank_to_the_driver_sinks(tmp_path, capsys):
     assert [(r["kind"], r["step"]) for r in rows] == [("train", 1), ("train", 2), ("eval", 2)]
     err = capsys.readouterr().err
     assert "step 1/4" in err and "eval step 2" in err and "step 99" not in err
+
+
+def test_secret_values_are_masked_in_files_and_lines():
+    from sparklm import redact
+
+    saved = redact.mapping({"spark": {"conf": {"spark.hadoop.fs.s3a.secret.key": "s3cr3t-value",
+                                               "spark.hadoop.fs.s3a.access.key": "AKIAEXAMPLE", "spark.x": "1"}},
+                            "train": {"max_tokens": 5, "sample_tokens": 80}, "auth_token": "tok-123456"})
+    assert saved == {"spark": {"conf": {"spark.hadoop.fs.s3a.secret.key": "***", "spark.hadoop.fs.s3a.access.key": "***",
+                                        "spark.x": "1"}},
+                     "train": {"max_tokens": 5, "sample_tokens": 80}, "auth_token": "***"}
+    # remembered values and key=value pairs never reach a printed line
+    assert redact.text("could not connect with s3cr3t-value") == "could not connect with ***"
+    assert redact.text("--conf spark.my.password=hunter22") == "--conf spark.my.password=***"
+
+
+def test_stale_staging_is_removed_on_an_object_store_too(s3_server):
+    import time
+
+    import boto3
+
+    from sparklm.config import StorageConfig
+    from sparklm.fs import remove_stale
+
+    s3 = boto3.client("s3", endpoint_url=s3_server)
+    s3.create_bucket(Bucket="stale")
+    for key in (".out.sparklm-tmp-0123/train/part-0.parquet", ".other.sparklm-tmp-9/x", "out/manifest.json"):
+        s3.put_object(Bucket="stale", Key=key, Body=b"x")
+    storage = StorageConfig(endpoint_url=s3_server)
+    assert remove_stale("s3://stale/out", storage, before=time.time()) == [".out.sparklm-tmp-0123"]
+    assert list_names("s3://stale", storage) == [".other.sparklm-tmp-9", "out"]

@@ -71,3 +71,24 @@ def load_tokenizer(dataset: PreparedDataset, storage: StorageConfig | None = Non
         raise SparklmError(f"{dataset.uri}/tokenizer.json does not match its manifest (fingerprint differs)",
                            hint="prepare the dataset again; do not edit its files")
     return spec
+
+
+def checked_row_groups(dataset: PreparedDataset, split: str, storage: StorageConfig | None = None) -> list:
+    """The split's row groups, after checking every file against the manifest: its size, and its rows as the
+    Parquet footers count them (a manifest that claims other files than those present is refused)."""
+    from .stream import row_groups
+
+    entries = dataset.manifest["splits"][split]["files"]
+    groups = row_groups(dataset.files(split), storage)
+    fs, _ = resolve(dataset.uri, storage)
+    for entry, uri in zip(entries, dataset.files(split)):
+        rows = sum(g.rows for g in groups if g.path == uri)
+        if rows != entry["rows"]:
+            raise SparklmError(f"{uri} holds {rows:,} rows, its manifest says {entry['rows']:,}",
+                               hint="the dataset was changed after prepare: prepare it again")
+        if "bytes" in entry:
+            size = fs.get_file_info(resolve(uri, storage)[1]).size
+            if size != entry["bytes"]:
+                raise SparklmError(f"{uri} has {size:,} bytes, its manifest says {entry['bytes']:,}",
+                                   hint="the dataset was changed after prepare: prepare it again")
+    return groups

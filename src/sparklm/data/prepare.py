@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from .. import progress
 from ..config import Config
 from ..errors import SparklmError, spark_errors
-from ..fs import effective, resolve, uri_like
+from ..fs import effective, remove_stale, resolve, uri_like
 from ..version import __version__
 from . import clean, sources
 from . import tokenizer as tokenizers_mod
@@ -63,6 +63,8 @@ def prepare(
     started = time.time()
     fs, out_path = resolve(output, storage)
     _check_output(fs, out_path, output, overwrite)
+    for name in remove_stale(output, storage, before=started):
+        progress.info(f"[dim]removed {name}, left by an earlier prepare that did not finish[/dim]")
     units = sources.plan_units(list(inputs), group="train" if validation_inputs else "auto",
                                data=data, storage=storage)
     units += sources.plan_units(list(validation_inputs), group="validation", data=data, storage=storage)
@@ -315,10 +317,12 @@ class _SplitWriter:
     def close(self) -> dict:
         self.pending.extend(self.packer.finish())
         self._flush(final=True)
+        nbytes = 0
         if self.writer is not None:
             self.writer.close()
+            nbytes = self.sink.tell()
             self.sink.close()  # an object-store upload completes on close
-        return {"split": self.split, "path": self.name if self.writer is not None else "",
+        return {"split": self.split, "path": self.name if self.writer is not None else "", "bytes": nbytes,
                 "tokens": self.packer.tokens_in, "dropped_tokens": self.packer.tokens_dropped, **self.counts}
 
     def _flush(self, final: bool) -> None:
@@ -331,7 +335,9 @@ class _SplitWriter:
                 fs, staging = resolve(self.staging, self.storage)
                 fs.create_dir(f"{staging}/{self.split}", recursive=True)
                 self.sink = fs.open_output_stream(f"{staging}/{self.name}")
-                self.writer = pq.ParquetWriter(self.sink, self.schema, compression="zstd")
+                # page checksums (CRC32): a damaged file fails its read with a clear error instead of
+                # training on garbage
+                self.writer = pq.ParquetWriter(self.sink, self.schema, compression="zstd", write_page_checksum=True)
             self.writer.write_table(_to_table(ids[:take], None if mask is None else mask[:take], doc[:take],
                                               self.schema), row_group_size=take)
             self.counts["rows"] += take
@@ -368,8 +374,19 @@ def _check_output(fs, path: str, uri: str, overwrite: bool) -> None:
         return
     if info.type.name == "File":
         raise SparklmError(f"output {uri} is a file", hint="give a directory path to --output")
-    if not overwrite and fs.get_file_info(_selector(path)):
+    if not fs.get_file_info(_selector(path)):
+        return  # an empty directory
+    if not overwrite:
         raise SparklmError(f"output {uri} already exists", hint="pass --overwrite to replace it, or choose another --output")
+    # --overwrite replaces a prepared dataset, never anything else a user pointed it at by mistake
+    try:
+        with fs.open_input_stream(f"{path}/{MANIFEST}") as f:
+            ours = json.loads(f.read().decode("utf-8")).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    if not ours:
+        raise SparklmError(f"refusing to --overwrite {uri}: it is neither a sparklm dataset (no {MANIFEST} of format "
+                           f"{FORMAT}) nor empty", hint="choose another --output, or empty it yourself if it is yours")
 
 
 def _selector(path: str):
@@ -447,7 +464,7 @@ def _manifest(config, inputs, validation_inputs, stats, files, spec, pack: PackS
             "sequences": sum(m["rows"] for m in metas),
             "pad_tokens": sum(m["pad_tokens"] for m in metas),
             "dropped_tokens": sum(m["dropped_tokens"] for m in metas),
-            "files": [{"path": m["path"].rsplit("-", 1)[0] + ".parquet", "rows": m["rows"],
+            "files": [{"path": m["path"].rsplit("-", 1)[0] + ".parquet", "rows": m["rows"], "bytes": m["bytes"],
                        "row_groups": m["row_groups"]} for m in sorted(metas, key=lambda m: m["path"])],
         }
         splits[split]["bytes_per_token"] = (
@@ -477,7 +494,7 @@ def _manifest(config, inputs, validation_inputs, stats, files, spec, pack: PackS
         "timing": {"seconds": round(seconds, 3), "spark_start_seconds": round(spark_start, 3),
                    "tokens_per_second": round(total_tokens / max(seconds, 1e-9), 1),
                    "tokens_per_second_after_spark_start": round(total_tokens / max(seconds - spark_start, 1e-9), 1)},
-        "config": config.to_dict(),
+        "config": config.to_saved(),
     }
 
 

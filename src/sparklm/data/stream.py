@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from ..config import StorageConfig
+from ..errors import SparklmError
 from ..fs import resolve
 
 
@@ -32,19 +33,31 @@ def row_groups(files: list[str], storage: StorageConfig | None = None) -> list[R
     out = []
     for uri in files:
         fs, path = resolve(uri, storage)
-        with fs.open_input_file(path) as f:
-            meta = pq.ParquetFile(f).metadata
+        try:
+            with fs.open_input_file(path) as f:
+                meta = pq.ParquetFile(f).metadata
+        except Exception as e:  # pyarrow raises ArrowInvalid, OSError, …: a missing, damaged or foreign file
+            raise unreadable(uri, e) from None
         out += [RowGroup(uri, i, meta.row_group(i).num_rows) for i in range(meta.num_row_groups)]
     return out
+
+
+def unreadable(uri: str, e: BaseException) -> SparklmError:
+    why = " ".join(str(e).split())[:200]
+    return SparklmError(f"cannot read {uri}: {why} (a damaged or truncated Parquet file)",
+                        hint="prepare the dataset again (`sparklm prepare … --overwrite`)")
 
 
 def read_rows(group: RowGroup, seq_len: int, storage: StorageConfig | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """(input_ids [rows, seq_len] int64, attention_mask [rows, seq_len] int8 or None) of one row group."""
     fs, path = resolve(group.path, storage)
-    with fs.open_input_file(path) as f:
-        pf = pq.ParquetFile(f)
-        names = [n for n in ("input_ids", "attention_mask") if n in pf.schema_arrow.names]
-        table = pf.read_row_group(group.index, columns=names)
+    try:
+        with fs.open_input_file(path) as f:
+            pf = pq.ParquetFile(f, page_checksum_verification=True)
+            names = [n for n in ("input_ids", "attention_mask") if n in pf.schema_arrow.names]
+            table = pf.read_row_group(group.index, columns=names)
+    except Exception as e:
+        raise unreadable(group.path, e) from None
     ids = np.asarray(table.column("input_ids").combine_chunks().flatten(), dtype=np.int64).reshape(-1, seq_len)
     mask = None
     if "attention_mask" in names:

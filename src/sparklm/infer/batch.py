@@ -97,6 +97,17 @@ def read_prompts(path: str, *, field: str = "prompt") -> list[tuple[int, str]]:
     return rows
 
 
+def check_output(output: str, overwrite: bool) -> None:
+    """A results file may replace an existing file only with ``overwrite``; never a directory."""
+    out = Path(output)
+    if not out.name.lower().endswith((".parquet", ".jsonl")):
+        raise SparklmError(f"--output {output}: use a .parquet or .jsonl file name")
+    if out.is_dir():
+        raise SparklmError(f"--output {output} is a directory", hint="name a .jsonl or .parquet file")
+    if out.exists() and not overwrite:
+        raise SparklmError(f"{output} already exists", hint="pass --overwrite to replace it, or another --output")
+
+
 def write_generations(rows: list[dict], output: str) -> None:
     """Write results to .parquet or .jsonl atomically (a hidden temporary file, then a rename)."""
     out = Path(output)

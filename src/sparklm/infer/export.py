@@ -40,8 +40,12 @@ def export(model: str, output: str, *, quantize: str = "none", overwrite: bool =
         raise SparklmError(f"--quantize {quantize}: use none, int8 or int4")
     onnx, ort = _onnx_modules()
     out = Path(output)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise SparklmError(f"{output} already exists", hint="pass --overwrite or another --output")
+    if out.exists() and (out.is_file() or any(out.iterdir())):
+        if not overwrite:
+            raise SparklmError(f"{output} already exists", hint="pass --overwrite or another --output")
+        if not (out / "sparklm_export.json").is_file():  # --overwrite replaces only an export of ours
+            raise SparklmError(f"refusing to --overwrite {output}: it is neither a sparklm export (no "
+                               "sparklm_export.json) nor empty", hint="choose another --output")
     lm = load(model)
     with staged_dir(str(out), marker="sparklm_export.json") as tmp:
         graph = LogitsGraph(lm.model).eval()

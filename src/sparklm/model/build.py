@@ -8,6 +8,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import SparklmError
+from ..fs import verify_checksums
 
 
 def build_model(cfg: ModelConfig, *, vocab_size: int, context: int, bos_id: int, eos_id: int, pad_id: int,
@@ -46,6 +47,7 @@ def load_model(directory: str) -> torch.nn.Module:
     if not (Path(directory) / "config.json").is_file():
         raise SparklmError(f"{directory} is not a Hugging Face model directory (no config.json)",
                            hint="pass a directory written by save_pretrained or a sparklm run's model/")
+    verify_checksums(Path(directory))  # a sparklm model/ records its files' SHA-256
     try:
         return AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, use_safetensors=True,
                                                     attn_implementation="sdpa")

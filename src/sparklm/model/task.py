@@ -115,14 +115,15 @@ class CausalLM:
 
     def export(self, model: torch.nn.Module, spec: TokenizerSpec, uri: str, storage: StorageConfig) -> None:
         """An HF model directory: config, model.safetensors, tokenizer files, generation config."""
-        from ..fs import staged_dir
+        from ..fs import CHECKSUMS, staged_dir, write_checksums
 
         model.generation_config.bos_token_id = spec.bos_id
         model.generation_config.eos_token_id = spec.eos_id
         model.generation_config.pad_token_id = spec.pad_id
-        with staged_dir(uri, storage, marker="config.json") as tmp:
+        with staged_dir(uri, storage, marker=CHECKSUMS) as tmp:
             model.save_pretrained(str(tmp), safe_serialization=True)
             spec.save(tmp)
+            write_checksums(tmp)
 
 
 def task_for(config: Config) -> Task:

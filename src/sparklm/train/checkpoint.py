@@ -9,11 +9,12 @@ store, and only directories with it count); the newest ``keep`` are kept.
 from __future__ import annotations
 
 import json
+import time
 from typing import TYPE_CHECKING, Any
 
 from ..config import StorageConfig
 from ..errors import SparklmError
-from ..fs import delete, exists, join, list_names, local_path, read_bytes, read_text, staged_dir
+from ..fs import delete, exists, join, list_names, read_bytes, read_text, remove_stale, staged_dir
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +38,7 @@ def save(directory: str, step: int, *, files: dict[str, dict[str, torch.Tensor]]
     from safetensors.torch import save_file
 
     final = join(directory, step_name(step))
+    remove_stale(final, storage, before=time.time() - 1)  # a killed earlier save of the same step
     with staged_dir(final, storage, marker=STATE) as tmp:
         for name, tensors in files.items():
             save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / f"{name}.safetensors"))
@@ -44,7 +46,9 @@ def save(directory: str, step: int, *, files: dict[str, dict[str, torch.Tensor]]
             (tmp / name).mkdir()
             for f in list_names(src, storage):
                 (tmp / name / f).write_bytes(read_bytes(join(src, f), storage))
-        (tmp / STATE).write_text(json.dumps({**state, "step": step}, indent=2))
+        # SHA-256 of every file, checked on load: a damaged checkpoint is found, never trained from
+        digests = {str(p.relative_to(tmp)): _sha256(p.read_bytes()) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        (tmp / STATE).write_text(json.dumps({**state, "step": step, "sha256": digests}, indent=2))
     for src in (adopt or {}).values():
         delete(src, storage)
     done = completed(directory, storage)
@@ -66,24 +70,75 @@ def latest(directory: str, storage: StorageConfig | None = None) -> str | None:
 
 def read_state(path: str, storage: StorageConfig | None = None) -> dict[str, Any]:
     try:
-        return json.loads(read_text(join(path, STATE), storage))
-    except (OSError, ValueError) as e:
-        raise SparklmError(f"checkpoint {path} is unreadable: {e}", hint="delete it to resume from an older one") from None
+        state = json.loads(read_text(join(path, STATE), storage))
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            raise ValueError(f"{STATE} is not a checkpoint state")
+        return state
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise unreadable(path, e) from None
 
 
-def read_tensors(path: str, name: str, storage: StorageConfig | None = None) -> dict[str, torch.Tensor]:
-    """``NAME.safetensors`` of a checkpoint ({} when it has none)."""
-    from safetensors.torch import load as load_bytes
-    from safetensors.torch import load_file
-
-    uri = join(path, f"{name}.safetensors")
+def read_file(path: str, name: str, state: dict[str, Any], storage: StorageConfig | None = None) -> bytes | None:
+    """The bytes of file ``name`` of a checkpoint, checked against the SHA-256 its state recorded (None if absent)."""
+    uri = join(path, name)
     try:
         if not exists(uri, storage):
-            return {}
-        local = local_path(uri)
-        return load_file(str(local)) if local is not None else load_bytes(read_bytes(uri, storage))
-    except (OSError, ValueError) as e:
-        raise SparklmError(f"checkpoint {path} is unreadable: {e}", hint="delete it to resume from an older one") from None
+            if name in state.get("sha256", {}):
+                raise OSError(f"{name} is missing")
+            return None
+        data = read_bytes(uri, storage)
+    except OSError as e:
+        raise unreadable(path, e) from None
+    want = state.get("sha256", {}).get(name)
+    if want is not None and _sha256(data) != want:
+        raise unreadable(path, ValueError(f"{name} does not match its SHA-256 (damaged or truncated)"))
+    return data
+
+
+def read_tensors(path: str, name: str, storage: StorageConfig | None = None,
+                 state: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """``NAME.safetensors`` of a checkpoint, verified against ``state``'s checksums ({} when it has none)."""
+    from safetensors.torch import load as load_bytes
+
+    data = read_file(path, f"{name}.safetensors", state if state is not None else read_state(path, storage), storage)
+    if data is None:
+        return {}
+    try:
+        return load_bytes(data)
+    except Exception as e:  # safetensors' SafetensorError is neither OSError nor ValueError
+        raise unreadable(path, e) from None
+
+
+class Unreadable(SparklmError):
+    """A checkpoint that cannot be read back (missing or damaged files, a garbled state)."""
+
+
+def unreadable(path: str, e: BaseException) -> Unreadable:
+    why = " ".join(str(e).split())[:200]
+    return Unreadable(f"checkpoint {path} is unreadable: {why}", hint="delete it to resume from an older one")
+
+
+def newest_readable(directory: str, load, storage: StorageConfig | None = None, warn=None):
+    """``load(path)`` of the newest checkpoint that loads; an unreadable one is skipped with ``warn(message)``.
+    None when there is no checkpoint; the last error when none loads."""
+    done = completed(directory, storage)
+    error = None
+    for path in reversed(done):
+        try:
+            return load(path)
+        except Unreadable as e:
+            error = e
+            if warn is not None:
+                warn(f"{e.message}; resuming from the checkpoint before it")
+    if error is not None:
+        raise error
+    return None
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

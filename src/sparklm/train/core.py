@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, TrainConfig
-from ..data.manifest import PreparedDataset
-from ..data.stream import TokenStream, row_groups, validation_rows
+from ..data.manifest import PreparedDataset, checked_row_groups
+from ..data.stream import TokenStream, validation_rows
 from ..data.tokenizer import TokenizerSpec, token_byte_lengths
 from ..errors import SparklmError
 from ..fs import join
@@ -131,8 +131,8 @@ class Trainer:
         self.model = self.task.build(config, spec, self.seq_len)
         self.net: torch.nn.Module = self.model
         self.optimizer = self.new_optimizer()
-        self.train_groups = row_groups(dataset.files("train"), config.storage)
-        self.val_groups = row_groups(dataset.files("validation"), config.storage)
+        self.train_groups = checked_row_groups(dataset, "train", config.storage)
+        self.val_groups = checked_row_groups(dataset, "validation", config.storage)
         self.plan = plan(self.tc, train_rows=dataset.manifest["splits"]["train"]["sequences"], seq_len=self.seq_len,
                          workers=workers or rank.world)
         self.byte_lengths = torch.tensor(token_byte_lengths(spec), dtype=torch.float64)
@@ -251,41 +251,50 @@ class Trainer:
         if self.rank.world > 1:
             dist.barrier()
 
-    def restore(self, run_dir: str) -> bool:
-        """Continue from the newest checkpoint, if there is one (weights, optimizer, position, RNG)."""
+    def restore(self, run_dir: str, warn: Callable[[str], None] | None = None) -> bool:
+        """Continue from the newest readable checkpoint, if there is one (weights, optimizer, position, RNG);
+        a damaged newest one is skipped with ``warn``."""
         storage = self.config.storage
-        last = checkpoint.latest(join(run_dir, "checkpoints"), storage)
-        if last is None:
+
+        def load(path: str):
+            state = checkpoint.read_state(path, storage)
+            if state.get("world") != self.rank.world:
+                raise SparklmError(f"checkpoint {path} was written by {state.get('world')} workers, not {self.rank.world}",
+                                   hint="resume with the same --workers")
+            files = {n: checkpoint.read_tensors(path, n, storage, state) for n in ("model", "optimizer", "rng")}
+            return path, state, files
+
+        found = checkpoint.newest_readable(join(run_dir, "checkpoints"), load, storage, warn)
+        if found is None:
             return False
-        state = checkpoint.read_state(last, storage)
-        if state["world"] != self.rank.world:
-            raise SparklmError(f"checkpoint {last} was written by {state['world']} workers, not {self.rank.world}",
-                               hint="resume with the same --workers")
-        checkpoint.load_model_tensors(self.model, checkpoint.read_tensors(last, "model", storage), last)
-        checkpoint.load_optimizer(self.optimizer, checkpoint.read_tensors(last, "optimizer", storage),
-                                  state["param_groups"])
-        torch.set_rng_state(checkpoint.read_tensors(last, "rng", storage)[f"torch.{self.rank.rank}"])
+        path, state, files = found
+        checkpoint.load_model_tensors(self.model, files["model"], path)
+        checkpoint.load_optimizer(self.optimizer, files["optimizer"], state["param_groups"])
+        torch.set_rng_state(files["rng"][f"torch.{self.rank.rank}"])
         self.state = TrainState(step=state["step"], position=state["position"], tokens_seen=state["tokens_seen"],
                                 elapsed=state["elapsed"])
         return True
 
 
 def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir: str, *, rank: Rank = Rank(),
-          resume: bool = False, sink: Sink | None = None) -> TrainResult:
+          resume: bool = False, sink: Sink | None = None, on_step: Callable[[int], None] | None = None) -> TrainResult:
     """A whole run on one rank (of ``rank.world``): train, evaluate, checkpoint; rank 0 exports ``model/`` and
-    samples and sends its rows to ``sink``."""
+    samples and sends its rows to ``sink``. ``on_step(step)`` runs after every step (a hook for fault
+    injection and profiling)."""
     tc = config.train
     torch.set_num_threads(rank.threads)
     device.keep_freed_memory()
     trainer = Trainer(config, dataset, spec, rank=rank)
-    if resume:
-        trainer.restore(run_dir)
+    is_main = rank.rank == 0
+    emit = sink.write if (sink is not None and is_main) else (lambda row: None)
+    # The launcher refuses a run directory that holds a run unless resuming, so a checkpoint found here is this
+    # run's own: from --resume, or from an earlier attempt that Spark (a re-run barrier stage) or the driver
+    # (train.max_restarts) restarted. Either way the run continues from it.
+    trainer.restore(run_dir, warn=lambda m: emit({"kind": "warning", "message": m}))
     if rank.world > 1:
         trainer.net = torch.nn.parallel.DistributedDataParallel(trainer.model)
     if tc.compile:
         trainer.net = torch.compile(trainer.net)
-    is_main = rank.rank == 0
-    emit = sink.write if (sink is not None and is_main) else (lambda row: None)
     facts = trainer.facts() if is_main else {"peak_flops": 1.0}
     total = trainer.plan.total_steps
     emit({"kind": "info", **facts, "total_steps": total, "workers": rank.world, "threads": rank.threads,
@@ -312,6 +321,8 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
     remaining = (total - trainer.state.step) if total else 2**62
     for loss, grad_norm, lr in trainer.run_steps(batches, remaining, frac):
         s = trainer.state
+        if on_step is not None:
+            on_step(s.step)
         if rank.world > 1:  # report the global mean loss
             dist.all_reduce(loss)
             loss /= rank.world

@@ -68,7 +68,7 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
     if dataset.manifest["splits"]["train"]["sequences"] == 0:
         raise SparklmError(f"{data} has no training sequences", hint="prepare more text or a shorter --seq-len")
     write_text(join(run_dir, "config.json"), json.dumps(
-        {"config": config.to_dict(), "data": data, "sparklm_version": __version__}, indent=2), storage)
+        {"config": config.to_saved(), "data": data, "sparklm_version": __version__}, indent=2), storage)
 
     t_spark = time.time()
     spark = spark() if callable(spark) else get_session(config.spark, spark=spark)
@@ -111,10 +111,12 @@ def resume_config(saved: Config, changes: dict[str, Any]) -> Config:
 
 def _check_resumable(run_dir: str, config: Config) -> None:
     """The newest checkpoint must come from the same strategy."""
-    last = checkpoint.latest(join(run_dir, "checkpoints"), config.storage)
-    if last is None:
+    found = checkpoint.newest_readable(join(run_dir, "checkpoints"),
+                                       lambda p: (p, checkpoint.read_state(p, config.storage)), config.storage)
+    if found is None:
         return  # killed before its first checkpoint: the run starts again from the beginning
-    was = checkpoint.read_state(last, config.storage).get("strategy", "ddp")
+    last, state = found
+    was = state.get("strategy", "ddp")
     if was != config.train.strategy:
         raise SparklmError(f"{last} was written by strategy {was}, not {config.train.strategy}",
                            hint=f"resume with --strategy {was}")

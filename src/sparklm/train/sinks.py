@@ -1,7 +1,7 @@
 """Metrics sinks: the training core emits rows (dicts with a ``kind``) and sinks record or show them.
 
 Kinds: ``info`` (the run's facts, once), ``train`` (a log step), ``eval`` (an evaluation), ``round``
-(a round of average/DiLoCo). Sinks today: ``CsvSink`` (metrics.csv, rounds.csv on any filesystem),
+(a round of average/DiLoCo), ``warning`` (something the user should know, e.g. a skipped checkpoint). Sinks today: ``CsvSink`` (metrics.csv, rounds.csv on any filesystem),
 ``JsonSink`` (run_info.json), ``ConsoleSink`` (progress lines); MLflow or TensorBoard sinks plug in the
 same way. DDP ranks run in other processes, maybe on other hosts: rank 0 sends its rows to the driver
 over a TCP ``Channel`` (as TorchDistributor streams rank logs), and the driver feeds its own sinks —
@@ -44,6 +44,12 @@ class Sinks:
         for s in self.sinks:
             s.write(row)
 
+    def rewind(self, step: int) -> None:
+        """Forget rows after ``step`` (the run continues from a checkpoint there and emits them again)."""
+        for s in self.sinks:
+            if hasattr(s, "rewind"):
+                s.rewind(step)
+
     def close(self) -> None:
         for s in self.sinks:
             s.close()
@@ -84,6 +90,27 @@ class CsvSink:
             self.file.flush()
         elif time.monotonic() - self.last_flush >= self.every:
             self._upload()
+
+    def rewind(self, step: int) -> None:
+        """Drop the rows after ``step``."""
+        if self.path is not None:
+            self.file.close()
+            text = self.path.read_text()
+        else:
+            text = self.file.getvalue()
+        rows = [r for r in csv.DictReader(io.StringIO(text)) if _num(r.get("step")) is None or _num(r["step"]) <= step]
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=self.columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+        if self.path is not None:
+            write_text(str(self.path), out.getvalue())
+            self.file = self.path.open("a", newline="")
+            self.writer = csv.DictWriter(self.file, fieldnames=self.columns, extrasaction="ignore")
+        else:
+            self.file = out
+            self.writer = csv.DictWriter(self.file, fieldnames=self.columns, extrasaction="ignore")
+            self.dirty = True
 
     def _upload(self) -> None:
         write_text(self.uri, self.file.getvalue(), self.storage)
@@ -130,6 +157,8 @@ class ConsoleSink:
             progress.info(train_line(row, self.total))
         elif kind == "round":
             progress.info(round_line(row))
+        elif kind == "warning":
+            progress.warn(row["message"])
 
     def close(self) -> None:
         pass
@@ -184,6 +213,7 @@ class Channel:
         self.server.settimeout(0.5)
         self.address = (host, self.server.getsockname()[1])
         self._stop = threading.Event()
+        self.error: Exception | None = None  # the first failure of a sink (e.g. disk full), raised by the caller
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._accept = threading.Thread(target=self._serve, daemon=True)
@@ -211,7 +241,12 @@ class Channel:
                 except ValueError:
                     continue
                 with self._lock:
-                    self.sink.write(row)
+                    if self.error is not None:
+                        continue
+                    try:
+                        self.sink.write(row)
+                    except Exception as e:  # never a traceback from this thread: the launcher reports it
+                        self.error = e
 
     def close(self) -> None:
         """Stop listening, after every connected rank has closed its end (its rows are all in)."""

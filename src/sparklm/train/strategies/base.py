@@ -51,6 +51,7 @@ class RoundSpec:
     time_frac_per_step: float
     shards: tuple[tuple[int, int], ...]  # worker w streams slice shards[w][0] of shards[w][1] of each global batch
     inner_from: str = ""  # a checkpoint to take inner optimizer states from (the first round after --resume)
+    cold: tuple[int, ...] = ()  # workers left out of the last round: their state holds steps that were dropped
 
     def fraction(self, i: int) -> float:
         """The schedule's progress at the round's i-th step: by steps, or by the projected time."""

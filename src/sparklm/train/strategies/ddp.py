@@ -11,19 +11,23 @@ comes back directly.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
+from ... import progress
 from ...config import Config
-from ...errors import SparklmError, spark_errors
-from ...fs import local_path
+from ...errors import SparklmError, known_cause, spark_errors
+from ...fs import join, local_path
 from ..sinks import Channel, Sink
 from .base import Job, RunResult
 
@@ -51,11 +55,33 @@ class DDP:
         return f"ddp, {n} worker{'s' * (n > 1)}"
 
     def run(self, spark, job: Job, sink: Sink) -> RunResult:
+        check_slots(spark, job.workers)
         channel = Channel(sink, _driver_host(spark))
+        restarts = job.config.train.max_restarts
         try:
-            r = launch(spark, job, channel=(*channel.address, channel.token))
+            for attempt in range(restarts + 1):
+                try:
+                    r = launch(spark, job, channel=(*channel.address, channel.token))
+                    break
+                except Exception as e:
+                    lost = _lost(e)
+                    if lost is None:
+                        raise
+                    if attempt == restarts:
+                        raise SparklmError(f"{lost} (after {restarts} restart{'s' * (restarts != 1)} from the last "
+                                           "checkpoint)", hint="see the ranks' logs; raise train.max_restarts, or "
+                                           "continue later with --resume") from None
+                    step = _restart_step(job)
+                    progress.warn(f"{lost}; restarting the ranks from "
+                                  f"{f'the checkpoint of step {step}' if step else 'the start'} "
+                                  f"(restart {attempt + 1} of {restarts})")
+                    if hasattr(sink, "rewind"):
+                        sink.rewind(step)  # the steps after the checkpoint run again: their rows come again
+                    job = dataclasses.replace(job, resume=True)
         finally:
             channel.close()
+        if channel.error is not None:
+            raise channel.error
         # gloo has no counters: a ring all-reduce of the fp32 gradients per step sends 2·(N−1)/N of them
         # from each of the N ranks
         traffic = int(r["steps"] * 2 * (job.workers - 1) * 4 * (r.get("params") or 0))
@@ -122,6 +148,8 @@ def _start_rank(log_dir: str, rank: int, threads: int) -> tuple[subprocess.Popen
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"rank-{rank}.log")
     with open(log_path, "ab") as log:
+        log.write(f"{START_MARK} {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())  # a restart appends to the log
+        log.flush()
         proc = subprocess.Popen([sys.executable, "-m", "sparklm.train.strategies.ddp_rank"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=log, env=env, preexec_fn=_die_with_parent)
     return proc, log_path
@@ -142,17 +170,81 @@ def _finish_rank(proc: subprocess.Popen, start: RankStart, log_path: str) -> dic
     code = proc.wait()
     if result is not None:
         return {**result, "rank": start.rank}
-    raise SparklmError(_last_error(log_path) or f"training rank {start.rank} exited with code {code}",
-                       hint=f"see {log_path}")
+    error = _last_error(log_path)
+    if error is not None:  # the rank said what went wrong (bad input, disk full, …): running again would not help
+        raise SparklmError(error, hint=f"see {log_path}")
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    cause = known_cause(_tail(log_path))
+    why = cause[0] if cause else ("out of memory, or stopped from outside" if code in (-9, 137) else "see its log")
+    raise SparklmError(f"{LOST} {start.rank} on {socket.gethostname()} {how} ({why})", hint=f"see {log_path}")
+
+
+def check_slots(spark, workers: int, wait: float = 30.0) -> None:
+    """DDP needs ``workers`` task slots at once: say so in one line before submitting, instead of letting the
+    barrier stage wait (Spark retries its slot check for minutes). On a cluster, executors that are still
+    registering get ``wait`` seconds."""
+    deadline = time.time() + wait
+    while True:
+        slots = free_slots(spark)
+        if slots >= workers:
+            return
+        if spark.sparkContext.master.startswith("local") or time.time() > deadline:
+            raise SparklmError(f"--workers {workers} needs {workers} free Spark task slots at once; this Spark "
+                               f"has {slots}", hint="lower --workers, or give Spark more cores (local[N], more "
+                               "executors), or use --strategy average/diloco, which needs no slots at once")
+        time.sleep(1.0)
+
+
+def free_slots(spark) -> int:
+    """Tasks that can run at once: cores (local[N]: N) ÷ spark.task.cpus."""
+    sc = spark.sparkContext
+    cpus = int(sc.getConf().get("spark.task.cpus", "1"))
+    m = re.match(r"local(?:\[(\*|\d+)(?:,\s*\d+)?\])?$", sc.master)
+    if m:
+        n = 1 if m.group(1) is None else (os.cpu_count() or 1) if m.group(1) == "*" else int(m.group(1))
+        return n // cpus
+    return sc.defaultParallelism // cpus
+
+
+LOST = "training rank"  # "training rank N on HOST killed by …": a lost rank, which a restart may cure
+
+
+def _lost(e: Exception) -> str | None:
+    """The one-line description of a lost rank or executor in ``e`` (a restart may cure it), else None."""
+    if isinstance(e, SparklmError):
+        # a rank that died, or one that lost its peer (a dead or stuck rank): a restart may cure both
+        m = re.match(rf"{LOST} \d+ on \S+ (killed by|exited with code)|{LOST} \d+ on \S+: a peer rank stopped", e.message)
+        return e.message if m else None
+    text = str(e)
+    if "ExecutorLostFailure" in text or "Python worker exited unexpectedly" in text or "TaskKilled" in text:
+        return "a Spark executor running a training rank was lost"
+    return None
+
+
+def _restart_step(job: Job) -> int:
+    from .. import checkpoint
+
+    found = checkpoint.newest_readable(join(job.run_dir, "checkpoints"),
+                                       lambda p: checkpoint.read_state(p, job.config.storage), job.config.storage)
+    return found["step"] if found else 0
+
+
+START_MARK = "--- sparklm rank started"
+
+
+def _tail(path: str) -> str:
+    """The last lines the latest start of a rank wrote to its log."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = list(deque(f, maxlen=200))
+    except OSError:
+        return ""
+    starts = [i for i, line in enumerate(lines) if line.startswith(START_MARK)]
+    return "".join(lines[starts[-1] + 1 if starts else 0:][-50:])
 
 
 def _last_error(path: str) -> str | None:
-    try:
-        with open(path, errors="replace") as f:
-            tail = deque(f, maxlen=50)
-    except OSError:
-        return None
-    for line in reversed(tail):
+    for line in reversed(_tail(path).splitlines()):
         if line.startswith("error: "):
             return line[len("error: "):].strip()
     return None

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
+import traceback
 from datetime import timedelta
 
 
@@ -14,7 +16,7 @@ def main() -> None:
     from transformers import PreTrainedModel  # noqa: F401  (transformers' model machinery: ~3 s)
 
     from ...data.manifest import load_prepared, load_tokenizer
-    from ...errors import SparklmError
+    from ...errors import SparklmError, known_cause
     from ..core import Rank, train
     from ..device import select
     from ..sinks import ChannelSink
@@ -24,22 +26,32 @@ def main() -> None:
     job = Job.from_json(start["job"])
     rank = Rank(rank=start["rank"], world=start["world"], threads=start["threads"])
     sink = None
+    where = f"training rank {rank.rank} on {socket.gethostname()}"
     try:
         if rank.world > 1:
             import torch.distributed as dist
 
             os.environ.update(MASTER_ADDR=start["master_addr"], MASTER_PORT=str(start["master_port"]))
             backend = select(job.config.train.dtype, rank.threads).backend
-            dist.init_process_group(backend, rank=rank.rank, world_size=rank.world, timeout=timedelta(minutes=10))
+            dist.init_process_group(backend, rank=rank.rank, world_size=rank.world,
+                                    timeout=timedelta(seconds=job.config.train.collective_timeout))
         config = job.config
         dataset = load_prepared(job.data, config.storage)
         spec = load_tokenizer(dataset, config.storage)
         if rank.rank == 0:
             sink = ChannelSink(*start["channel"])
-        result = train(config, dataset, spec, job.run_dir, rank=rank, resume=job.resume, sink=sink)
+        result = train(config, dataset, spec, job.run_dir, rank=rank, resume=job.resume, sink=sink,
+                       on_step=_fault_hook(rank.rank, job.resume))
     except SparklmError as e:
         print(e.one_line(), file=sys.stderr, flush=True)
         os._exit(2)
+    except BaseException as e:  # the traceback stays in this rank's log; the driver shows one line
+        traceback.print_exc()
+        cause = known_cause(f"{type(e).__name__}: {e}")
+        what = cause[0] if cause else f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        print(SparklmError(f"{where}: {what}", hint=cause[1] if cause else None).one_line(), file=sys.stderr,
+              flush=True)
+        os._exit(1)
     if sink is not None:
         sink.close()
     print("SPARKLM-RESULT " + json.dumps(result.to_dict()), flush=True)
@@ -50,6 +62,31 @@ def main() -> None:
     # Skip interpreter teardown: gloo's threads can deadlock process-group destruction at exit.
     sys.stderr.flush()
     os._exit(0)
+
+
+FAULT_ENV = "SPARKLM_INJECT_RANK_FAULT"  # a testing aid: "rank=R,step=S[,at=crash|hang]" (first launch only)
+
+
+def _fault_hook(rank: int, resumed: bool):
+    """The step hook that makes rank R crash (SIGKILL, as an out-of-memory kill) or hang after step S."""
+    import signal
+    import time
+
+    text = os.environ.get(FAULT_ENV, "")
+    if not text or resumed:
+        return None
+    spec = dict(part.split("=", 1) for part in text.split(","))
+    if int(spec["rank"]) != rank:
+        return None
+    at, when = spec.get("at", "crash"), int(spec["step"])
+
+    def hook(step: int) -> None:
+        if step == when:
+            if at == "hang":
+                time.sleep(10**6)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
 
 
 if __name__ == "__main__":

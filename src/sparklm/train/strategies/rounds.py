@@ -32,8 +32,8 @@ from .base import Job, RoundSpec, RunResult, WorkerResult
 ROUND_COLUMNS = ["round", "step", "workers", "workers_done", "tokens", "loss", "inner_losses", "attempts", "cold",
                  "broadcast_bytes", "returned_bytes", "broadcast_s", "fetch_s", "compute_s", "aggregate_s", "round_s",
                  "outer_update_norm", "delta_norm", "elapsed"]
-# A testing aid: "round=R,worker=W[,attempts=K][,at=start|end]" fails that task's first K attempts (default 1)
-# at its start or after its work (default end).
+# A testing aid: "round=R,worker=W[,attempts=K][,at=start|end|crash]" fails that task's first K attempts
+# (default 1) at its start, after its work (default end), or by killing its Python worker after its work.
 FAULT_ENV = "SPARKLM_INJECT_FAULT"
 
 
@@ -50,6 +50,12 @@ class Rounds:
 
     def run(self, spark, job: Job, sink: Sink, shards: list[tuple[int, int]] | None = None) -> RunResult:
         """Train ``job`` in rounds; ``shards`` (tests) overrides which slice of the data each worker streams."""
+        try:
+            return self._train(spark, job, sink, shards)
+        finally:  # the workers' inner states in the temporary directory (shared with the driver in local mode)
+            shutil.rmtree(os.path.join(tempfile.gettempdir(), "sparklm-inner", job.uid), ignore_errors=True)
+
+    def _train(self, spark, job: Job, sink: Sink, shards: list[tuple[int, int]] | None) -> RunResult:
         import torch
         from safetensors.torch import save as save_bytes
 
@@ -78,13 +84,22 @@ class Rounds:
         step, tokens_seen, elapsed_before, rnd_index = 0, 0, 0.0, 0
         ckpt_dir = join(job.run_dir, "checkpoints")
         inner_from = ""
-        if job.resume and (last := checkpoint.latest(ckpt_dir, storage)) is not None:
-            state = checkpoint.read_state(last, storage)
-            saved, saved_outer = checkpoint.read_tensors(last, "model", storage), checkpoint.read_tensors(last, "outer",
-                                                                                                          storage)
-            if state.get("world") != workers:
-                raise SparklmError(f"checkpoint {last} was written by {state.get('world')} workers, not {workers}",
-                                   hint="resume with the same --workers")
+        found = None
+        if job.resume:
+            def load(path: str):
+                state = checkpoint.read_state(path, storage)
+                if state.get("world") != workers:
+                    raise SparklmError(f"checkpoint {path} was written by {state.get('world')} workers, not {workers}",
+                                       hint="resume with the same --workers")
+                for name in state.get("sha256", {}):  # the workers' inner states too: all verified here, once
+                    if name.startswith("inner/"):
+                        checkpoint.read_file(path, name, state, storage)
+                return path, state, {n: checkpoint.read_tensors(path, n, storage, state) for n in ("model", "outer")}
+
+            found = checkpoint.newest_readable(ckpt_dir, load, storage, warn=progress.warn)
+        if found is not None:
+            last, state, files = found
+            saved, saved_outer = files["model"], files["outer"]
             if set(params) - set(saved) or any(saved[n].shape != params[n].shape for n in params):
                 raise SparklmError(f"checkpoint {last} does not fit the model", hint="resume with the same model config")
             params = {n: saved[n].float() for n in params}
@@ -106,6 +121,7 @@ class Rounds:
         per_step_s = None
         pending_eval = False
         last_eval: dict = {}
+        dropped_last: list[int] = []  # workers left out of the last round: their optimizer state restarts
 
         def launch(steps: int, *, do_eval: bool, persist: str, finish: bool) -> tuple[dict, float, float, int]:
             elapsed = time.time() - t_start
@@ -113,13 +129,14 @@ class Rounds:
             spec = RoundSpec(round=rnd_index, step0=step, steps=steps, total_steps=total_steps, eval=do_eval,
                              persist=persist, finish=finish, time_frac0=frac0,
                              time_frac_per_step=(per_step_s or 0.0) / tc.time_budget if tc.time_budget else 0.0,
-                             shards=shards_t, inner_from=inner_from if step == resumed_at else "")
+                             shards=shards_t, inner_from=inner_from if step == resumed_at else "",
+                             cold=tuple(dropped_last))
             t0 = time.time()
             payload = save_bytes({n: t.contiguous() for n, t in params.items()})
             bc = spark.sparkContext.broadcast(payload)
             broadcast_s = time.time() - t0
             try:
-                partial = _round_job(spark, job, bc, spec, workers, fault, max_failures)
+                partial = _round_job(spark, job, bc, spec, fault, max_failures)
             finally:
                 bc.destroy()
             return partial, broadcast_s, time.time() - t0, len(payload)
@@ -148,6 +165,7 @@ class Rounds:
             if pending_eval:
                 last_eval = emit_eval(partial)
             dropped: list[WorkerResult] = partial["errors"]
+            dropped_last = sorted(e.worker for e in dropped)
             if not done:
                 raise SparklmError(f"round {rnd_index}: every worker failed; first error: {dropped[0].error}",
                                    hint="see the Spark log (--debug shows more)")
@@ -209,7 +227,6 @@ class Rounds:
                                hint="see the Spark log; --resume runs it again")
         _save(checkpoint, ckpt_dir, step, params, momentum, rnd_index, tokens_seen, elapsed, job, self.name, persist)
         rounds_csv.close()
-        shutil.rmtree(os.path.join(tempfile.gettempdir(), "sparklm-inner", job.uid), ignore_errors=True)
         return RunResult(steps=step, tokens=tokens_seen, seconds=elapsed, params=facts.get("params"),
                          flops_per_token=facts.get("flops_per_token"), final=last_eval,
                          peak_flops=facts.get("peak_flops"), dtype=facts.get("dtype"), rounds=rnd_index,
@@ -217,9 +234,38 @@ class Rounds:
                          bytes_communicated=comm["broadcast"] + comm["returned"])
 
 
-def _round_job(spark, job: Job, bc, spec: RoundSpec, workers: int, fault: dict | None, max_failures: int) -> dict:
-    """One Spark job: a task per worker, their deltas summed by a tree aggregation."""
+def _round_job(spark, job: Job, bc, spec: RoundSpec, fault: dict | None, max_failures: int) -> dict:
+    """One round: a task per worker, their deltas summed by a tree aggregation.
+
+    A worker whose last attempt raises is reported by its task. One whose process dies (a crash, an
+    out-of-memory kill, a lost executor) fails the Spark job instead: the round then runs again without
+    it — the tasks are deterministic, so the others recompute exactly their deltas."""
+    alive = list(range(job.workers))
+    lost: list[WorkerResult] = []
+    while alive:
+        try:
+            with spark_errors():
+                partial = _aggregate(spark, job, bc, spec, alive, fault, max_failures)
+        except SparklmError:
+            raise
+        except Exception as e:
+            m = re.search(r"Task (\d+) in stage [\d.]+ failed", str(e))
+            if m is None or int(m.group(1)) >= len(alive):
+                raise SparklmError(f"round {spec.round}: the Spark job failed: {_first_line(e)}",
+                                   hint="see the Spark log (--debug shows more)") from None
+            worker = alive.pop(int(m.group(1)))
+            lost.append(WorkerResult(worker=worker, attempt=max_failures - 1,
+                                     error=f"its task failed {max_failures} time(s): {_first_line(e)}"))
+            continue
+        return {**partial, "errors": partial["errors"] + lost}
+    return {"sum": None, "results": [], "errors": lost}
+
+
+def _aggregate(spark, job: Job, bc, spec: RoundSpec, workers: list[int], fault: dict | None, max_failures: int
+               ) -> dict:
     def task(it):
+        import signal
+
         from pyspark import TaskContext
 
         from ...errors import SparklmError
@@ -236,6 +282,8 @@ def _round_job(spark, job: Job, bc, spec: RoundSpec, workers: int, fault: dict |
                 fetch = time.time() - t0
                 result, delta = run_worker(job, worker, weights, spec, attempt=attempt)
                 result = dataclasses.replace(result, load_s=result.load_s + fetch)
+                if hit and fault["at"] == "crash":  # the Python worker dies, as in an out-of-memory kill
+                    os.kill(os.getpid(), signal.SIGKILL)
                 if hit:  # after the inner steps and the state write: the retry must recompute the same delta
                     raise RuntimeError(f"injected fault (round {spec.round}, worker {worker}, attempt {attempt})")
             except SparklmError:
@@ -248,9 +296,15 @@ def _round_job(spark, job: Job, bc, spec: RoundSpec, workers: int, fault: dict |
                 continue
             yield {"sum": delta, "results": [result], "errors": []}
 
-    rdd = spark.sparkContext.parallelize(range(workers), workers).mapPartitions(task)
-    with spark_errors():
-        return rdd.treeAggregate(None, merge, merge, depth=2)
+    rdd = spark.sparkContext.parallelize(workers, len(workers)).mapPartitions(task)
+    return rdd.treeAggregate(None, merge, merge, depth=2)
+
+
+def _first_line(e: BaseException) -> str:
+    for line in str(e).splitlines():
+        if "failed" in line or "Error" in line:
+            return " ".join(line.split())[:300]
+    return " ".join(str(e).split())[:300]
 
 
 def merge(a: dict | None, b: dict | None) -> dict | None:
@@ -299,8 +353,8 @@ def parse_fault(text: str) -> dict | None:
                  "at": spec.get("at", "end")}
     except (ValueError, KeyError):
         fault = None
-    if fault is None or fault["at"] not in ("start", "end"):
-        raise SparklmError(f"{FAULT_ENV}={text!r} is not round=R,worker=W[,attempts=K][,at=start|end]")
+    if fault is None or fault["at"] not in ("start", "end", "crash"):
+        raise SparklmError(f"{FAULT_ENV}={text!r} is not round=R,worker=W[,attempts=K][,at=start|end|crash]")
     return fault
 
 

@@ -64,7 +64,9 @@ def run_worker(job: Job, worker: int, weights: bytes, spec: RoundSpec, *, attemp
     delta = None
     if spec.steps:
         trainer.optimizer = trainer.new_optimizer()
-        if tc.rounds.inner_state == "keep" and spec.step0 > 0:
+        if worker in spec.cold:
+            out["cold"] = True
+        elif tc.rounds.inner_state == "keep" and spec.step0 > 0:
             out["cold"] = not _load_inner(trainer.optimizer, _inner_sources(spec, worker, state_dir),
                                            trainer.config.storage)
         torch.manual_seed(_seed(tc.seed, spec.step0, worker))  # dropout: a function of (seed, step, worker)

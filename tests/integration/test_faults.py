@@ -1,0 +1,236 @@
+"""Fault injection against real processes: each fault ends either bitwise equal to the fault-free run (where the
+docs promise it) or in exactly one ``error:`` line and a non-zero exit, with no partial output and no leftovers.
+The table of these cases is RELIABILITY.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import cfg, make_text, weights
+from sparklm.errors import SparklmError
+from sparklm.train.run import train
+from sparklm.train.sinks import read_metrics
+
+TINY_FLAGS = ["--master", "local[2]", "--set", "spark.ui=false", "--set", "model.n_layer=1", "--set", "model.n_head=2",
+              "--set", "model.n_embd=32", "--set", "train.eval_batches=2", "--set", "train.samples=0",
+              "--set", 'train.dtype="float32"', "--threads", "1", "--set", "train.batch_size=4"]
+
+
+def cli(*args, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "sparklm", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", **(env or {})})
+
+
+def one_error_line(r) -> str:
+    """The process failed with exactly one line on stderr that starts with ``error:``, and no traceback."""
+    lines = [line for line in r.stderr.splitlines() if line.strip() and not line.startswith(("warning:", "Spark "))]
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and errors == lines[-1:], r.stderr[-3000:]
+    return errors[0]
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A 64 kB tmpfs (disk full on demand); needs root and mount, else the test is skipped with the reason."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here ({r.stderr.strip() or 'not root'})")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+# -- data loss --------------------------------------------------------------------------------------
+
+
+def test_overwrite_replaces_only_sparklm_outputs(tmp_path):
+    victim = tmp_path / "etc"
+    victim.mkdir()
+    (victim / "passwd").write_text("root:x:0:0")
+    (tmp_path / "in.txt").write_text(make_text(20))
+    r = cli("prepare", str(tmp_path / "in.txt"), "-o", str(victim), "--overwrite", "--master", "local[1]")
+    assert "refusing to --overwrite" in one_error_line(r)
+    assert (victim / "passwd").read_text() == "root:x:0:0"
+    from sparklm.infer.export import export
+
+    with pytest.raises(SparklmError, match="refusing to --overwrite"):
+        export("no-such-model", str(victim), overwrite=True)
+    assert sorted(p.name for p in victim.iterdir()) == ["passwd"]
+
+
+def test_stale_staging_of_a_killed_prepare_is_removed(spark, tmp_path):
+    from sparklm.config import from_dict
+    from sparklm.data.prepare import prepare
+
+    (tmp_path / "in.txt").write_text(make_text(60))
+    stale = tmp_path / ".out.sparklm-tmp-0123456789ab"
+    (stale / "train").mkdir(parents=True)
+    (stale / "train" / "part-0.parquet").write_bytes(b"half")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    prepare([str(tmp_path / "in.txt")], output=str(tmp_path / "out"), spark=spark,
+            config=from_dict({"data": {"seq_len": 32}, "tokenizer": {"vocab_size": 300}}))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out"]
+
+
+# -- rounds survive any failure of a worker --------------------------------------------------------
+
+
+def test_a_crashed_worker_is_left_out_of_its_round_and_nothing_leaks(spark, dataset, tmp_path, monkeypatch):
+    inner = Path(tempfile.gettempdir()) / "sparklm-inner"
+    before = set(inner.iterdir()) if inner.exists() else set()
+    # local[2] gives a task one attempt: worker 1's Python process is SIGKILLed after its round-1 steps
+    monkeypatch.setenv("SPARKLM_INJECT_FAULT", "round=1,worker=1,at=crash")
+    run = tmp_path / "crash"
+    s = train(dataset, output=str(run), config=cfg(max_steps=6, samples=0, strategy="average", sync_every=2,
+                                                   workers=2), spark=spark)
+    import csv
+
+    with (run / "rounds.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["workers_done"] for r in rows] == ["2", "1", "2"]
+    assert rows[2]["cold"] == "1"  # its state held the steps of the dropped round: it restarts fresh
+    assert s["steps"] == 6 and s["final"]["val_loss"] > 0
+    assert (set(inner.iterdir()) if inner.exists() else set()) == before  # no optimizer state left behind
+
+
+# -- DDP: rank loss, slots, stuck collectives -------------------------------------------------------
+
+
+def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_bitwise_equal(spark, dataset, tmp_path):
+    settings = ["--max-steps", "8", "--checkpoint-every", "3", "--workers", "2", "--set", "train.log_every=1",
+                *TINY_FLAGS]
+    clean, faulted = tmp_path / "clean", tmp_path / "faulted"
+    assert cli("train", "--data", dataset, "-o", str(clean), *settings).returncode == 0
+    r = cli("train", "--data", dataset, "-o", str(faulted), *settings,
+            env={"SPARKLM_INJECT_RANK_FAULT": "rank=1,step=5,at=crash"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "restarting the ranks from the checkpoint of step 3" in r.stderr
+    a, b = weights(clean), weights(faulted)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    steps = [row["step"] for row in read_metrics(faulted / "metrics.csv") if row["kind"] == "train"]
+    assert steps == list(range(1, 9))  # the rows of the steps run again are not doubled
+
+
+def test_a_stuck_rank_fails_within_the_collective_timeout_naming_rank_and_host(dataset, tmp_path):
+    t0 = time.time()
+    r = cli("train", "--data", dataset, "-o", str(tmp_path / "hang"), "--max-steps", "8", "--workers", "2",
+            "--set", "train.collective_timeout=10", "--set", "train.max_restarts=0", *TINY_FLAGS,
+            env={"SPARKLM_INJECT_RANK_FAULT": "rank=1,step=2,at=hang"})
+    line = one_error_line(r)
+    assert "training rank 0 on " in line and "a peer rank stopped answering" in line, line
+    assert time.time() - t0 < 120
+
+
+def test_too_few_slots_is_one_line_before_submitting(spark, dataset, tmp_path):
+    t0 = time.time()
+    with pytest.raises(SparklmError, match="needs 3 free Spark task slots at once; this Spark has 2"):
+        train(dataset, output=str(tmp_path / "r"), config=cfg(max_steps=2, workers=3), spark=spark)
+    assert time.time() - t0 < 30
+
+
+# -- secrets ---------------------------------------------------------------------------------------
+
+
+def test_secrets_reach_neither_disk_nor_console(tmp_path):
+    secret = "SuperSecretValue-8c1f"
+    (tmp_path / "in.txt").write_text(make_text(200))
+    run = tmp_path / "run"
+    r = cli("run", str(tmp_path / "in.txt"), "-o", str(run), "--max-steps", "2", "--seq-len", "32", "--vocab-size",
+            "300", "--conf", f"spark.hadoop.fs.s3a.secret.key={secret}", "--conf", f"spark.my.password={secret}2",
+            *TINY_FLAGS, env={"AWS_SECRET_ACCESS_KEY": secret + "3"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert secret not in r.stdout + r.stderr
+    for f in run.rglob("*"):
+        if f.is_file():
+            assert secret.encode() not in f.read_bytes(), f
+    saved = json.loads((run / "config.json").read_text())["config"]["spark"]["conf"]
+    assert saved["spark.hadoop.fs.s3a.secret.key"] == "***" and saved["spark.my.password"] == "***"
+
+
+# -- damaged inputs: one line, or the previous intact checkpoint -------------------------------------
+
+
+def test_resume_skips_a_damaged_checkpoint_and_ends_bitwise_equal(spark, dataset, tmp_path):
+    full = tmp_path / "full"
+    conf = cfg(max_steps=8, checkpoint_every=2, keep_checkpoints=3, samples=0)
+    train(dataset, output=str(full), config=conf, spark=spark)
+    stopped = tmp_path / "stopped"
+    shutil.copytree(full, stopped)
+    shutil.rmtree(stopped / "checkpoints" / "step-0000008")
+    shutil.rmtree(stopped / "model")
+    newest = stopped / "checkpoints" / "step-0000006" / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:-100])  # truncated, as by a crash mid-copy
+    train(None, output=str(stopped), resume=True, spark=spark)
+    a, b = weights(full), weights(stopped)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # a garbled run config is one line
+    (stopped / "config.json").write_text("{not json")
+    with pytest.raises(SparklmError, match="is not a sparklm run configuration"):
+        train(None, output=str(stopped), resume=True, spark=spark)
+
+
+def test_damaged_parquet_and_a_lying_manifest_are_one_line(spark, dataset, tmp_path):
+    flipped = tmp_path / "flipped"
+    shutil.copytree(dataset, flipped)
+    part = sorted((flipped / "train").glob("*.parquet"))[0]
+    data = bytearray(part.read_bytes())
+    for i in range(len(data) // 3, len(data) // 3 + 64):  # inside the first pages: the CRC no longer matches
+        data[i] ^= 0xFF
+    part.write_bytes(bytes(data))
+    with pytest.raises(SparklmError, match="damaged or truncated Parquet"):
+        train(str(flipped), output=str(tmp_path / "r1"), config=cfg(max_steps=2, samples=0), spark=spark)
+    lying = tmp_path / "lying"
+    shutil.copytree(dataset, lying)
+    manifest = json.loads((lying / "manifest.json").read_text())
+    manifest["splits"]["train"]["files"][0]["rows"] = 99_999
+    (lying / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SparklmError, match="its manifest says 99,999"):
+        train(str(lying), output=str(tmp_path / "r2"), config=cfg(max_steps=2, samples=0), spark=spark)
+
+
+def test_flipped_bytes_in_model_weights_are_found(spark, dataset, tmp_path):
+    from sparklm.infer.generate import load
+
+    run = tmp_path / "run"
+    train(dataset, output=str(run), config=cfg(max_steps=2, samples=0), spark=spark)
+    load(str(run))  # intact: loads
+    weights_file = run / "model" / "model.safetensors"
+    data = bytearray(weights_file.read_bytes())
+    for i in range(len(data) - 3000, len(data) - 1000):
+        data[i] ^= 0x55
+    weights_file.write_bytes(bytes(data))
+    with pytest.raises(SparklmError, match="is damaged: it does not match the SHA-256"):
+        load(str(run))
+
+
+# -- disk full -------------------------------------------------------------------------------------
+
+
+def test_disk_full_during_prepare_is_one_line_and_leaves_nothing(tiny_fs, tmp_path):
+    (tmp_path / "big.txt").write_text(make_text(6000, seed=3))
+    r = cli("prepare", str(tmp_path / "big.txt"), "-o", str(tiny_fs / "out"), "--seq-len", "32", "--vocab-size", "300",
+            "--master", "local[2]", "--set", "spark.ui=false")
+    assert "no space left on device" in one_error_line(r)
+    assert list(tiny_fs.iterdir()) == []  # no partial dataset, no staging
+
+
+def test_disk_full_during_training_is_one_line(tiny_fs, dataset):
+    r = cli("train", "--data", dataset, "-o", str(tiny_fs / "run"), "--max-steps", "2", *TINY_FLAGS)
+    assert "no space left on device" in one_error_line(r)
