@@ -223,6 +223,7 @@ def uri_like(like: str, path: str) -> str:
 def expand(uri: str, storage: StorageConfig | None = None) -> list[pafs.FileInfo]:
     """Files named by ``uri``: a file, every file under a directory, or a glob; hidden files skipped."""
     fs, path = resolve(uri, storage)
+    root = path
     try:
         if _GLOB_CHARS & set(path):
             root = _glob_root(path)
@@ -240,7 +241,12 @@ def expand(uri: str, storage: StorageConfig | None = None) -> list[pafs.FileInfo
         raise
     except (OSError, ValueError) as e:
         raise SparklmError(f"cannot list {uri}: {_short(e)}", hint=storage_hint(uri)) from None
-    return sorted((i for i in found if not _hidden(i.path)), key=lambda i: i.path)
+    if any("_delta_log" in _relative_parts(i.path, root) for i in found):
+        raise SparklmError(f"{uri} is a Delta table (it has a _delta_log/): its directory also holds files that "
+                           "later versions deleted, so sparklm does not read it as plain files",
+                           hint="export the table's current version to Parquet (e.g. DataFrame.write.parquet) and "
+                                "prepare that")
+    return sorted((i for i in found if not _hidden(_relative_parts(i.path, root))), key=lambda i: i.path)
 
 
 def storage_hint(uri: str) -> str:
@@ -253,9 +259,15 @@ def _short(e: BaseException) -> str:
     return " ".join(str(e).split())[:300]
 
 
-def _hidden(path: str) -> bool:
-    # Hadoop/Spark conventions: _SUCCESS, _temporary, .crc files and dot-files are not data.
-    return any(part.startswith((".", "_")) for part in path.split("/")[-1:])
+def _relative_parts(path: str, root: str) -> list[str]:
+    rel = path[len(root):] if path.startswith(root) else path.rsplit("/", 1)[-1]
+    return [p for p in rel.split("/") if p]
+
+
+def _hidden(parts: list[str]) -> bool:
+    # Hadoop/Spark conventions: _SUCCESS, _temporary/, .crc files, dot-files and dot-directories are not
+    # data — at any depth below the input given (a path the user names itself is read).
+    return any(part.startswith((".", "_")) for part in parts)
 
 
 def _glob_root(path: str) -> str:

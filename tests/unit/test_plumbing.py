@@ -121,3 +121,21 @@ def test_stale_staging_is_removed_on_an_object_store_too(s3_server):
     storage = StorageConfig(endpoint_url=s3_server)
     assert remove_stale("s3://stale/out", storage, before=time.time()) == [".out.sparklm-tmp-0123"]
     assert list_names("s3://stale", storage) == [".other.sparklm-tmp-9", "out"]
+
+
+def test_hidden_directories_are_skipped_and_a_delta_table_is_refused(tmp_path):
+    from sparklm.errors import SparklmError
+    from sparklm.fs import expand
+
+    data = tmp_path / "data"
+    for rel in ("a.txt", "sub/b.txt", "_temporary/0/part-0.txt", ".cache/c.txt", "sub/_SUCCESS", "sub/.d.txt"):
+        (data / rel).parent.mkdir(parents=True, exist_ok=True)
+        (data / rel).write_text("x")
+    assert [i.path.rsplit("data/", 1)[1] for i in expand(str(data))] == ["a.txt", "sub/b.txt"]
+    assert [i.path.rsplit("data/", 1)[1] for i in expand(str(data / "*" / "*.txt"))] == ["sub/b.txt"]
+    table = tmp_path / "table"
+    (table / "_delta_log").mkdir(parents=True)
+    (table / "_delta_log" / "00000000000000000000.json").write_text("{}")
+    (table / "part-0.parquet").write_text("x")
+    with pytest.raises(SparklmError, match="is a Delta table"):
+        expand(str(table))
