@@ -16,7 +16,6 @@ from typing import Literal
 from . import progress, redact
 from .config import fields_with_flags, from_dict, load_raw
 from .errors import SparklmError, known_cause
-from .fs import write_text
 from .version import __version__
 
 # Which config sections give each command its flags (the flags come from the fields' metadata).
@@ -331,6 +330,8 @@ def _eval(args: argparse.Namespace) -> int:
     progress.plain(f"loss {result['loss']:.4f} | perplexity {result['perplexity']:.3f} | "
                    f"bits/byte {result['bits_per_byte']:.4f} | accuracy {result['accuracy']:.2%}")
     if args.output:
+        from .fs import write_text
+
         write_text(args.output, json.dumps(result, indent=2))
     return 0
 

@@ -178,19 +178,23 @@ def remove_stale(uri: str, storage: StorageConfig | None = None, *, before: floa
 CHECKSUMS = "sparklm_checksums.json"
 
 
+def sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
 def write_checksums(directory: Path) -> None:
     """``sparklm_checksums.json``: the SHA-256 of every file in a local directory (written last, before publishing)."""
-    import hashlib
     import json
 
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != CHECKSUMS)
-    sums = {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    sums = {str(p.relative_to(directory)): sha256(p.read_bytes()) for p in files}
     (directory / CHECKSUMS).write_text(json.dumps(sums, indent=2))
 
 
 def verify_checksums(directory: Path) -> None:
     """Check a local directory against its ``sparklm_checksums.json`` (if it has one); one line when a file differs."""
-    import hashlib
     import json
 
     listing = directory / CHECKSUMS
@@ -202,7 +206,7 @@ def verify_checksums(directory: Path) -> None:
         raise SparklmError(f"{listing} is unreadable", hint="export the model again") from None
     for name, want in sums.items():
         path = directory / name
-        if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != want:
+        if not path.is_file() or sha256(path.read_bytes()) != want:
             raise SparklmError(f"{path} is damaged: it does not match the SHA-256 recorded when it was written",
                                hint="restore it from a copy or export the model again")
 

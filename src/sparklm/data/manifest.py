@@ -76,18 +76,24 @@ def load_tokenizer(dataset: PreparedDataset, storage: StorageConfig | None = Non
 def checked_row_groups(dataset: PreparedDataset, split: str, storage: StorageConfig | None = None) -> list:
     """The split's row groups, after checking every file against the manifest: its size, and its rows as the
     Parquet footers count them (a manifest that claims other files than those present is refused)."""
+    from collections import Counter
+
     from .stream import row_groups
 
     entries = dataset.manifest["splits"][split]["files"]
-    groups = row_groups(dataset.files(split), storage)
+    uris = dataset.files(split)
+    groups = row_groups(uris, storage)
+    rows = Counter()
+    for g in groups:
+        rows[g.path] += g.rows
     fs, _ = resolve(dataset.uri, storage)
-    for entry, uri in zip(entries, dataset.files(split)):
-        rows = sum(g.rows for g in groups if g.path == uri)
-        if rows != entry["rows"]:
-            raise SparklmError(f"{uri} holds {rows:,} rows, its manifest says {entry['rows']:,}",
+    infos = fs.get_file_info([resolve(uri, storage)[1] for uri in uris])  # one listing request, not one per file
+    for entry, uri, info in zip(entries, uris, infos):
+        if rows[uri] != entry["rows"]:
+            raise SparklmError(f"{uri} holds {rows[uri]:,} rows, its manifest says {entry['rows']:,}",
                                hint="the dataset was changed after prepare: prepare it again")
         if "bytes" in entry:
-            size = fs.get_file_info(resolve(uri, storage)[1]).size
+            size = info.size
             if size != entry["bytes"]:
                 raise SparklmError(f"{uri} has {size:,} bytes, its manifest says {entry['bytes']:,}",
                                    hint="the dataset was changed after prepare: prepare it again")

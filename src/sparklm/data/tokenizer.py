@@ -45,13 +45,16 @@ class TokenizerSpec:
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_str(self.json)
 
-    def save(self, directory: str | Path) -> list[Path]:
-        """Write tokenizer.json and the files that let ``AutoTokenizer.from_pretrained(directory)`` load it."""
+    def hf(self):
+        """The tokenizer as ``transformers`` sees it (what ``AutoTokenizer`` loads from :meth:`save`'s files)."""
         from transformers import PreTrainedTokenizerFast
 
-        hf = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer(), bos_token=self.bos_token,
-                                     eos_token=self.eos_token, pad_token=self.pad_token)
-        hf.save_pretrained(str(directory))
+        return PreTrainedTokenizerFast(tokenizer_object=self.tokenizer(), bos_token=self.bos_token,
+                                       eos_token=self.eos_token, pad_token=self.pad_token)
+
+    def save(self, directory: str | Path) -> list[Path]:
+        """Write tokenizer.json and the files that let ``AutoTokenizer.from_pretrained(directory)`` load it."""
+        self.hf().save_pretrained(str(directory))
         return sorted(Path(directory).iterdir())
 
 

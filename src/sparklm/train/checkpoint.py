@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import StorageConfig
 from ..errors import SparklmError
-from ..fs import delete, exists, join, list_names, read_bytes, read_text, remove_stale, staged_dir
+from ..fs import delete, exists, join, list_names, read_bytes, read_text, remove_stale, sha256, staged_dir
 
 if TYPE_CHECKING:
     import torch
@@ -35,19 +35,23 @@ def save(directory: str, step: int, *, files: dict[str, dict[str, torch.Tensor]]
     ``files``: name → tensors, saved as ``NAME.safetensors``. ``adopt``: name → a directory whose files
     are taken into the checkpoint as ``NAME/`` (the workers' inner optimizer states) and then removed.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save as save_bytes
 
     final = join(directory, step_name(step))
     remove_stale(final, storage, before=time.time() - 1)  # a killed earlier save of the same step
+    digests = {}  # SHA-256 of every file, checked on load: a damaged checkpoint is found, never trained from
     with staged_dir(final, storage, marker=STATE) as tmp:
+        def put(name: str, data: bytes) -> None:
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / name).write_bytes(data)
+            digests[name] = sha256(data)
+
         for name, tensors in files.items():
-            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / f"{name}.safetensors"))
+            put(f"{name}.safetensors", save_bytes({k: v.detach().contiguous().cpu() for k, v in tensors.items()}))
         for name, src in (adopt or {}).items():
             (tmp / name).mkdir()
             for f in list_names(src, storage):
-                (tmp / name / f).write_bytes(read_bytes(join(src, f), storage))
-        # SHA-256 of every file, checked on load: a damaged checkpoint is found, never trained from
-        digests = {str(p.relative_to(tmp)): _sha256(p.read_bytes()) for p in sorted(tmp.rglob("*")) if p.is_file()}
+                put(f"{name}/{f}", read_bytes(join(src, f), storage))
         (tmp / STATE).write_text(json.dumps({**state, "step": step, "sha256": digests}, indent=2))
     for src in (adopt or {}).values():
         delete(src, storage)
@@ -61,11 +65,6 @@ def completed(directory: str, storage: StorageConfig | None = None) -> list[str]
     """Finished checkpoints (those with a state.json), oldest first."""
     names = [n for n in list_names(directory, storage) if n.startswith("step-")]
     return [join(directory, n) for n in names if exists(join(directory, n, STATE), storage)]
-
-
-def latest(directory: str, storage: StorageConfig | None = None) -> str | None:
-    done = completed(directory, storage)
-    return done[-1] if done else None
 
 
 def read_state(path: str, storage: StorageConfig | None = None) -> dict[str, Any]:
@@ -90,7 +89,7 @@ def read_file(path: str, name: str, state: dict[str, Any], storage: StorageConfi
     except OSError as e:
         raise unreadable(path, e) from None
     want = state.get("sha256", {}).get(name)
-    if want is not None and _sha256(data) != want:
+    if want is not None and sha256(data) != want:
         raise unreadable(path, ValueError(f"{name} does not match its SHA-256 (damaged or truncated)"))
     return data
 
@@ -134,11 +133,6 @@ def newest_readable(directory: str, load, storage: StorageConfig | None = None, 
         raise error
     return None
 
-
-def _sha256(data: bytes) -> str:
-    import hashlib
-
-    return hashlib.sha256(data).hexdigest()
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

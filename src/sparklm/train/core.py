@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
@@ -168,7 +169,7 @@ class Trainer:
         for micro in range(tc.grad_accum):
             batch = next(batches)
             sync = self.rank.world == 1 or micro == tc.grad_accum - 1
-            ctx = self.net.no_sync() if not sync and hasattr(self.net, "no_sync") else _nothing()
+            ctx = self.net.no_sync() if not sync and hasattr(self.net, "no_sync") else nullcontext()
             with ctx, self.device.autocast():
                 loss = self.task.loss(self.net, batch) / tc.grad_accum
             loss.backward()
@@ -353,10 +354,3 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
                        params=facts.get("params", 0), flops_per_token=flops_tok, peak_flops=peak,
                        dtype=trainer.device.dtype_name, final=final)
 
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -39,8 +39,6 @@ def plot_loss(run_dir: str, storage: StorageConfig | None = None) -> None:
 def write_samples(model, spec, run_dir: str, dataset, config) -> None:
     """samples.txt: a few sampled continuations (sparklm's default sampling) of fixed prompts (openings of
     validation documents), written by the worker that holds the final model."""
-    from transformers import PreTrainedTokenizerFast
-
     from ..infer.generate import LoadedModel, generate
     from ..infer.sampling import Sampling
 
@@ -49,8 +47,7 @@ def write_samples(model, spec, run_dir: str, dataset, config) -> None:
     new_tokens = min(tc.sample_tokens, context // 2)  # leave the prompt room within the context
     if not tc.samples or new_tokens < 1:
         return
-    tok = PreTrainedTokenizerFast(tokenizer_object=spec.tokenizer(), bos_token=spec.bos_token,
-                                  eos_token=spec.eos_token, pad_token=spec.pad_token)
+    tok = spec.hf()
     prompts = [p if p.strip() else "The" for p in _prompts(dataset, tok, tc.samples, config)]
     lm = LoadedModel(model.eval(), tok, join(run_dir, "model"), context, add_bos=True)
     sampling = Sampling(max_new_tokens=new_tokens, seed=tc.seed)

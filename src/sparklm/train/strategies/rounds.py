@@ -26,6 +26,7 @@ from ... import progress
 from ...config import Config
 from ...errors import SparklmError, spark_errors
 from ...fs import join
+from .. import checkpoint
 from ..sinks import CsvSink, Sink, Sinks
 from .base import Job, RoundSpec, RunResult, WorkerResult
 
@@ -61,7 +62,7 @@ class Rounds:
 
         from ...data.manifest import load_prepared, load_tokenizer
         from ...model.task import task_for
-        from .. import checkpoint, core
+        from .. import core
         from . import outer
 
         config, workers = job.config, job.workers
@@ -212,7 +213,7 @@ class Rounds:
             pending_eval = bool(tc.eval_every) and step // tc.eval_every > (step - steps) // tc.eval_every \
                 and (total_steps is None or step < total_steps)
             if ckpt_now:
-                _save(checkpoint, ckpt_dir, step, params, momentum, rnd_index, tokens_seen, elapsed, job, self.name,
+                _save(ckpt_dir, step, params, momentum, rnd_index, tokens_seen, elapsed, job, self.name,
                       persist)
 
         # -- the end: evaluate the final weights, export model/ and samples, checkpoint ----------------
@@ -225,7 +226,7 @@ class Rounds:
         if not any(r.worker == 0 for r in partial["results"]):
             raise SparklmError("the final task of worker 0 (export of model/ and samples) failed",
                                hint="see the Spark log; --resume runs it again")
-        _save(checkpoint, ckpt_dir, step, params, momentum, rnd_index, tokens_seen, elapsed, job, self.name, persist)
+        _save(ckpt_dir, step, params, momentum, rnd_index, tokens_seen, elapsed, job, self.name, persist)
         rounds_csv.close()
         return RunResult(steps=step, tokens=tokens_seen, seconds=elapsed, params=facts.get("params"),
                          flops_per_token=facts.get("flops_per_token"), final=last_eval,
@@ -330,7 +331,7 @@ def _eval(partial: dict) -> dict:
     return eval_metrics(sums)
 
 
-def _save(checkpoint, ckpt_dir: str, step: int, params, momentum, rnd: int, tokens: int, elapsed: float, job: Job,
+def _save(ckpt_dir: str, step: int, params, momentum, rnd: int, tokens: int, elapsed: float, job: Job,
           strategy: str, inner: str) -> None:
     tc = job.config.train
     files = {"model": params}

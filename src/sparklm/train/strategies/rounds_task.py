@@ -143,16 +143,21 @@ def _load_inner(optimizer: torch.optim.Optimizer, sources: list[str], storage) -
         if not exists(uri, storage):
             continue
         local = local_path(uri)
-        with tempfile.NamedTemporaryFile(suffix=".safetensors") as tmp:
-            if local is None:  # safe_open reads the metadata from a file
+        if local is not None:
+            tensors, groups = _read_inner(str(local))
+        else:
+            with tempfile.NamedTemporaryFile(suffix=".safetensors") as tmp:  # safe_open reads metadata from a file
                 tmp.write(read_bytes(uri, storage))
                 tmp.flush()
-            with safe_open(str(local or tmp.name), framework="pt") as f:
-                groups = json.loads(f.metadata()["param_groups"])
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
+                tensors, groups = _read_inner(tmp.name)
         checkpoint.load_optimizer(optimizer, tensors, groups)
         return True
     return False
+
+
+def _read_inner(path: str) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    with safe_open(path, framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["param_groups"])
 
 
 def _prune_inner(state_dir: Path, worker: int, keep_from: int) -> None:
