@@ -139,3 +139,23 @@ def test_hidden_directories_are_skipped_and_a_delta_table_is_refused(tmp_path):
     (table / "part-0.parquet").write_text("x")
     with pytest.raises(SparklmError, match="is a Delta table"):
         expand(str(table))
+
+
+def test_csv_sink_on_an_object_store_continues_and_rewinds(s3_server):
+    import boto3
+
+    from sparklm.config import StorageConfig
+
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket="metrics")
+    storage = StorageConfig(endpoint_url=s3_server)
+    uri = "s3://metrics/run/metrics.csv"
+    sink = CsvSink(uri, METRIC_COLUMNS, {"train"}, storage)
+    for step in (1, 2, 3):
+        sink.write({"kind": "train", "step": step, "loss": 1.0 / step})
+    sink.close()
+    again = CsvSink(uri, METRIC_COLUMNS, {"train"}, storage)  # a resumed run continues the file
+    again.write({"kind": "train", "step": 4, "loss": 0.25})
+    again.rewind(2)
+    again.write({"kind": "train", "step": 3, "loss": 0.3})
+    again.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(uri, storage)] == [(1, 1.0), (2, 0.5), (3, 0.3)]

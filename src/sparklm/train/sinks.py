@@ -64,31 +64,32 @@ class CsvSink:
                  every: float = 10.0):
         self.uri, self.columns, self.kinds, self.storage, self.every = uri, columns, kinds, storage, every
         self.path = local_path(uri)
-        self.last_flush, self.dirty = 0.0, False
+        self.last_flush, self.dirty = 0.0, False  # object stores only: when it was last uploaded, and since then?
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fresh = not self.path.exists() or self.path.stat().st_size == 0
-            self.file = self.path.open("a", newline="")
-            self.writer = csv.DictWriter(self.file, fieldnames=columns, extrasaction="ignore")
-            if fresh:
-                self.writer.writeheader()
-                self.file.flush()
+            self._attach(self.path.open("a", newline=""), fresh=fresh)
         else:
-            self.file = io.StringIO()
-            if exists(uri, storage):
-                self.file.write(read_text(uri, storage))
-            self.writer = csv.DictWriter(self.file, fieldnames=columns, extrasaction="ignore")
-            if not self.file.tell():
-                self.writer.writeheader()
+            buf = io.StringIO()
+            buf.write(read_text(uri, storage) if exists(uri, storage) else "")
+            self._attach(buf, fresh=not buf.tell())
+
+    def _attach(self, file, *, fresh: bool) -> None:
+        self.file = file
+        self.writer = csv.DictWriter(file, fieldnames=self.columns, extrasaction="ignore")
+        if fresh:
+            self.writer.writeheader()
+            file.flush()
 
     def write(self, row: dict) -> None:
         if row.get("kind") not in self.kinds:
             return
         self.writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
-        self.dirty = True
         if self.path is not None:
             self.file.flush()
-        elif time.monotonic() - self.last_flush >= self.every:
+            return
+        self.dirty = True
+        if time.monotonic() - self.last_flush >= self.every:
             self._upload()
 
     def rewind(self, step: int) -> None:
@@ -100,16 +101,12 @@ class CsvSink:
             text = self.file.getvalue()
         rows = [r for r in csv.DictReader(io.StringIO(text)) if _num(r.get("step")) is None or _num(r["step"]) <= step]
         out = io.StringIO()
-        writer = csv.DictWriter(out, fieldnames=self.columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+        self._attach(out, fresh=True)
+        self.writer.writerows(rows)
         if self.path is not None:
             write_text(str(self.path), out.getvalue())
-            self.file = self.path.open("a", newline="")
-            self.writer = csv.DictWriter(self.file, fieldnames=self.columns, extrasaction="ignore")
+            self._attach(self.path.open("a", newline=""), fresh=False)
         else:
-            self.file = out
-            self.writer = csv.DictWriter(self.file, fieldnames=self.columns, extrasaction="ignore")
             self.dirty = True
 
     def _upload(self) -> None:

@@ -28,6 +28,7 @@ from ... import progress
 from ...config import Config
 from ...errors import SparklmError, known_cause, spark_errors
 from ...fs import join, local_path
+from .. import checkpoint
 from ..sinks import Channel, Sink
 from .base import Job, RunResult
 
@@ -222,8 +223,6 @@ def _lost(e: Exception) -> str | None:
 
 
 def _restart_step(job: Job) -> int:
-    from .. import checkpoint
-
     found = checkpoint.newest_readable(join(job.run_dir, "checkpoints"),
                                        lambda p: checkpoint.read_state(p, job.config.storage), job.config.storage)
     return found["step"] if found else 0
