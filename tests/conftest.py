@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -59,6 +64,61 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# -- a standalone Spark cluster on 127.0.0.1 (test_cluster.py, test_hosts.py) ---------------------------
+
+
+def spark_master(work: Path, env: dict) -> tuple[subprocess.Popen, str, int]:
+    """A standalone master started from the pyspark package: (process, master URL, web UI port)."""
+    import pyspark
+
+    port, ui = free_port(), free_port()
+    proc = subprocess.Popen([str(Path(pyspark.__file__).parent / "bin" / "spark-class"),
+                             "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
+                             "--webui-port", str(ui)],
+                            env=env, stdout=open(work / "master.log", "wb"), stderr=subprocess.STDOUT)
+    return proc, f"spark://127.0.0.1:{port}", ui
+
+
+def wait_for_workers(ui: int, n: int, procs: list[subprocess.Popen], what: str) -> None:
+    """Until the master's UI lists ``n`` live workers; fails the test after 2 minutes or when one exits."""
+    deadline = time.time() + 120
+    while True:
+        try:
+            state = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=2).read())
+            if sum(w["state"] == "ALIVE" for w in state["workers"]) == n:
+                return
+        except (OSError, ValueError):  # not up yet, or its UI answered before it was ready
+            pass
+        if time.time() > deadline or any(p.poll() is not None for p in procs):
+            pytest.fail(f"{what} did not start")
+        time.sleep(1)
+
+
+def stop_processes(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def stopped_copy(full: Path, stopped: Path, *, after: int, last: int) -> None:
+    """``stopped``: the run ``full`` as if killed right after its step-``after`` checkpoint (its later
+    checkpoints, model and metric rows gone)."""
+    import shutil
+
+    shutil.copytree(full, stopped)
+    for ckpt in (stopped / "checkpoints").glob("step-*"):
+        if int(ckpt.name.split("-")[1]) > after:
+            shutil.rmtree(ckpt)
+    shutil.rmtree(stopped / "model")
+    rows = (stopped / "metrics.csv").read_text().splitlines()
+    later = {(kind, str(step)) for kind in ("train", "eval") for step in range(after + 1, last + 1)}
+    (stopped / "metrics.csv").write_text("\n".join(r for r in rows if tuple(r.split(",")[:2]) not in later) + "\n")
 
 
 @pytest.fixture(scope="session")

@@ -163,9 +163,10 @@ def _config(args: argparse.Namespace):
 
 def _session_factory(args: argparse.Namespace, config):
     """Start Spark only when a stage needs it (after its inputs are checked), logging the JVM to a file."""
-    from .spark import default_jvm_log, get_session
+    from .spark import default_jvm_log, get_session, refuse_connect
 
     def start():
+        refuse_connect()  # before pyspark.sql routes to Spark Connect (whose client may not even be installed)
         from pyspark.sql import SparkSession
 
         log = None if args.debug else default_jvm_log()
@@ -174,7 +175,7 @@ def _session_factory(args: argparse.Namespace, config):
         spark = get_session(config.spark, jvm_log=log)
         if spark is not running:
             _STARTED.append(spark)
-        progress.info(f"Spark {spark.version} ({config.spark.master}) started in {time.time() - t0:.1f}s"
+        progress.info(f"Spark {spark.version} ({spark.sparkContext.master}) started in {time.time() - t0:.1f}s"
                       + (f" [dim](JVM log: {log})[/dim]" if log else ""))
         return spark
 
@@ -245,6 +246,7 @@ def _sampling(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from .fs import effective
     from .infer import batch
 
     sampling = _sampling(args)
@@ -258,18 +260,22 @@ def _generate(args: argparse.Namespace) -> int:
         batch.check_output(args.output, args.overwrite)
         if args.backend != "torch":
             raise SparklmError("batch generation on Spark uses the torch backend", hint="drop --backend onnx")
-        from .infer.generate import model_dir
+        from .infer.generate import model_uri
 
-        model_dir(args.model)  # a missing model fails here, not in a task
         config, _ = _config(args)
+        model_uri(args.model, effective(config.storage))  # a missing model fails here, not in a task
         prompts = batch.read_prompts(args.input)
         spark = _session_factory(args, config)()
+        from .spark import check_shared
+
+        check_shared(spark, {"model": args.model})
         df = spark.createDataFrame(prompts, "id long, prompt string")
         df = df.repartition(min(len(prompts), spark.sparkContext.defaultParallelism))
         with progress.stage(spark, f"generate ({len(prompts)} prompts)", quiet=True):
             rows = [r.asDict() for r in batch.generate_dataframe(df, model=args.model, sampling=sampling,
                                                                   batch_size=args.batch_size,
-                                                                  threads=args.threads).collect()]
+                                                                  threads=args.threads,
+                                                                  storage=config.storage).collect()]
         rows.sort(key=lambda r: (r["id"], r["sample"]))
         batch.write_generations(rows, args.output)
         progress.plain(args.output)
@@ -288,7 +294,8 @@ def _generate(args: argparse.Namespace) -> int:
 
         lm = load_onnx(args.model, threads=args.threads)
     else:
-        lm = load(args.model, threads=args.threads, quantize=args.quantize)
+        config, _ = _config(args)
+        lm = load(args.model, threads=args.threads, quantize=args.quantize, storage=effective(config.storage))
     streaming = len(prompts) == 1 and sampling.num_samples == 1 and not args.show_top and not args.output
     if streaming:
         sys.stdout.write(prompts[0])
@@ -337,9 +344,12 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from .fs import effective
     from .infer.export import export
 
-    info = export(args.model, args.output, quantize=args.quantize, overwrite=args.overwrite)
+    config, _ = _config(args)
+    info = export(args.model, args.output, quantize=args.quantize, overwrite=args.overwrite,
+                  storage=effective(config.storage))
     progress.info(f"ONNX graph ({args.quantize}): {info['bytes'] / 1e6:.1f} MB")
     progress.plain(info["path"])
     return 0

@@ -73,11 +73,15 @@ class TokenizerConfig:
 class SparkConfig:
     """Where and how Spark runs."""
 
-    master: str = _f("local[*]", "Spark master URL: local[*], spark://host:7077, yarn, k8s://...", flag="--master")
-    app_name: str = _f("sparklm", "Spark application name")
+    master: str = _f("", "Spark master URL: local[*], spark://host:7077, yarn, k8s://... (empty: spark-submit's "
+                         "--master or spark-defaults.conf's, else local[*])", flag="--master")
+    app_name: str = _f("", "Spark application name (empty: spark-submit's --name, else sparklm)")
     conf: dict[str, str] = _f({}, "extra Spark configuration (key = value)")
     ui: bool = _f(True, "start the Spark web UI")
     log_level: Literal["ERROR", "WARN", "INFO", "DEBUG"] = _f("ERROR", "Spark log level")
+    ship_env: Literal["auto", "on", "off"] = _f(
+        "auto", "send this Python environment to the executors (an archive in spark.files): auto does so on a "
+                "cluster whose executors cannot import sparklm; off for images that have the packages")
     class_cache: bool = _f(True, "share the driver JVM's loaded classes across runs (a ~120 MB archive in "
                                  "~/.cache/sparklm/jvm): Spark starts ~3 s faster from the second run")
 
@@ -124,8 +128,8 @@ class RoundsConfig:
                                     "runs of a few dozen rounds 0.5 measured better (BENCHMARKS.md)",
                                min=0.0, max=0.999)
     inner_state: Literal["keep", "reset"] = _f(
-        "keep", "average/diloco: a worker's AdamW state across rounds: keep (on the executor's disk, per worker) "
-                "or reset every round"
+        "keep", "average/diloco: a worker's AdamW state across rounds: keep (on the executor's disk, per worker, "
+                "and in the run directory when that is on an object store) or reset every round"
     )
 
 
@@ -135,7 +139,7 @@ class TrainConfig:
 
     workers: int = _f(1, "Spark tasks training at once (DDP ranks, or the tasks of a round)", min=1, flag="--workers")
     threads: int = _f(0, "torch threads per worker; 0: the machine's cores divided by workers (local mode), "
-                         "spark.task.cpus on a cluster for average/diloco", min=0, flag="--threads")
+                         "spark.task.cpus on a cluster", min=0, flag="--threads")
     strategy: Literal["ddp", "average", "diloco"] = _f(
         "ddp", "ddp: synchronous data parallelism on Spark barrier tasks; average: rounds of plain tasks whose "
                "weights are averaged every sync_every steps; diloco: the same rounds with an outer Nesterov step",

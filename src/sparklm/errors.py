@@ -46,6 +46,10 @@ def from_spark(exc: BaseException) -> SparklmError | None:
 
 # Failures that are not sparklm's fault but are foreseeable, recognised in an exception's or a log's text.
 _CAUSES = [
+    (re.compile(r'Cannot run program "[^"]*python[^"]*"', re.I),
+     "the executors cannot start the Python that runs sparklm (it is not installed on their hosts)",
+     "set spark.ship_env = 'on' (--set spark.ship_env=\"on\") to send this environment with the job, or "
+     "install the same packages on every host and set PYSPARK_PYTHON to that interpreter"),
     (re.compile(r"No space left on device|ENOSPC|errno 28\b", re.I),
      "no space left on device", "free disk space (or point the output and spark.local.dir elsewhere) and run again"),
     (re.compile(r"\bMemoryError\b|Cannot allocate memory|std::bad_alloc|DefaultCPUAllocator: can't allocate", re.I),

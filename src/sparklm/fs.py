@@ -44,9 +44,17 @@ def resolve(uri: str, storage: StorageConfig | None = None) -> tuple[pafs.FileSy
     if "://" not in uri:
         return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
     try:
-        return pafs.FileSystem.from_uri(uri)
+        return pafs.FileSystem.from_uri(uri)  # gs://, hdfs://, abfs(s)://, ...
     except Exception as e:
-        raise SparklmError(f"cannot open {uri}: {e}", hint="use a local path or an s3:// URL") from None
+        first = e
+    try:  # a scheme an installed fsspec package knows (adlfs, ossfs, ...), wrapped as a pyarrow filesystem
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(uri)
+    except (ImportError, ValueError):
+        raise SparklmError(f"cannot open {uri}: {first}",
+                           hint="use a local path, an s3:// URL, or install the fsspec package for this scheme") from None
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
 
 
 # -- whole files and directories, atomically, on local paths and object stores ---------------------
@@ -152,6 +160,55 @@ def staged_dir(uri: str, storage: StorageConfig | None = None, *, marker: str | 
             write_bytes(join(uri, *p.relative_to(stage).parts), p.read_bytes(), storage)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+def local_copy(uri: str, storage: StorageConfig | None = None) -> Path:
+    """A local directory holding the files of directory ``uri``: the path itself when local, else a copy in
+    sparklm's cache, downloaded once per host and content listing (names, sizes, times) and reused after.
+
+    Executors load models this way: torch and transformers read local files, and a model read by every
+    task of a job is fetched from the object store once, not once a task. Concurrent downloads on one host
+    each stage their own copy and rename it into place; the first wins.
+    """
+    import hashlib
+    import json
+
+    from .cache import cache_dir
+
+    local = local_path(uri)
+    if local is not None:
+        return local
+    fs, path = resolve(uri, storage)
+    try:
+        infos = [i for i in fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+                 if i.type == pafs.FileType.File]
+    except OSError as e:
+        raise SparklmError(f"cannot list {uri}: {_short(e)}", hint=storage_hint(uri)) from None
+    if not infos:
+        raise SparklmError(f"{uri} not found (no files there)", hint=storage_hint(uri))
+    listing = sorted((i.path[len(path):].lstrip("/"), i.size, i.mtime_ns or 0) for i in infos)
+    key = hashlib.sha256(json.dumps([uri, listing]).encode()).hexdigest()[:20]
+    target = cache_dir("remote", key)
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=target.parent))
+    try:
+        for rel, _, _ in listing:
+            dest = stage / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with fs.open_input_stream(f"{path}/{rel}") as src, open(dest, "wb") as out:
+                shutil.copyfileobj(src, out, 8 << 20)
+        try:
+            stage.rename(target)
+        except OSError:  # another process on this host finished first
+            if not target.is_dir():
+                raise
+    except OSError as e:
+        raise SparklmError(f"cannot download {uri}: {_short(e)}", hint=storage_hint(uri)) from None
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return target
 
 
 def remove_stale(uri: str, storage: StorageConfig | None = None, *, before: float) -> list[str]:

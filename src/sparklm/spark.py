@@ -3,42 +3,66 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from contextlib import contextmanager
 from importlib import resources
 
+from . import environment, progress
 from .cache import cache_dir
 from .config import SparkConfig
-from .errors import SparklmError
+from .errors import SparklmError, spark_errors
 from .java import class_cache_flags, find_java_home, note_class_cache_writer
+from .version import __version__
+
+# Which commands run on what: shown when a Spark Connect session (no RDDs, no barrier tasks) is found.
+CONNECT_MESSAGE = ("this is a Spark Connect session (Databricks shared/serverless compute, or SPARK_REMOTE / "
+                   "spark.remote set): sparklm's prepare, train, eval and batch generation run Python on the executors "
+                   "through RDDs and barrier tasks, which Spark Connect does not offer")
+CONNECT_HINT = ("use a classic cluster (Databricks: single-user/dedicated access mode), or unset SPARK_REMOTE; "
+                "`sparklm generate --prompt` and `export` need no Spark")
 
 
 def get_session(config: SparkConfig | None = None, *, spark=None, jvm_log: str | None = None):
     """Return ``spark`` if given, else the active session, else a new one built from ``config``.
 
-    Python workers run on this interpreter (``PYSPARK_PYTHON``) unless the environment or
-    ``spark.pyspark.python`` says otherwise: without it executors start the system ``python3``,
-    which lacks this project's packages. With ``jvm_log``, the JVM's own output (start-up banner,
-    Spark logs, Python worker stderr) goes to that file instead of the console.
+    Settings already made win over sparklm's defaults: spark-submit's (``--master``, ``--name``, ``--conf``,
+    ``--driver-memory``), ``spark-defaults.conf``, an active session's. sparklm adds only what is unset; what
+    the user gave sparklm itself (``--master``, ``--conf``) counts as set. Python workers run on this
+    interpreter (``PYSPARK_PYTHON``) unless the environment says otherwise, or, on a cluster whose executors
+    cannot import sparklm, on this environment shipped as an archive (``spark.ship_env``). With ``jvm_log``,
+    the JVM's own output goes to that file instead of the console.
     """
+    config = config or SparkConfig()
+    if spark is None:
+        refuse_connect()
     from pyspark.sql import SparkSession
 
+    if spark is None:
+        spark = SparkSession.getActiveSession()
     if spark is not None:
+        if is_connect(spark):
+            raise SparklmError(CONNECT_MESSAGE, hint=CONNECT_HINT)
         return spark
-    active = SparkSession.getActiveSession()
-    if active is not None:
-        return active
-    config = config or SparkConfig()
     java_home = os.environ["JAVA_HOME"] = find_java_home()
+    preset = preset_conf()
+    master = config.master or preset.get("spark.master") or "local[*]"
+    # an interpreter the user chose for the executors (not the one sparklm would choose) is theirs to provide
+    chosen = os.environ.get("PYSPARK_PYTHON", sys.executable)
+    if environment.is_shipped(chosen):  # left by an earlier session of this process
+        del os.environ["PYSPARK_PYTHON"]
+    user_python = (chosen != sys.executable and not environment.is_shipped(chosen)) or \
+        "spark.pyspark.python" in {**preset, **config.conf}
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    if config.master.startswith("local"):
+    if master.startswith("local"):
         # The host name may resolve to an unreachable address; local mode needs only loopback.
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     log4j = resources.files("sparklm") / "log4j2.properties"
     cds, pending = class_cache_flags(java_home, config.conf) if config.class_cache else ([], None)
-    confs = {
+    defaults = {
+        "spark.app.name": "sparklm",
         "spark.ui.enabled": "true" if config.ui else "false",
         "spark.ui.showConsoleProgress": "false",  # sparklm draws its own progress
         "spark.driver.memory": "4g",
@@ -50,11 +74,162 @@ def get_session(config: SparkConfig | None = None, *, spark=None, jvm_log: str |
         "spark.barrier.sync.timeout": "600s",
         "spark.driver.extraJavaOptions": " ".join([f"-Dlog4j2.configurationFile=file:{log4j}", *cds]),
     }
-    for key, value in config.conf.items():
-        if key == "spark.driver.extraJavaOptions":
+    confs = session_conf(defaults, preset, {**config.conf, **({"spark.app.name": config.app_name} if config.app_name
+                                                                else {})})
+    ship = config.ship_env == "on" and not master.startswith("local")
+    spark = _start(master, confs, pending, config, jvm_log, ship)
+    if (config.ship_env == "auto" and not master.startswith("local") and not user_python
+            and not executors_have_sparklm(spark)):
+        # The executors' hosts lack this environment (a cluster without the packages): start again with it shipped.
+        spark.stop()
+        spark = _start(master, confs, pending, config, jvm_log, True)
+    return spark
+
+
+def session_conf(defaults: dict[str, str], preset: dict[str, str], user: dict[str, str]) -> dict[str, str]:
+    """The settings sparklm passes to a new session: its defaults where nothing set them already (``preset``:
+    spark-submit's or spark-defaults.conf's), then the user's own sparklm settings on top. Java options are
+    joined, not replaced: sparklm's (logging, class cache) stay in front of the user's."""
+    confs = {k: v for k, v in defaults.items() if k not in preset}
+    for key, value in user.items():
+        if key == "spark.driver.extraJavaOptions" and key in confs:
             value = f"{confs[key]} {value}"
         confs[key] = value
-    builder = SparkSession.builder.master(config.master).appName(config.app_name)
+    return confs
+
+
+def preset_conf() -> dict[str, str]:
+    """Spark settings made before sparklm runs: under spark-submit (the JVM is already up), its whole
+    configuration; otherwise ``spark-defaults.conf`` (``$SPARK_CONF_DIR`` or ``$SPARK_HOME/conf``)."""
+    if "PYSPARK_GATEWAY_PORT" in os.environ:  # spark-submit started this Python and its JVM
+        from pyspark import SparkConf, SparkContext
+
+        SparkContext._ensure_initialized()
+        return dict(SparkConf().getAll())
+    conf_dir = os.environ.get("SPARK_CONF_DIR") or (os.path.join(os.environ["SPARK_HOME"], "conf")
+                                                    if os.environ.get("SPARK_HOME") else None)
+    if conf_dir is None:
+        return {}
+    return read_defaults(os.path.join(conf_dir, "spark-defaults.conf"))
+
+
+def read_defaults(path: str) -> dict[str, str]:
+    """``key value`` lines of a spark-defaults.conf (``=`` or ``:`` also separate, as in Java properties)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    out = {}
+    for line in lines:
+        m = re.match(r"\s*([^#!\s=:][^\s=:]*)(?:\s*[\s=:]\s*(.*?))?\s*$", line)
+        if m:
+            out[m.group(1)] = m.group(2) or ""  # a key alone has the empty value, as in Java properties
+    return out
+
+
+def check_shared(spark, paths: dict[str, str]) -> None:
+    """Stop with one line when a local path the job needs on the executors is not visible there.
+
+    ``paths``: {what it is: path}. Object-store URLs and local mode need no check. For each local path the
+    driver writes a probe file beside it and one task per executor host looks for it; a cluster whose hosts
+    share nothing but object storage fails here, before any work, rather than writing a run to whichever
+    host ran rank 0.
+    """
+    import uuid
+
+    from .fs import is_remote
+
+    if spark.sparkContext.master.startswith("local"):
+        return
+    probes = {}
+    for what, path in paths.items():
+        if is_remote(path):
+            continue
+        path = os.path.abspath(os.path.expanduser(path))
+        directory = path
+        while not os.path.isdir(directory) and os.path.dirname(directory) != directory:
+            directory = os.path.dirname(directory)  # a new output: its nearest existing parent
+        probe = os.path.join(directory, f".sparklm-probe-{uuid.uuid4().hex[:12]}")
+        try:
+            open(probe, "w").close()
+        except OSError:
+            continue  # unwritable here: the command's own checks say so
+        probes[what] = (path, probe)
+    if not probes:
+        return
+    files = [p for _, p in probes.values()]
+
+    def look(_):
+        yield [os.path.exists(p) for p in files]
+
+    sc = spark.sparkContext
+    n = max(1, sc.defaultParallelism)
+    sc.setJobDescription("sparklm: do the executors see the driver's paths?")
+    try:
+        with spark_errors():
+            seen = sc.parallelize(range(n), n).mapPartitions(look).collect()
+    finally:
+        sc.setJobDescription(None)
+        for p in files:
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+    for i, (what, (path, _)) in enumerate(probes.items()):
+        if not all(s[i] for s in seen):
+            raise SparklmError(f"{what} {path} is a local path of the driver that the executors do not see",
+                               hint="put it where every host reads it: an object store (s3://bucket/...) or a "
+                                    "shared mount (NFS, /dbfs/...)")
+
+
+def is_connect(spark) -> bool:
+    """A Spark Connect session: a client of a remote server, without SparkContext, RDDs or barrier tasks."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def refuse_connect() -> None:
+    """Stop with one line when the environment asks for Spark Connect (``SPARK_REMOTE``, or the
+    ``SPARK_CONNECT_MODE_ENABLED`` that Databricks sets): checked before pyspark.sql picks a client."""
+    if os.environ.get("SPARK_REMOTE") or os.environ.get("SPARK_CONNECT_MODE_ENABLED"):
+        raise SparklmError(CONNECT_MESSAGE, hint=CONNECT_HINT)
+
+
+def executors_have_sparklm(spark) -> bool:
+    """Whether a task on an executor imports this sparklm version (and torch): a cluster whose hosts have
+    the packages needs nothing shipped."""
+    want = __version__
+
+    def probe(_):
+        try:
+            import torch  # noqa: F401
+
+            from sparklm.version import __version__ as have
+        except Exception:
+            have = None
+        yield have
+
+    sc = spark.sparkContext
+    sc.setJobDescription("sparklm: can the executors import sparklm?")
+    try:
+        found = sc.parallelize([0], 1).mapPartitions(probe).collect()
+    except Exception:  # the interpreter itself is missing on the executors' hosts
+        return False
+    finally:
+        sc.setJobDescription(None)
+    return found == [want]
+
+
+def _start(master: str, confs: dict[str, str], pending, config: SparkConfig, jvm_log: str | None, ship: bool):
+    from pyspark.sql import SparkSession
+
+    confs = dict(confs)
+    if ship:
+        files, python = environment.ship(log=progress.info)
+        listed = [f for f in confs.get("spark.files", "").split(",") if f]
+        confs["spark.files"] = ",".join([*listed, *(f"file://{f}" for f in files)])
+        os.environ["PYSPARK_PYTHON"] = python
+    builder = SparkSession.builder.master(master)
     for key, value in confs.items():
         builder = builder.config(key, value)
     try:
@@ -63,7 +238,7 @@ def get_session(config: SparkConfig | None = None, *, spark=None, jvm_log: str |
     except Exception as e:  # the JVM did not start or the master is unreachable
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SparklmError(
-            f"could not start Spark with master '{config.master}': {first}",
+            f"could not start Spark with master '{master}': {first}",
             hint=f"check --master and --conf values{f'; Spark log: {jvm_log}' if jvm_log else ''}; --debug shows more",
         ) from e
     if pending is not None:  # spark-class execs the JVM: the launched process is the driver JVM

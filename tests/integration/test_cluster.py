@@ -10,14 +10,12 @@ import json
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import free_port, make_text
+from conftest import free_port, make_text, spark_master, stop_processes, wait_for_workers
 from sparklm.config import from_dict
 from sparklm.data.prepare import prepare
 from sparklm.java import find_java_home
@@ -35,37 +33,19 @@ def standalone(tmp_path_factory):
     work = tmp_path_factory.mktemp("standalone")
     env = {**os.environ, "JAVA_HOME": find_java_home(), "SPARK_HOME": str(home), "SPARK_LOCAL_IP": "127.0.0.1",
            "PYSPARK_PYTHON": sys.executable, "SPARK_LOG_DIR": str(work)}
-    port, ui = free_port(), free_port()
-    cls = [str(home / "bin" / "spark-class")]
-    procs = [subprocess.Popen(cls + ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                                     "--port", str(port), "--webui-port", str(ui)],
-                              env=env, stdout=open(work / "master.log", "wb"), stderr=subprocess.STDOUT)]
+    master, url, ui = spark_master(work, env)
+    procs = [master]
     for i in range(2):
         procs.append(subprocess.Popen(
-            cls + ["org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", "1", "--memory", "3g",
-                   "--webui-port", str(free_port()), "--work-dir", str(work / f"w{i}"), f"spark://127.0.0.1:{port}"],
+            [str(home / "bin" / "spark-class"), "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
+             "--cores", "1", "--memory", "3g", "--webui-port", str(free_port()), "--work-dir", str(work / f"w{i}"),
+             url],
             env=env, stdout=open(work / f"worker{i}.log", "wb"), stderr=subprocess.STDOUT))
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                state = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=2).read())
-                if sum(w["state"] == "ALIVE" for w in state["workers"]) == 2:
-                    break
-            except (OSError, ValueError):  # not up yet, or its UI answered before it was ready
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"standalone cluster did not start; see {work}")
-            time.sleep(1)
-        yield f"spark://127.0.0.1:{port}"
+        wait_for_workers(ui, 2, procs, f"standalone cluster (logs in {work})")
+        yield url
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
 
 
 def test_train_on_a_standalone_cluster_matches_local_mode(spark, standalone, tmp_path):

@@ -40,3 +40,58 @@ def test_unreachable_or_missing_object_store_is_one_line(spark, s3_server, confi
         from sparklm.fs import expand
 
         expand("s3://corpus/books", dead)
+
+
+def test_run_directory_on_s3(spark, dataset, s3_server, tmp_path):
+    """A run written to S3 by the rounds strategy; a stopped run resumed there; models read from there."""
+    import pyarrow.fs as pafs
+    import torch
+    from safetensors.torch import load as load_tensors
+
+    from conftest import cfg, stopped_copy, weights
+    from sparklm.config import StorageConfig
+    from sparklm.infer.batch import generate_dataframe
+    from sparklm.infer.evaluate import evaluate
+    from sparklm.infer.export import export
+    from sparklm.infer.generate import generate, load
+    from sparklm.infer.sampling import Sampling
+    from sparklm.train.run import train
+
+    s3 = boto3.client("s3", endpoint_url=s3_server)
+    s3.create_bucket(Bucket="runs")
+    train(dataset, output="s3://runs/avg", config=cfg(max_steps=4, strategy="average", workers=2, sync_every=2,
+                                                      checkpoint_every=2), spark=spark)
+    keys = {o["Key"][4:] for o in s3.list_objects_v2(Bucket="runs", Prefix="avg/")["Contents"]}
+    assert {"config.json", "metrics.csv", "rounds.csv", "summary.json", "loss.png", "samples.txt", "run_info.json",
+            "model/model.safetensors", "model/tokenizer.json", "checkpoints/step-0000004/state.json"} <= keys, keys
+    assert not any(k.startswith(".inner") for k in keys)  # the rounds' shared inner state is gone at the end
+
+    # a run stopped after its step-4 checkpoint, on S3, resumes there to the same weights as the whole run
+    full = tmp_path / "full"
+    train(dataset, output=str(full), config=cfg(max_steps=8, checkpoint_every=4, samples=0), spark=spark)
+    stopped = tmp_path / "stopped"
+    stopped_copy(full, stopped, after=4, last=8)
+    fs, _ = resolve("s3://runs/")
+    pafs.copy_files(str(stopped), "runs/stopped", destination_filesystem=fs)
+    train(None, output="s3://runs/stopped", resume=True, spark=spark)
+    resumed = load_tensors(s3.get_object(Bucket="runs", Key="stopped/checkpoints/step-0000008/model.safetensors")
+                           ["Body"].read())
+    for name, tensor in weights(full).items():
+        assert torch.equal(tensor, resumed[name]), name
+
+    # generate, batch generation, eval and export read the model from S3 as from a local run directory
+    storage = StorageConfig(endpoint_url=s3_server)
+    greedy = Sampling(temperature=0, max_new_tokens=6)
+    here, there = load(str(full)), load("s3://runs/stopped", storage=storage)
+    assert [g.text for g in generate(here, ["The"], sampling=greedy)] == \
+           [g.text for g in generate(there, ["The"], sampling=greedy)]
+    df = spark.createDataFrame([(1, "The"), (2, "Москва")], "id long, prompt string")
+    texts = sorted((r.id, r.text) for r in generate_dataframe(df, model="s3://runs/stopped", sampling=greedy,
+                                                               storage=storage).collect())
+    assert texts == sorted((i, generate(here, [p], sampling=greedy)[0].text) for i, p in [(1, "The"), (2, "Москва")])
+    (tmp_path / "t.txt").write_text(make_text(5, seed=2))
+    a = evaluate(str(full), [str(tmp_path / "t.txt")], spark=spark)
+    b = evaluate("s3://runs/stopped", [str(tmp_path / "t.txt")], spark=spark)
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["tokens"] == b["tokens"]
+    info = export("s3://runs/stopped", str(tmp_path / "onnx"), storage=storage)
+    assert (tmp_path / "onnx" / "model.onnx").is_file(), info

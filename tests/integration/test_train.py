@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import TINY, cfg, weights
+from conftest import TINY, cfg, stopped_copy, weights
 from sparklm.config import from_dict
 from sparklm.errors import SparklmError
 from sparklm.train.run import train
@@ -62,11 +62,7 @@ def test_resume_ends_with_the_same_weights(spark, dataset, tmp_path):
     train(dataset, output=str(full), config=cfg(max_steps=8, checkpoint_every=4, samples=0), spark=spark)
     # A run stopped after its step-4 checkpoint: the same directory without what came later.
     stopped = tmp_path / "stopped"
-    shutil.copytree(full, stopped)
-    shutil.rmtree(stopped / "checkpoints" / "step-0000008")
-    shutil.rmtree(stopped / "model")
-    rows = (stopped / "metrics.csv").read_text().splitlines()
-    (stopped / "metrics.csv").write_text("\n".join(r for r in rows if not r.startswith(("train,5", "train,6", "train,7", "train,8", "eval,8"))) + "\n")
+    stopped_copy(full, stopped, after=4, last=8)
     train(None, output=str(stopped), resume=True, spark=spark)
     a, b = weights(full), weights(stopped)
     for k in a:

@@ -159,3 +159,41 @@ def test_csv_sink_on_an_object_store_continues_and_rewinds(s3_server):
     again.write({"kind": "train", "step": 3, "loss": 0.3})
     again.close()
     assert [(r["step"], r["loss"]) for r in read_metrics(uri, storage)] == [(1, 1.0), (2, 0.5), (3, 0.3)]
+
+
+def test_spark_defaults_file_is_read_as_spark_reads_it(tmp_path):
+    from sparklm.spark import read_defaults
+
+    f = tmp_path / "spark-defaults.conf"
+    f.write_text("# comment\n! also a comment\nspark.master   yarn\nspark.app.name=mine\n"
+                 "spark.driver.memory: 6g\n  spark.executor.extraJavaOptions  -Da=1 -Db=2  \n\nbare.key\n")
+    assert read_defaults(str(f)) == {"spark.master": "yarn", "spark.app.name": "mine", "spark.driver.memory": "6g",
+                                     "spark.executor.extraJavaOptions": "-Da=1 -Db=2", "bare.key": ""}
+    assert read_defaults(str(tmp_path / "missing.conf")) == {}
+
+
+def test_settings_made_before_sparklm_win_over_its_defaults():
+    from sparklm.spark import session_conf
+
+    defaults = {"spark.app.name": "sparklm", "spark.driver.memory": "4g", "spark.barrier.sync.timeout": "600s",
+                "spark.driver.extraJavaOptions": "-Dlog4j2.configurationFile=x"}
+    preset = {"spark.driver.memory": "1g", "spark.app.name": "submitted", "spark.master": "yarn"}
+    user = {"spark.sql.shuffle.partitions": "7", "spark.driver.extraJavaOptions": "-Dmine=1"}
+    got = session_conf(defaults, preset, user)
+    # spark-submit's values are already in the JVM's conf: sparklm neither repeats nor overrides them
+    assert "spark.driver.memory" not in got and "spark.app.name" not in got and "spark.master" not in got
+    assert got["spark.barrier.sync.timeout"] == "600s" and got["spark.sql.shuffle.partitions"] == "7"
+    assert got["spark.driver.extraJavaOptions"] == "-Dlog4j2.configurationFile=x -Dmine=1"
+    # what the user gave sparklm itself (--conf, app name) counts as set
+    assert session_conf(defaults, preset, {"spark.app.name": "flag"})["spark.app.name"] == "flag"
+    assert session_conf(defaults, {}, {})["spark.driver.memory"] == "4g"
+
+
+def test_fsspec_filesystems_are_reached_through_pyarrow():
+    from sparklm.fs import read_bytes, resolve
+
+    fs, path = resolve("memory://bucket/dir/a.txt")
+    write_text("memory://bucket/dir/a.txt", "through fsspec")
+    assert read_bytes("memory://bucket/dir/a.txt") == b"through fsspec"
+    assert exists("memory://bucket/dir/a.txt") and list_names("memory://bucket/dir") == ["a.txt"]
+    assert fs.type_name.startswith("py::fsspec") and path.endswith("bucket/dir/a.txt")

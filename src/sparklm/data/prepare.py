@@ -50,7 +50,7 @@ def prepare(
     ``spark`` is a SparkSession, a function that starts one (called once the inputs are checked),
     or None for the active session or a new local one.
     """
-    from ..spark import get_session
+    from ..spark import check_shared, get_session
 
     config = config or Config()
     config = config.replace(storage=effective(config.storage))
@@ -70,6 +70,7 @@ def prepare(
     units += sources.plan_units(list(validation_inputs), group="validation", data=data, storage=storage)
     t_spark = time.time()
     spark = spark() if callable(spark) else get_session(config.spark, spark=spark)  # started after the checks
+    check_shared(spark, {"input": str(inputs[0]), "output": output})
     spark_start = time.time() - t_spark
     bins = _bins(units, spark.sparkContext.defaultParallelism * 4)
     n_files = len({u.uri for u in units})

@@ -7,12 +7,12 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from ..cache import process_local
+from ..config import StorageConfig
 from ..errors import SparklmError
-from ..fs import write_bytes
+from ..fs import effective, write_bytes
 from .sampling import Sampling
 
 OUTPUT_SCHEMA = "id long, sample int, prompt string, text string, prompt_tokens int, new_tokens int, truncated boolean"
@@ -20,10 +20,12 @@ OUTPUT_COLUMNS = [c.split()[0] for c in OUTPUT_SCHEMA.split(", ")]
 
 
 def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: str = "id",
-                       sampling: Sampling = Sampling(), batch_size: int = 8, threads: int = 0):
+                       sampling: Sampling = Sampling(), batch_size: int = 8, threads: int = 0,
+                       storage: StorageConfig | None = None):
     """One output row per (prompt, sample): ``id, sample, prompt, text, prompt_tokens, new_tokens, truncated``.
 
-    ``model`` is a path every executor can read (a sparklm run directory or an HF model directory).
+    ``model`` is a sparklm run directory or an HF model directory on an object store (each executor copies it
+    once into its cache) or on a path every executor can read.
     Ids must be integers; each row's text depends only on (seed, id, sample), so the result does not
     depend on partitioning, batching or retries.
     """
@@ -33,14 +35,17 @@ def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: st
         if name not in df.columns:
             raise SparklmError(f"the prompts have no column {name!r} (columns: {', '.join(df.columns)})",
                                hint="name the prompt and id columns with prompt_col= / id_col=")
-    model_path = os.path.abspath(model) if "://" not in model else model
+    from .generate import model_uri
+
+    storage = effective(storage or StorageConfig())
+    model_path = model_uri(model, storage)
 
     def run(frames):
         import pandas as pd
 
         from .generate import generate, load
 
-        lm = process_local(("model", model_path, threads), lambda: load(model_path, threads=threads))
+        lm = process_local(("model", model_path, threads), lambda: load(model_path, threads=threads, storage=storage))
         for frame in frames:
             if frame.empty:
                 continue

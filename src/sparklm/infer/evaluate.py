@@ -14,6 +14,7 @@ import torch
 from ..cache import process_local
 from ..config import Config
 from ..errors import SparklmError, spark_errors
+from ..fs import effective
 from ..model.task import lm_figures, token_sums
 
 
@@ -57,25 +58,27 @@ def evaluate(model: str, inputs: list[str], *, config: Config | None = None, max
     import os
 
     from ..data.sources import OK, documents, plan_units
-    from ..spark import get_session
-    from .generate import load, model_dir, token_ids
+    from ..spark import check_shared, get_session
+    from .generate import load, model_uri, token_ids
 
     config = config or Config()
-    directory = str(model_dir(model).resolve())
-    lm = load(directory)  # on the driver too: fail early on a bad model, and learn its context
+    storage = effective(config.storage)
+    source = model_uri(model, storage)  # a local path or an object-store URL each executor copies once
+    lm = load(source, storage=storage)  # on the driver too: fail early on a bad model, and learn its context
     length = max_length or lm.context
     if length > lm.context:
         raise SparklmError(f"--max-length {length} exceeds the model's context of {lm.context} tokens")
     step = stride or length
     if not 1 <= step <= length:
         raise SparklmError(f"--stride {step} must be between 1 and --max-length ({length})")
-    units = plan_units(inputs, group="auto", data=config.data, storage=config.storage)
+    units = plan_units(inputs, group="auto", data=config.data, storage=storage)
     spark = get_session(config.spark, spark=spark() if callable(spark) else spark)
-    data, storage = config.data, config.storage
+    check_shared(spark, {"model": source, "input": inputs[0]})
+    data = config.data
     env_threads = threads
 
     def run(part):
-        lm = process_local(("model", directory, env_threads), lambda: load(directory, threads=env_threads))
+        lm = process_local(("model", source, env_threads), lambda: load(source, threads=env_threads, storage=storage))
         sums = torch.zeros(6, dtype=torch.float64)  # nats, tokens, correct, bytes, documents, dropped
         pending: list[tuple[list[int], int]] = []
         for _unit, _pos, status, text, _invalid, _digest in documents(list(part), data, storage):
@@ -104,4 +107,4 @@ def evaluate(model: str, inputs: list[str], *, config: Config | None = None, max
     if tokens == 0:
         raise SparklmError("no tokens to score in the input", hint="check --input (empty, or every record dropped)")
     return {**lm_figures(nats, tokens, correct, nbytes), "tokens": int(tokens), "bytes": int(nbytes), "documents": int(docs),
-            "dropped_records": int(dropped), "max_length": length, "stride": step, "model": directory}
+            "dropped_records": int(dropped), "max_length": length, "stride": step, "model": source}

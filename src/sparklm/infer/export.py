@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import torch
 
+from ..config import StorageConfig
 from ..errors import SparklmError
 from ..fs import staged_dir
 
@@ -32,7 +33,8 @@ class LogitsGraph(torch.nn.Module):
                           use_cache=False).logits
 
 
-def export(model: str, output: str, *, quantize: str = "none", overwrite: bool = False) -> dict:
+def export(model: str, output: str, *, quantize: str = "none", overwrite: bool = False,
+           storage: StorageConfig | None = None) -> dict:
     """Write ``output``/model.onnx (+ tokenizer and config files); returns what was written."""
     from .generate import load
 
@@ -46,7 +48,7 @@ def export(model: str, output: str, *, quantize: str = "none", overwrite: bool =
         if not (out / "sparklm_export.json").is_file():  # --overwrite replaces only an export of ours
             raise SparklmError(f"refusing to --overwrite {output}: it is neither a sparklm export (no "
                                "sparklm_export.json) nor empty", hint="choose another --output")
-    lm = load(model)
+    lm = load(model, storage=storage)
     with staged_dir(str(out), marker="sparklm_export.json") as tmp:
         graph = LogitsGraph(lm.model).eval()
         ids = torch.ones((2, 8), dtype=torch.long)

@@ -14,7 +14,9 @@ from pathlib import Path
 import torch
 
 from .. import progress
+from ..config import StorageConfig
 from ..errors import SparklmError
+from ..fs import exists, is_remote, join, list_names, local_copy
 from .sampling import Sampling, next_tokens, row_generator
 
 
@@ -44,21 +46,35 @@ class LoadedModel:
     add_bos: bool  # prepend BOS to prompts (sparklm models: every training document starts with it)
 
 
-def model_dir(path: str) -> Path:
-    """A sparklm run directory's ``model/``, or ``path`` itself when it is an HF model directory."""
-    p = Path(path)
+def model_uri(path: str, storage: StorageConfig | None = None) -> str:
+    """The model directory named by ``path`` (a sparklm run directory's ``model/``, or an HF model directory
+    itself), local or on an object store; one line when there is none."""
+    if is_remote(path):
+        if exists(join(path, "model", "config.json"), storage):
+            return join(path, "model")
+        if exists(join(path, "config.json"), storage):
+            return path.rstrip("/")
+        what = "not found" if not list_names(path, storage) else "neither a sparklm run directory nor an HF model directory (no config.json)"
+        raise SparklmError(f"model {path}: {what}", hint="pass the --output of `sparklm train`/`run`, or a directory "
+                                                          "written by save_pretrained")
+    p = Path(path).expanduser().resolve()
     if (p / "model" / "config.json").is_file():
-        return p / "model"
+        return str(p / "model")
     if (p / "config.json").is_file():
-        return p
+        return str(p)
     if not p.exists():
-        raise SparklmError(f"model {path} not found", hint="pass a sparklm run directory or a local HF model directory")
+        raise SparklmError(f"model {path} not found", hint="pass a sparklm run directory or an HF model directory")
     raise SparklmError(f"{path} is neither a sparklm run directory nor an HF model directory (no config.json)",
                        hint="pass the --output of `sparklm train`/`run`, or a directory written by save_pretrained")
 
 
-def load(path: str, *, threads: int = 0, quantize: str = "none") -> LoadedModel:
-    """Load a model and its tokenizer from local files (safetensors only: nothing is unpickled).
+def model_dir(path: str, storage: StorageConfig | None = None) -> Path:
+    """The model named by ``path`` as a local directory (an object store's copied once into the cache)."""
+    return local_copy(model_uri(path, storage), storage)
+
+
+def load(path: str, *, threads: int = 0, quantize: str = "none", storage: StorageConfig | None = None) -> LoadedModel:
+    """Load a model and its tokenizer (safetensors only: nothing is unpickled); ``path`` may be on an object store.
 
     ``quantize="int8"``: torch's dynamic int8 quantization of every Linear layer (weights int8,
     activations quantized per batch) for CPU inference — on a trained 27M model 1.8x faster scoring
@@ -70,7 +86,7 @@ def load(path: str, *, threads: int = 0, quantize: str = "none") -> LoadedModel:
 
     if threads:
         torch.set_num_threads(threads)
-    directory = model_dir(path)
+    directory = model_dir(path, storage)
     model = load_model(str(directory)).eval()
     if quantize == "int8":
         import warnings

@@ -36,7 +36,7 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
     On ``resume``, the run's saved configuration is used, with ``changes`` (nested settings, as the CLI
     collects what the user set) or else the settings where ``config`` differs from the defaults applied on top.
     """
-    from ..spark import get_session
+    from ..spark import check_shared, get_session
     from .strategies import Job, get
 
     storage = effective((config or Config()).storage)
@@ -73,6 +73,7 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
     t_spark = time.time()
     spark = spark() if callable(spark) else get_session(config.spark, spark=spark)
     spark_start = time.time() - t_spark
+    check_shared(spark, {"run directory": run_dir, "dataset": data})
     tc = config.train
     strategy = get(tc.strategy)
     job = Job(config=config, data=data, run_dir=run_dir, resume=resume, workers=tc.workers, threads=tc.threads,

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from ... import progress
 from ...config import Config
 from ...errors import SparklmError, known_cause, spark_errors
-from ...fs import join, local_path
+from ...fs import join, local_path, write_bytes
 from .. import checkpoint
 from ..sinks import Channel, Sink
 from .base import Job, RunResult
@@ -93,6 +93,10 @@ class DDP:
 def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> dict:
     """Run ``job`` on ``job.workers`` ranks and return rank 0's result."""
     workers, threads = job.workers, job.threads
+    if not threads and not spark.sparkContext.master.startswith("local"):
+        # a cluster's executor owns spark.task.cpus cores per task, not the host's (YARN and Kubernetes
+        # containers share their host)
+        threads = int(spark.sparkContext.getConf().get("spark.task.cpus", "1"))
     local_run = local_path(job.run_dir)
     log_dir = str(local_run / "logs") if local_run is not None else os.path.join(tempfile.gettempdir(), "sparklm-logs",
                                                                                   job.uid)
@@ -117,6 +121,8 @@ def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> dict:
         finally:
             if proc.poll() is None:
                 proc.kill()
+            if local_run is None:  # the run directory is on an object store: the log goes there too
+                _publish_log(log_path, join(job.run_dir, "logs", f"rank-{rank}.log"), job.config.storage)
 
     rdd = spark.sparkContext.parallelize(range(workers), workers).barrier().mapPartitions(task)
     try:
@@ -130,6 +136,14 @@ def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> dict:
                                hint="lower --workers, or give the cluster more cores (local[N], executors)") from None
         raise
     return next(r for r in results if r.get("rank") == 0)
+
+
+def _publish_log(path: str, uri: str, storage) -> None:
+    try:
+        with open(path, "rb") as f:
+            write_bytes(uri, f.read(), storage)
+    except OSError:
+        pass  # the log is a convenience; the error line has already reached the driver
 
 
 def _driver_host(spark) -> str:

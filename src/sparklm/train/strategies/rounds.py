@@ -25,7 +25,7 @@ import time
 from ... import progress
 from ...config import Config
 from ...errors import SparklmError, spark_errors
-from ...fs import join
+from ...fs import delete, join
 from .. import checkpoint
 from ..sinks import CsvSink, Sink, Sinks
 from .base import Job, RoundSpec, RunResult, WorkerResult
@@ -55,6 +55,10 @@ class Rounds:
             return self._train(spark, job, sink, shards)
         finally:  # the workers' inner states in the temporary directory (shared with the driver in local mode)
             shutil.rmtree(os.path.join(tempfile.gettempdir(), "sparklm-inner", job.uid), ignore_errors=True)
+            from .rounds_task import shared_inner_dir
+
+            if shared_inner_dir(job.run_dir):
+                delete(shared_inner_dir(job.run_dir), job.config.storage)
 
     def _train(self, spark, job: Job, sink: Sink, shards: list[tuple[int, int]] | None) -> RunResult:
         import torch

@@ -31,7 +31,7 @@ from safetensors.torch import save as save_bytes
 
 from ...cache import process_local
 from ...data.manifest import load_prepared, load_tokenizer
-from ...fs import exists, join, local_path, read_bytes, write_bytes
+from ...fs import delete, exists, join, list_names, local_path, read_bytes, write_bytes
 from ...model.task import Batch
 from .. import checkpoint, device
 from ..core import Rank, Trainer, TrainState
@@ -67,7 +67,7 @@ def run_worker(job: Job, worker: int, weights: bytes, spec: RoundSpec, *, attemp
         if worker in spec.cold:
             out["cold"] = True
         elif tc.rounds.inner_state == "keep" and spec.step0 > 0:
-            out["cold"] = not _load_inner(trainer.optimizer, _inner_sources(spec, worker, state_dir),
+            out["cold"] = not _load_inner(trainer.optimizer, _inner_sources(job, spec, worker, state_dir),
                                            trainer.config.storage)
         torch.manual_seed(_seed(tc.seed, spec.step0, worker))  # dropout: a function of (seed, step, worker)
         part, parts = spec.shards[worker]
@@ -89,6 +89,13 @@ def run_worker(job: Job, worker: int, weights: bytes, spec: RoundSpec, *, attemp
         if tc.rounds.inner_state == "keep":
             _save_inner(trainer.optimizer, state_dir / _state_name(worker, spec.step0 + spec.steps))
             _prune_inner(state_dir, worker, spec.step0)
+            shared = shared_inner_dir(job.run_dir)
+            if shared:  # hosts may share nothing: the next round of this worker may run on another one
+                name = _state_name(worker, spec.step0 + spec.steps)
+                write_bytes(join(shared, name), (state_dir / name).read_bytes(), trainer.config.storage)
+                for old in list_names(shared, trainer.config.storage):
+                    if old.startswith(f"w{worker}-step") and int(old[len(f"w{worker}-step"):].split(".")[0]) < spec.step0:
+                        delete(join(shared, old), trainer.config.storage)
     out["compute_s"] = time.time() - t0
 
     if spec.persist and tc.rounds.inner_state == "keep":  # a checkpoint round: copy the state beside the checkpoint
@@ -121,12 +128,21 @@ def _seed(seed: int, step: int, worker: int) -> int:
     return (seed * 1_000_003 + step * 7919 + worker) % (2**63)
 
 
+def shared_inner_dir(run_dir: str) -> str | None:
+    """Where workers' inner states also go when the run directory is on an object store (executors on hosts
+    that share no disk: a worker's next round may run elsewhere); None for a local (shared) run directory."""
+    return join(run_dir, ".inner") if local_path(run_dir) is None else None
+
+
 def _state_name(worker: int, step: int) -> str:
     return f"w{worker}-step{step:07d}.safetensors"
 
 
-def _inner_sources(spec: RoundSpec, worker: int, state_dir: Path) -> list[str]:
+def _inner_sources(job: Job, spec: RoundSpec, worker: int, state_dir: Path) -> list[str]:
     sources = [str(state_dir / _state_name(worker, spec.step0))]
+    shared = shared_inner_dir(job.run_dir)
+    if shared:
+        sources.append(join(shared, _state_name(worker, spec.step0)))
     if spec.inner_from:  # resuming from a checkpoint
         sources.append(join(spec.inner_from, "inner", f"w{worker}.safetensors"))
     return sources
