@@ -158,16 +158,18 @@ def _layout() -> dict:
         if so.is_file():
             libs.append(so)
     return {"version": version, "binary": version, "executable": Path(os.path.realpath(sys.executable)),
-            "stdlib": stdlib, "site": site, "libs": libs, "editable": _editable_roots(site)}
+            "stdlib": stdlib, "site": site, "libs": libs, **_editable(site)}
 
 
-def _editable_roots(site: list[Path]) -> dict[str, Path]:
-    """Projects installed with ``pip install -e``: {name inside site-packages: source directory}.
+def _editable(site: list[Path]) -> dict:
+    """Projects installed with ``pip install -e``: ``editable`` {name inside site-packages: source}, and
+    ``editable_pth``, the ``.pth`` files that point outside site-packages (replaced by the sources).
 
     Two forms exist: a ``.pth`` line naming a source directory (src layouts), and setuptools' finder module
     with a ``MAPPING`` of package names to directories (read as a literal, never imported).
     """
     roots: dict[str, Path] = {}
+    pths: set[Path] = set()
     for directory in site:
         for pth in sorted(directory.glob("*.pth")):
             for line in pth.read_text(errors="replace").splitlines():
@@ -176,6 +178,7 @@ def _editable_roots(site: list[Path]) -> dict[str, Path]:
                     continue
                 path = (directory / line).resolve()
                 if path.is_dir() and not path.is_relative_to(directory):
+                    pths.add(pth)
                     for child in sorted(path.iterdir()):
                         if child.name not in _SKIP_DIRS and not child.name.startswith("."):
                             roots[child.name] = child
@@ -184,7 +187,7 @@ def _editable_roots(site: list[Path]) -> dict[str, Path]:
                 if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "MAPPING" for t in node.targets):
                     for name, path in ast.literal_eval(node.value).items():
                         roots[name] = Path(path)
-    return roots
+    return {"editable": roots, "editable_pth": pths}
 
 
 def _fingerprint(layout: dict) -> str:
@@ -217,7 +220,7 @@ def _members(layout: dict) -> Iterator[tuple[Path, str]]:
             rel = path.relative_to(directory).as_posix()
             if any(rel == s or rel.startswith(f"{s}/") for s in _SKIP_SITE):
                 continue
-            if path.name.startswith(tuple(editable_files)) or (path.suffix == ".pth" and _is_editable_pth(path, layout)):
+            if path.name.startswith(tuple(editable_files)) or path in layout["editable_pth"]:
                 continue  # replaced by the projects' files below
             yield path, f"{lib}/site-packages/{rel}"
     for name, root in layout["editable"].items():
@@ -226,15 +229,6 @@ def _members(layout: dict) -> Iterator[tuple[Path, str]]:
             continue
         for path in _walk(root):
             yield path, f"{lib}/site-packages/{name}/{path.relative_to(root).as_posix()}"
-
-
-def _is_editable_pth(path: Path, layout: dict) -> bool:
-    for line in path.read_text(errors="replace").splitlines():
-        line = line.strip()
-        if line and not line.startswith(("#", "import")) and (path.parent / line).resolve().is_dir():
-            if not (path.parent / line).resolve().is_relative_to(path.parent):
-                return True
-    return False
 
 
 def _walk(root: Path, skip: set[Path] = frozenset()) -> Iterator[Path]:

@@ -8,6 +8,7 @@ knows nothing of training. Messages between the driver and its workers are these
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
@@ -115,3 +116,11 @@ class Strategy(Protocol):
         ...
 
     def run(self, spark, job: Job, sink: Sink) -> RunResult: ...
+
+
+def default_threads(spark, workers: int) -> int:
+    """Torch threads per worker when --threads is 0: local mode shares the machine's cores; on a cluster a
+    task owns spark.task.cpus cores, not its host's (YARN and Kubernetes containers share their host)."""
+    if spark.sparkContext.master.startswith("local"):
+        return max(1, (os.cpu_count() or 1) // workers)
+    return int(spark.sparkContext.getConf().get("spark.task.cpus", "1"))

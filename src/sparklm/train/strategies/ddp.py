@@ -30,7 +30,7 @@ from ...errors import SparklmError, known_cause, spark_errors
 from ...fs import join, local_path, write_bytes
 from .. import checkpoint
 from ..sinks import Channel, Sink
-from .base import Job, RunResult
+from .base import Job, RunResult, default_threads
 
 RESULT = "SPARKLM-RESULT "
 
@@ -93,10 +93,8 @@ class DDP:
 def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> dict:
     """Run ``job`` on ``job.workers`` ranks and return rank 0's result."""
     workers, threads = job.workers, job.threads
-    if not threads and not spark.sparkContext.master.startswith("local"):
-        # a cluster's executor owns spark.task.cpus cores per task, not the host's (YARN and Kubernetes
-        # containers share their host)
-        threads = int(spark.sparkContext.getConf().get("spark.task.cpus", "1"))
+    if not threads and not spark.sparkContext.master.startswith("local"):  # locally: cores ÷ ranks on each host
+        threads = default_threads(spark, workers)
     local_run = local_path(job.run_dir)
     log_dir = str(local_run / "logs") if local_run is not None else os.path.join(tempfile.gettempdir(), "sparklm-logs",
                                                                                   job.uid)

@@ -28,7 +28,7 @@ from ...errors import SparklmError, spark_errors
 from ...fs import delete, join
 from .. import checkpoint
 from ..sinks import CsvSink, Sink, Sinks
-from .base import Job, RoundSpec, RunResult, WorkerResult
+from .base import Job, RoundSpec, RunResult, WorkerResult, default_threads
 
 ROUND_COLUMNS = ["round", "step", "workers", "workers_done", "tokens", "loss", "inner_losses", "attempts", "cold",
                  "broadcast_bytes", "returned_bytes", "broadcast_s", "fetch_s", "compute_s", "aggregate_s", "round_s",
@@ -57,8 +57,9 @@ class Rounds:
             shutil.rmtree(os.path.join(tempfile.gettempdir(), "sparklm-inner", job.uid), ignore_errors=True)
             from .rounds_task import shared_inner_dir
 
-            if shared_inner_dir(job.run_dir):
-                delete(shared_inner_dir(job.run_dir), job.config.storage)
+            shared = shared_inner_dir(job.run_dir)
+            if shared:
+                delete(shared, job.config.storage)
 
     def _train(self, spark, job: Job, sink: Sink, shards: list[tuple[int, int]] | None) -> RunResult:
         import torch
@@ -370,10 +371,3 @@ def _max_failures(spark) -> int:
         m = re.match(r"local\[[^,\]]+,\s*(\d+)\]", master)
         return int(m.group(1)) if m else 1
     return int(spark.sparkContext.getConf().get("spark.task.maxFailures", "4"))
-
-
-def default_threads(spark, workers: int) -> int:
-    """Torch threads per task: local mode shares the machine's cores; on a cluster, spark.task.cpus."""
-    if spark.sparkContext.master.startswith("local"):
-        return max(1, (os.cpu_count() or 1) // workers)
-    return int(spark.sparkContext.getConf().get("spark.task.cpus", "1"))

@@ -87,15 +87,12 @@ def run_worker(job: Job, worker: int, weights: bytes, spec: RoundSpec, *, attemp
         out.update(losses=tuple(losses), grad_norm=last[0], lr=last[1], tokens=seen[0], weight=weight,
                    delta_bytes=sum(a.nbytes for a in delta.values()))
         if tc.rounds.inner_state == "keep":
-            _save_inner(trainer.optimizer, state_dir / _state_name(worker, spec.step0 + spec.steps))
-            _prune_inner(state_dir, worker, spec.step0)
-            shared = shared_inner_dir(job.run_dir)
-            if shared:  # hosts may share nothing: the next round of this worker may run on another one
-                name = _state_name(worker, spec.step0 + spec.steps)
-                write_bytes(join(shared, name), (state_dir / name).read_bytes(), trainer.config.storage)
-                for old in list_names(shared, trainer.config.storage):
-                    if old.startswith(f"w{worker}-step") and int(old[len(f"w{worker}-step"):].split(".")[0]) < spec.step0:
-                        delete(join(shared, old), trainer.config.storage)
+            # hosts may share nothing: the next round of this worker may run on another one (shared dir)
+            directories = [str(state_dir), *filter(None, [shared_inner_dir(job.run_dir)])]
+            _save_inner(trainer.optimizer, [join(d, _state_name(worker, spec.step0 + spec.steps)) for d in directories],
+                        trainer.config.storage)
+            for d in directories:
+                _prune_inner(d, worker, spec.step0, trainer.config.storage)
     out["compute_s"] = time.time() - t0
 
     if spec.persist and tc.rounds.inner_state == "keep":  # a checkpoint round: copy the state beside the checkpoint
@@ -148,10 +145,11 @@ def _inner_sources(job: Job, spec: RoundSpec, worker: int, state_dir: Path) -> l
     return sources
 
 
-def _save_inner(optimizer: torch.optim.Optimizer, path: Path) -> None:
+def _save_inner(optimizer: torch.optim.Optimizer, uris: list[str], storage) -> None:
     tensors, groups = checkpoint.optimizer_tensors(optimizer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_bytes(str(path), save_bytes(tensors, metadata={"param_groups": json.dumps(groups)}))
+    data = save_bytes(tensors, metadata={"param_groups": json.dumps(groups)})  # serialised once for every copy
+    for uri in uris:
+        write_bytes(uri, data, storage)
 
 
 def _load_inner(optimizer: torch.optim.Optimizer, sources: list[str], storage) -> bool:
@@ -176,8 +174,9 @@ def _read_inner(path: str) -> tuple[dict[str, torch.Tensor], list[dict]]:
         return {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["param_groups"])
 
 
-def _prune_inner(state_dir: Path, worker: int, keep_from: int) -> None:
+def _prune_inner(directory: str, worker: int, keep_from: int, storage) -> None:
     """Drop this worker's states older than the round's start (a retry of this round still needs that one)."""
-    for f in state_dir.glob(f"w{worker}-step*.safetensors"):
-        if int(f.stem.rsplit("step", 1)[1]) < keep_from:
-            f.unlink(missing_ok=True)
+    prefix = f"w{worker}-step"
+    for name in list_names(directory, storage):
+        if name.startswith(prefix) and name.endswith(".safetensors") and int(name[len(prefix):].split(".")[0]) < keep_from:
+            delete(join(directory, name), storage)
