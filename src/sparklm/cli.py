@@ -24,12 +24,13 @@ _FLAG_SECTIONS = {"prepare": ("data", "tokenizer"), "train": ("train", "model"),
 _COMMON_SECTIONS = ("spark", "storage")
 _STARTED: list = []  # sessions this command started, stopped when it ends
 RUN_TIME_BUDGET = 360  # seconds of training when `sparklm run` is given no budget: the whole job fits in 10 minutes
+RUN_EARLY_STOP = 3  # `sparklm run` stops after this many evaluations without a better one, unless told otherwise
 
 
-def default_corpus() -> str:
-    """The public-domain book bundled with sparklm: the default input of the main job."""
+def default_corpus() -> list[str]:
+    """The public-domain books bundled with sparklm (four novels by Jane Austen): the main job's default input."""
     corpus = resources.files("sparklm") / "corpus"
-    return str(next(p for p in corpus.iterdir() if p.name.endswith(".txt")))
+    return sorted(str(p) for p in corpus.iterdir() if p.name.endswith(".txt"))
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -186,9 +187,9 @@ def _prepare(args: argparse.Namespace) -> int:
     from .data.prepare import prepare
 
     config, _ = _config(args)
-    inputs = args.inputs or [default_corpus()]
+    inputs = args.inputs or default_corpus()
     if not args.inputs:
-        progress.info(f"no input given: using the bundled corpus {inputs[0]}")
+        progress.info(f"no input given: using the bundled corpus ({len(inputs)} books in {Path(inputs[0]).parent})")
     dataset = prepare(inputs, output=args.output, config=config, validation_inputs=args.validation_inputs,
                       overwrite=args.overwrite, spark=_session_factory(args, config))
     progress.plain(dataset.uri)
@@ -209,14 +210,17 @@ def _run(args: argparse.Namespace) -> int:
     from .data.prepare import prepare
     from .train.run import train
 
-    config, _ = _config(args)
+    config, raw = _config(args)
     tc = config.train
     if not (tc.max_steps or tc.epochs or tc.max_tokens or tc.time_budget):
-        config = config.replace(train=replace(tc, time_budget=RUN_TIME_BUDGET))
+        tc = replace(tc, time_budget=RUN_TIME_BUDGET)
+    if "early_stop" not in raw.get("train", {}):
+        tc = replace(tc, early_stop=RUN_EARLY_STOP)
+    config = config.replace(train=tc)
     run_dir = args.output or f"runs/run-{time.strftime('%Y%m%d-%H%M%S')}"
-    inputs = args.inputs or [default_corpus()]
+    inputs = args.inputs or default_corpus()
     if not args.inputs:
-        progress.info(f"no input given: using the bundled corpus {inputs[0]}")
+        progress.info(f"no input given: using the bundled corpus ({len(inputs)} books in {Path(inputs[0]).parent})")
     start = _session_factory(args, config)
     holder: dict = {}
 
@@ -232,8 +236,10 @@ def _run(args: argparse.Namespace) -> int:
     summary = train(data_dir, output=run_dir, config=config, spark=session)
     progress.info(f"samples: {run_dir}/samples.txt, loss curve: {run_dir}/loss.png")
     progress.plain(run_dir)
-    if summary["final"]:
-        progress.plain(f"final validation bits/byte: {summary['final']['val_bpb']:.4f}")
+    kept = summary["best"] or summary["final"]
+    if kept:
+        progress.plain(f"validation bits/byte of model/ (step {kept.get('step', summary['steps'])}): "
+                       f"{kept['val_bpb']:.4f}")
     return 0
 
 

@@ -113,8 +113,10 @@ class ModelConfig:
     n_embd: int = _f(256, "model width (must divide by n_head)", min=8)
     intermediate: int = _f(0, "MLP hidden size; 0: 8/3·n_embd rounded to 64 (llama) or 4·n_embd (gpt2)", min=0)
     dropout: float = _f(0.0, "dropout probability", min=0.0, max=0.9)
-    tie_embeddings: bool = _f(True, "share the input embedding and the LM head")
+    tie_embeddings: bool = _f(False, "share the input embedding and the LM head (untied measured better: BENCHMARKS.md)")
     rope_theta: float = _f(10000.0, "RoPE base (llama)", min=1.0)
+    qk_norm: bool = _f(True, "RMSNorm on each head's queries and keys (llama; the model is saved as a Qwen3 "
+                             "architecture, which is Llama with that norm)")
     init_from: str = _f("", "continue training a local HF causal-LM directory instead of a fresh model", flag="--init-from")
 
 
@@ -128,7 +130,7 @@ class RoundsConfig:
                                     "runs of a few dozen rounds 0.5 measured better (BENCHMARKS.md)",
                                min=0.0, max=0.999)
     inner_state: Literal["keep", "reset"] = _f(
-        "keep", "average/diloco: a worker's AdamW state across rounds: keep (on the executor's disk, per worker, "
+        "keep", "average/diloco: a worker's optimizer state across rounds: keep (on the executor's disk, per worker, "
                 "and in the run directory when that is on an object store) or reset every round"
     )
 
@@ -146,6 +148,10 @@ class TrainConfig:
         flag="--strategy")
     batch_size: int = _f(8, "sequences per micro-batch per worker", min=1)
     grad_accum: int = _f(1, "micro-batches per optimizer step", min=1)
+    optimizer: Literal["auto", "adamw", "muon"] = _f(
+        "auto", "muon: torch.optim.Muon for the hidden weight matrices (attention, MLP) and AdamW for embeddings, "
+                "head and norms; adamw: AdamW for all; auto: muon where bf16 matmuls measure fast (torch's Muon "
+                "orthogonalises in bf16), else adamw", flag="--optimizer")
     lr: float = _f(3e-3, "peak learning rate", min=0.0)
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak (cosine floor)", min=0.0, max=1.0)
     warmup_steps: int = _f(20, "linear warmup steps", min=0)
@@ -164,6 +170,11 @@ class TrainConfig:
     seed: int = _f(1337, "seed of weights, data order and dropout")
     eval_every: int = _f(100, "evaluate every N steps (and at the end); 0: only at the end", min=0, flag="--eval-every")
     eval_batches: int = _f(20, "validation micro-batches per evaluation per worker; 0: the whole split", min=0)
+    keep_best: bool = _f(True, "export the weights of the evaluation with the lowest validation loss as model/ (the "
+                               "final weights go to model-final/ when they differ); false: model/ holds the final "
+                               "weights and no copy is kept in memory")
+    early_stop: int = _f(0, "stop after this many evaluations in a row without a lower validation loss; 0: never "
+                            "(sparklm run uses 3 unless set)", min=0, flag="--early-stop")
     checkpoint_every: int = _f(200, "checkpoint every N steps (and at the end); 0: only at the end", min=0, flag="--checkpoint-every")
     keep_checkpoints: int = _f(2, "how many recent checkpoints to keep", min=1)
     log_every: int = _f(10, "print and record a metrics row every N steps", min=1)

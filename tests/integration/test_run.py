@@ -19,10 +19,14 @@ def test_main_job_on_the_bundled_corpus(tmp_path):
                        env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout.strip().splitlines()
-    assert out[-2] == str(run) and out[-1].startswith("final validation bits/byte: ")
+    assert out[-2] == str(run) and out[-1].startswith("validation bits/byte of model/ (step ")
     bpb = float(out[-1].split(": ")[1])
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["final"]["val_bpb"] == pytest.approx(bpb, abs=1e-4) and bpb < 8  # learned something (8 = uniform bytes)
+    # model/ is the best evaluation: its figure is printed, no worse than the final one
+    assert summary["best"]["val_bpb"] == pytest.approx(bpb, abs=1e-4) and bpb < 8  # learned something (8 = uniform)
+    assert summary["best"]["val_bpb"] <= summary["final"]["val_bpb"] and out[-1].startswith(f"validation bits/byte of model/ (step "
+                                                                      f"{summary['best']['step']}): ")
+    assert json.loads((run / "config.json").read_text())["config"]["train"]["early_stop"] == 3  # run's default
     assert (run / "data" / "manifest.json").is_file() and (run / "samples.txt").read_text().count("--- prompt") == 3
     assert "step " in r.stderr and "tok/s" in r.stderr  # live progress was shown
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -57,9 +57,11 @@ def test_two_workers_equal_one_process_on_the_same_global_batch(spark, dataset, 
     assert la == pytest.approx(lb, abs=1e-5)
 
 
-def test_resume_ends_with_the_same_weights(spark, dataset, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_ends_with_the_same_weights(spark, dataset, tmp_path, optimizer):
     full = tmp_path / "full"
-    train(dataset, output=str(full), config=cfg(max_steps=8, checkpoint_every=4, samples=0), spark=spark)
+    train(dataset, output=str(full), config=cfg(max_steps=8, checkpoint_every=4, samples=0, optimizer=optimizer),
+          spark=spark)
     # A run stopped after its step-4 checkpoint: the same directory without what came later.
     stopped = tmp_path / "stopped"
     stopped_copy(full, stopped, after=4, last=8)
@@ -67,6 +69,53 @@ def test_resume_ends_with_the_same_weights(spark, dataset, tmp_path):
     a, b = weights(full), weights(stopped)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def _hf_weights(directory):
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "model.safetensors"))
+
+
+def _same(model_dir, tensors) -> bool:
+    ours = _hf_weights(model_dir)
+    return all(torch.equal(ours[k], tensors[k]) for k in ours if k in tensors)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "average"])
+def test_model_holds_the_best_evaluation_and_model_final_the_last(spark, dataset, tmp_path, strategy):
+    """A run whose last steps wreck the model (resumed with a huge learning rate): model/ holds the weights of
+    the best evaluation (also across the resume), model-final/ the final ones, and the summary says which step."""
+    run = tmp_path / "run"
+    extra = {"strategy": strategy, "sync_every": 5} if strategy != "ddp" else {}
+    train(dataset, output=str(run), config=cfg(max_steps=20, eval_every=10, checkpoint_every=10, keep_checkpoints=5,
+                                               **extra), spark=spark)
+    assert not (run / "model-final").exists()  # the final weights were the best: model/ holds them, alone
+    s = train(None, output=str(run), resume=True, changes={"train": {"max_steps": 30, "lr": 5.0}}, spark=spark)
+    best = s["best"]["step"]
+    assert best in (10, 20) and s["steps"] == 30
+    assert s["final"]["val_loss"] > s["best"]["val_loss"] + 1.0
+    ckpt = run / "checkpoints"
+    assert _same(run / "model", _hf_weights(ckpt / f"step-{best:07d}"))
+    assert _same(run / "model-final", _hf_weights(ckpt / "step-0000030"))
+    assert not _same(run / "model", _hf_weights(ckpt / "step-0000030"))
+    assert (run / "samples.txt").is_file()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "diloco"])
+def test_early_stop_ends_the_run_after_evaluations_without_a_better_one(spark, dataset, tmp_path, strategy):
+    run = tmp_path / "run"
+    extra = {"strategy": strategy, "sync_every": 2} if strategy != "ddp" else {}
+    # lr 5: every step wrecks the model, so the validation loss soon stops falling
+    s = train(dataset, output=str(run), config=cfg(max_steps=200, eval_every=2, early_stop=2, lr=5.0, warmup_steps=0,
+                                                   samples=0, **extra), spark=spark)
+    evals = [r for r in read_metrics(run / "metrics.csv") if r["kind"] == "eval"]
+    assert s["steps"] < 200 and len(evals) >= 3
+    best = min(evals, key=lambda r: r["val_loss"])
+    assert s["best"]["step"] == best["step"] and s["best"]["val_loss"] == pytest.approx(best["val_loss"], rel=1e-4)
+    after = [r for r in evals if r["step"] > best["step"]]
+    assert len(after) >= 2 and all(r["val_loss"] >= best["val_loss"] for r in after)
+    assert (run / "model" / "model.safetensors").is_file()
 
 
 def test_bad_inputs_are_one_line(spark, dataset, tmp_path):

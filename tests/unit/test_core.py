@@ -15,7 +15,7 @@ from sparklm.data.stream import TokenStream, row_groups
 from sparklm.errors import SparklmError
 from sparklm.model.task import IGNORE, lm_figures, make_batch, token_sums
 from sparklm.train import checkpoint
-from sparklm.train.core import eval_metrics, fraction, lr_at, plan
+from sparklm.train.core import Best, eval_metrics, fraction, lr_at, plan
 from sparklm.train.run import resume_config
 
 # -- the schedule ---------------------------------------------------------------------------------
@@ -40,6 +40,18 @@ def test_fraction_is_by_steps_or_by_time_whichever_is_further():
 
 
 # -- the step plan ----------------------------------------------------------------------------------
+
+
+def test_best_tracks_the_lowest_validation_loss_and_counts_evaluations_since():
+    best = Best()
+    assert not best.update(5, {}) and best.step is None  # no figures (no validation split): nothing recorded
+    losses = {10: 3.0, 20: 2.5, 30: 2.6, 40: 2.5, 50: 2.4, 60: 2.45, 70: 2.41}
+    news = [best.update(step, {"val_loss": v, "val_bpb": v / 2}) for step, v in losses.items()]
+    assert news == [True, True, False, False, True, False, False]  # equal is not better: the earlier one is kept
+    assert best.step == 50 and best.stale == 2 and best.summary() == {"step": 50, "val_loss": 2.4, "val_bpb": 1.2}
+    assert best.should_stop(2) and not best.should_stop(3) and not best.should_stop(0)
+    again = Best.from_state(best.to_state())  # through a checkpoint's JSON state
+    assert again == best and Best.from_state(None) == Best()
 
 
 def test_plan_takes_the_smallest_limit_and_one_epoch_by_default():
@@ -168,3 +180,64 @@ def test_padded_positions_get_no_loss():
     b = make_batch(ids, np.array([[1, 1, 1, 0]], dtype=np.int8))
     assert b.labels.tolist() == [[5, 6, 7, IGNORE]] and b.attention_mask.dtype == torch.long
     assert make_batch(ids, None).attention_mask is None
+
+
+# -- optimizers -----------------------------------------------------------------------------------
+
+
+def test_muon_with_adamw_checkpoints_as_one_optimizer():
+    from sparklm.config import ModelConfig
+    from sparklm.model.build import build_model
+    from sparklm.model.task import CausalLM
+    from sparklm.train import optim
+
+    task, tc = CausalLM(), TrainConfig(lr=1e-2)
+
+    def fresh():
+        model = build_model(ModelConfig(n_layer=1, n_head=2, n_embd=32, tie_embeddings=False), vocab_size=64,
+                            context=16, bos_id=0, eos_id=1, pad_id=2)
+        params = list(task.trainable(model).values())
+        return model, optim.build(params, decays=task.decays(model), matrices=task.matrices(model), tc=tc,
+                                  name="muon")
+
+    x = torch.randint(0, 64, (2, 16))
+
+    def step(model, opt):
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    a, opt_a = fresh()
+    muon, adamw = opt_a.optimizers
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    # Muon gets the hidden matrices only: not the embedding, not the (untied) head, not the norms
+    in_muon = {id(p) for g in muon.param_groups for p in g["params"]}
+    names = {n for n, p in a.named_parameters() if id(p) in in_muon}
+    assert names and all(n.endswith("proj.weight") for n in names), names
+    assert len(in_muon) + sum(len(g["params"]) for g in adamw.param_groups) == len(list(a.parameters()))
+    step(a, opt_a)
+    tensors, groups = checkpoint.optimizer_tensors(opt_a)
+    b, opt_b = fresh()
+    b.load_state_dict(a.state_dict())
+    checkpoint.load_optimizer(opt_b, tensors, groups)
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        step(model, opt)
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_auto_optimizer_is_muon_only_where_bf16_is_fast():
+    from sparklm.train import optim
+    from sparklm.train.device import bf16_fast
+
+    assert optim.choose(TrainConfig(optimizer="adamw"), 1) == "adamw"
+    assert optim.choose(TrainConfig(optimizer="muon"), 1) == "muon"
+    assert optim.choose(TrainConfig(), 1) == ("muon" if bf16_fast(1) else "adamw")
+
+
+def test_a_plan_of_many_epochs_says_so():
+    from sparklm.train.core import MANY_EPOCHS, epochs_note
+
+    assert epochs_note(MANY_EPOCHS, 1000) is None and epochs_note(1.5, 10) is None
+    note = epochs_note(13.2, 174_636)
+    assert "~13 epochs of the 174,636 training tokens" in note and "model/ keeps the best" in note

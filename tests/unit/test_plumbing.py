@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -197,3 +198,19 @@ def test_fsspec_filesystems_are_reached_through_pyarrow():
     assert read_bytes("memory://bucket/dir/a.txt") == b"through fsspec"
     assert exists("memory://bucket/dir/a.txt") and list_names("memory://bucket/dir") == ["a.txt"]
     assert fs.type_name.startswith("py::fsspec") and path.endswith("bucket/dir/a.txt")
+
+
+def test_the_bundled_corpus_is_the_books_its_provenance_names():
+    """Four public-domain novels, each byte for byte the file whose SHA-256 SOURCE.md records."""
+    import hashlib
+    import re
+
+    from sparklm.cli import default_corpus
+
+    books = default_corpus()
+    assert [Path(b).name for b in books] == ["emma.txt", "persuasion.txt", "pride_and_prejudice.txt",
+                                             "sense_and_sensibility.txt"]
+    source = (Path(books[0]).parent / "SOURCE.md").read_text()
+    recorded = set(re.findall(r"`([0-9a-f]{64})`", source))
+    for book in books:
+        assert hashlib.sha256(Path(book).read_bytes()).hexdigest() in recorded, book

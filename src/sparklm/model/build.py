@@ -14,7 +14,7 @@ from ..fs import verify_checksums
 def build_model(cfg: ModelConfig, *, vocab_size: int, context: int, bos_id: int, eos_id: int, pad_id: int,
                 seed: int = 0) -> torch.nn.Module:
     """A fresh causal LM from config: Llama (RMSNorm, RoPE, SwiGLU, SDPA) or GPT-2, seeded."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     if cfg.n_embd % cfg.n_head:
         raise SparklmError(f"model.n_embd ({cfg.n_embd}) must be divisible by model.n_head ({cfg.n_head})")
@@ -22,12 +22,14 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, context: int, bos_id: int,
     common = dict(vocab_size=vocab_size, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id,
                   tie_word_embeddings=cfg.tie_embeddings)
     if cfg.arch == "llama":
-        hidden = cfg.intermediate or _swiglu_hidden(cfg.n_embd)
-        config = LlamaConfig(hidden_size=cfg.n_embd, intermediate_size=hidden, num_hidden_layers=cfg.n_layer,
-                             num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head,
-                             max_position_embeddings=context, attention_dropout=cfg.dropout,
-                             rope_theta=cfg.rope_theta, rms_norm_eps=1e-5, attn_implementation="sdpa", **common)
-        model = LlamaForCausalLM(config)
+        llama = dict(hidden_size=cfg.n_embd, intermediate_size=cfg.intermediate or _swiglu_hidden(cfg.n_embd),
+                     num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head,
+                     max_position_embeddings=context, attention_dropout=cfg.dropout, rope_theta=cfg.rope_theta,
+                     rms_norm_eps=1e-5, attn_implementation="sdpa", **common)
+        if cfg.qk_norm:  # Qwen3 is Llama plus a per-head RMSNorm of queries and keys: a standard HF architecture
+            model = Qwen3ForCausalLM(Qwen3Config(head_dim=cfg.n_embd // cfg.n_head, **llama))
+        else:
+            model = LlamaForCausalLM(LlamaConfig(**llama))
     else:
         config = GPT2Config(n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head, n_positions=context,
                             n_inner=cfg.intermediate or 4 * cfg.n_embd, resid_pdrop=cfg.dropout,

@@ -76,6 +76,8 @@ class Task(Protocol):
 
     def decays(self, model: torch.nn.Module) -> set[int]: ...
 
+    def matrices(self, model: torch.nn.Module) -> set[int]: ...
+
     def export(self, model: torch.nn.Module, spec: TokenizerSpec, uri: str, storage: StorageConfig) -> None: ...
 
 
@@ -112,6 +114,11 @@ class CausalLM:
         """Weight decay on matrices, not on norms, biases or the embedding table."""
         embed = id(model.get_input_embeddings().weight)
         return {id(p) for p in model.parameters() if p.dim() >= 2 and id(p) != embed}
+
+    def matrices(self, model: torch.nn.Module) -> set[int]:
+        """The hidden weight matrices (attention, MLP): what Muon optimizes; not the embedding or the LM head."""
+        ends = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+        return {id(p) for p in model.parameters() if p.dim() == 2 and id(p) not in ends}
 
     def export(self, model: torch.nn.Module, spec: TokenizerSpec, uri: str, storage: StorageConfig) -> None:
         """An HF model directory: config, model.safetensors, tokenizer files, generation config."""

@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -23,10 +23,10 @@ from ..data.manifest import PreparedDataset, checked_row_groups
 from ..data.stream import TokenStream, validation_rows
 from ..data.tokenizer import TokenizerSpec, token_byte_lengths
 from ..errors import SparklmError
-from ..fs import join
+from ..fs import delete, exists, join
 from ..model import flops_per_token, param_count
 from ..model.task import Batch, Task, lm_figures, make_batch, task_for
-from . import checkpoint, device
+from . import checkpoint, device, optim
 from .report import write_samples
 from .sinks import Sink
 
@@ -57,6 +57,7 @@ class TrainResult:
     peak_flops: float
     dtype: str
     final: dict  # the last evaluation's figures (val_loss, val_ppl, val_bpb, val_acc, val_tokens)
+    best: dict = field(default_factory=dict)  # the best evaluation's step and figures (model/ holds its weights)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -68,6 +69,39 @@ class TrainState:
     position: int = 0  # global rows consumed: where the data stream resumes
     tokens_seen: int = 0
     elapsed: float = 0.0  # seconds trained before this process started (a resumed run)
+
+
+@dataclass
+class Best:
+    """The evaluation with the lowest validation loss so far, and how many evaluations have not beaten it."""
+
+    step: int | None = None
+    figures: dict = field(default_factory=dict)
+    stale: int = 0
+
+    def update(self, step: int, figures: dict) -> bool:
+        """Record an evaluation; True when it is the new best."""
+        if not figures:
+            return False
+        if self.step is None or figures["val_loss"] < self.figures["val_loss"]:
+            self.step, self.figures, self.stale = step, dict(figures), 0
+            return True
+        self.stale += 1
+        return False
+
+    def should_stop(self, patience: int) -> bool:
+        """Early stopping: ``patience`` evaluations in a row without a new best (0: never)."""
+        return patience > 0 and self.stale >= patience
+
+    def summary(self) -> dict:
+        return {"step": self.step, **self.figures} if self.step is not None else {}
+
+    def to_state(self) -> dict:
+        return {"step": self.step, "figures": self.figures, "stale": self.stale}
+
+    @classmethod
+    def from_state(cls, state: dict | None) -> Best:
+        return cls(**state) if state else cls()
 
 
 # -- pure functions: the plan and the schedule -------------------------------------------------
@@ -108,6 +142,19 @@ def lr_at(step: int, frac: float, tc: TrainConfig) -> float:
     return floor + 0.5 * (tc.lr - floor) * (1 + math.cos(math.pi * min(frac, 1.0)))
 
 
+NOTE_STEP = 20  # the step after which a run says whether its plan covers many epochs
+MANY_EPOCHS = 8  # past this many passes, a model of the default size learns a text by heart (BENCHMARKS.md)
+
+
+def epochs_note(epochs: float, epoch_tokens: int) -> str | None:
+    """What to say when a run's plan covers many epochs of its training split (None: nothing to say)."""
+    if epochs <= MANY_EPOCHS:
+        return None
+    return (f"the budget covers ~{epochs:.0f} epochs of the {epoch_tokens:,} training tokens: the model will learn "
+            f"them by heart and validation loss will stop falling; model/ keeps the best evaluation, and more "
+            f"text helps most (README: defaults that fit the data)")
+
+
 def eval_metrics(sums: list[float]) -> dict:
     """Training's validation figures from summed [nats, tokens, correct, bytes]."""
     figures = lm_figures(*sums)
@@ -131,6 +178,7 @@ class Trainer:
         self.seq_len = dataset.seq_len
         self.model = self.task.build(config, spec, self.seq_len)
         self.net: torch.nn.Module = self.model
+        self.optimizer_name = optim.choose(self.tc, rank.threads)
         self.optimizer = self.new_optimizer()
         self.train_groups = checked_row_groups(dataset, "train", config.storage)
         self.val_groups = checked_row_groups(dataset, "validation", config.storage)
@@ -138,18 +186,15 @@ class Trainer:
                          workers=workers or rank.world)
         self.byte_lengths = torch.tensor(token_byte_lengths(spec), dtype=torch.float64)
         self.state = TrainState()
+        self.best = Best()
+        self.best_weights: dict[str, torch.Tensor] | None = None  # None: the best weights are the current ones
 
     # -- building blocks --
 
-    def new_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW over the task's trainable parameters, weight decay where the task says."""
-        params = list(self.task.trainable(self.model).values())
-        decays = self.task.decays(self.model)
-        groups = [{"params": [p for p in params if id(p) in decays], "weight_decay": self.tc.weight_decay},
-                  {"params": [p for p in params if id(p) not in decays], "weight_decay": 0.0}]
-        # The fused kernel: one pass over all parameters (on CPU 5x faster than foreach: 10 vs 51 ms per
-        # step at 11M parameters here).
-        return torch.optim.AdamW(groups, lr=self.tc.lr, betas=(self.tc.beta1, self.tc.beta2), fused=True)
+    def new_optimizer(self) -> torch.optim.Optimizer | optim.Chained:
+        """The configured optimizer over the task's trainable parameters, weight decay where the task says."""
+        return optim.build(list(self.task.trainable(self.model).values()), decays=self.task.decays(self.model),
+                           matrices=self.task.matrices(self.model), tc=self.tc, name=self.optimizer_name)
 
     def batches(self, position: int, *, part: int | None = None, parts: int | None = None) -> Iterator[Batch]:
         """This worker's micro-batches from global row ``position`` (slice ``part`` of ``parts`` of each global
@@ -223,11 +268,30 @@ class Trainer:
 
     def facts(self) -> dict:
         return {"params": param_count(self.model), "flops_per_token": flops_per_token(self.model, self.seq_len),
-                "peak_flops": self.device.peak_flops(self.rank.threads), "dtype": self.device.dtype_name}
+                "peak_flops": self.device.peak_flops(self.rank.threads), "dtype": self.device.dtype_name,
+                "optimizer": self.optimizer_name}
 
-    def export(self, run_dir: str) -> None:
-        """model/ (HF format) and samples.txt: what a run leaves for generate, eval and export."""
-        self.task.export(self.model, self.spec, join(run_dir, "model"), self.config.storage)
+    def record_eval(self, figures: dict, *, snapshot: bool) -> None:
+        """Track the best evaluation; on a new best, ``snapshot`` copies the trainable weights (train.keep_best)."""
+        if self.best.update(self.state.step, figures) and self.tc.keep_best:
+            self.best_weights = self.weights() if snapshot else None
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.task.trainable(self.model).items()}
+
+    def export(self, run_dir: str, best: dict[str, torch.Tensor] | None = None) -> None:
+        """model/ (HF format) and samples.txt: what a run leaves for generate, eval and export. With ``best``
+        (trainable weights better than the current ones), model/ holds those and model-final/ the current ones."""
+        storage = self.config.storage
+        final_dir = join(run_dir, "model-final")
+        if best is not None:
+            self.task.export(self.model, self.spec, final_dir, storage)
+            with torch.no_grad():
+                for n, p in self.task.trainable(self.model).items():
+                    p.copy_(best[n])
+        elif exists(final_dir, storage):  # from an earlier end of this run (--resume): now the final weights are best
+            delete(final_dir, storage)
+        self.task.export(self.model, self.spec, join(run_dir, "model"), storage)
         write_samples(self.model, self.spec, run_dir, self.dataset, self.config)
 
     # -- checkpoints (DDP) --
@@ -243,12 +307,15 @@ class Trainer:
         if self.rank.rank == 0:
             opt, groups = checkpoint.optimizer_tensors(self.optimizer)
             s = self.state
+            files = {"model": checkpoint.model_tensors(self.model), "optimizer": opt,
+                     "rng": {f"torch.{r}": t for r, t in enumerate(states)}}
+            if self.best_weights is not None and self.best.step != s.step:
+                files["best"] = self.best_weights
             checkpoint.save(join(run_dir, "checkpoints"), s.step, keep=self.tc.keep_checkpoints,
-                            storage=self.config.storage,
-                            files={"model": checkpoint.model_tensors(self.model), "optimizer": opt,
-                                   "rng": {f"torch.{r}": t for r, t in enumerate(states)}},
+                            storage=self.config.storage, files=files,
                             state={"strategy": "ddp", "position": s.position, "tokens_seen": s.tokens_seen,
-                                   "elapsed": s.elapsed, "world": self.rank.world, "param_groups": groups})
+                                   "elapsed": s.elapsed, "world": self.rank.world, "param_groups": groups,
+                                   "best": self.best.to_state()})
         if self.rank.world > 1:
             dist.barrier()
 
@@ -262,7 +329,7 @@ class Trainer:
             if state.get("world") != self.rank.world:
                 raise SparklmError(f"checkpoint {path} was written by {state.get('world')} workers, not {self.rank.world}",
                                    hint="resume with the same --workers")
-            files = {n: checkpoint.read_tensors(path, n, storage, state) for n in ("model", "optimizer", "rng")}
+            files = {n: checkpoint.read_tensors(path, n, storage, state) for n in ("model", "optimizer", "rng", "best")}
             return path, state, files
 
         found = checkpoint.newest_readable(join(run_dir, "checkpoints"), load, storage, warn)
@@ -274,6 +341,12 @@ class Trainer:
         torch.set_rng_state(files["rng"][f"torch.{self.rank.rank}"])
         self.state = TrainState(step=state["step"], position=state["position"], tokens_seen=state["tokens_seen"],
                                 elapsed=state["elapsed"])
+        self.best = Best.from_state(state.get("best"))
+        self.best_weights = files["best"] or None
+        if self.best_weights is None and self.tc.keep_best and self.best.step == self.state.step:
+            self.best_weights = self.weights()  # the checkpoint's own weights are the best so far
+        elif self.best_weights is None and self.best.step is not None:
+            self.best = Best()  # its weights were not kept (train.keep_best off): track anew
         return True
 
 
@@ -303,9 +376,13 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
     epoch_tokens = max(dataset.manifest["splits"]["train"]["tokens"], 1)
     flops_tok, peak = facts.get("flops_per_token", 0.0), facts["peak_flops"]
 
+    evaluated = {"step": -1}
+
     def emit_eval(figures: dict) -> None:
         if figures:
             emit({"kind": "eval", "step": trainer.state.step, "tokens": trainer.state.tokens_seen, **figures})
+        trainer.record_eval(figures, snapshot=is_main)
+        evaluated.update(step=trainer.state.step, figures=figures)
 
     t_start = time.time() - trainer.state.elapsed
 
@@ -335,22 +412,35 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
                   "ms_per_step": 1000 * (now - last_log) / max(s.step - last_step, 1),
                   "mfu": tps * flops_tok / (peak * rank.world), "rss_mb": device.rss_mb(), "elapsed": now - t_start})
             last_log, last_tokens, last_step = now, s.tokens_seen, s.step
+        if is_main and s.step == NOTE_STEP:  # by then the pace projects a time budget well enough
+            pace = s.tokens_seen / max(time.time() - t_start, 1e-9)
+            planned = total * trainer.plan.tokens_per_step if total else pace * tc.time_budget
+            note = epochs_note(planned / epoch_tokens, epoch_tokens)
+            if note:
+                emit({"kind": "note", "message": note})
         unfinished = total is None or s.step < total
         if tc.eval_every and s.step % tc.eval_every == 0 and unfinished:
             emit_eval(trainer.evaluate())
+            if trainer.best.should_stop(tc.early_stop):  # every rank saw the same all-reduced figures
+                emit({"kind": "note", "message": f"early stop at step {s.step}: no lower validation loss in "
+                                                 f"{tc.early_stop} evaluations (best at step {trainer.best.step})"})
+                break
         if tc.checkpoint_every and s.step % tc.checkpoint_every == 0 and unfinished:
             trainer.state.elapsed = time.time() - t_start
             trainer.save(run_dir)
 
     # the end: evaluate, checkpoint, export
     elapsed = trainer.state.elapsed = time.time() - t_start
-    final = trainer.evaluate()
-    emit_eval(final)
+    if evaluated["step"] == trainer.state.step:  # stopped early, right after an evaluation of these weights
+        final = evaluated["figures"]
+    else:
+        final = trainer.evaluate()
+        emit_eval(final)
     trainer.save(run_dir)
     if is_main:
-        trainer.export(run_dir)
+        trainer.export(run_dir, trainer.best_weights if trainer.best.step != trainer.state.step else None)
     device.trim_memory()
     return TrainResult(steps=trainer.state.step, tokens=trainer.state.tokens_seen, seconds=elapsed,
                        params=facts.get("params", 0), flops_per_token=flops_tok, peak_flops=peak,
-                       dtype=trainer.device.dtype_name, final=final)
+                       dtype=trainer.device.dtype_name, final=final, best=trainer.best.summary())
 

@@ -88,10 +88,13 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
         sinks.close()
     summary = _summary(run_dir, config, dataset, result, spark, time.time() - t0, spark_start)
     plot_loss(run_dir, storage)
-    final = summary["final"]
+    final, best = summary["final"], summary["best"]
     if final:
         progress.info(f"validation: loss {final['val_loss']:.3f}, perplexity {final['val_ppl']:.1f}, "
                       f"{final['val_bpb']:.3f} bits/byte, accuracy {final['val_acc']:.1%}")
+    if best and best["step"] != summary["steps"] and config.train.keep_best:
+        progress.info(f"model/ holds the best evaluation's weights (step {best['step']}: {best['val_bpb']:.3f} "
+                      f"bits/byte); the final weights (step {summary['steps']}) are in model-final/")
     return summary
 
 
@@ -144,6 +147,7 @@ def _summary(run_dir: str, config: Config, dataset: PreparedDataset, result: dic
     epoch_tokens = dataset.manifest["splits"]["train"]["tokens"]
     summary = {
         "final": result.get("final", {}),
+        "best": result.get("best") or {},
         "steps": result["steps"], "tokens": result["tokens"], "epochs": result["tokens"] / max(epoch_tokens, 1),
         "train_seconds": result["seconds"], "wall_seconds": seconds, "spark_start_seconds": spark_start,
         "seconds_per_epoch": result["seconds"] / max(result["tokens"] / max(epoch_tokens, 1), 1e-9),

@@ -156,6 +156,8 @@ class ConsoleSink:
             progress.info(round_line(row))
         elif kind == "warning":
             progress.warn(row["message"])
+        elif kind == "note":
+            progress.info(row["message"])
 
     def close(self) -> None:
         pass

@@ -15,6 +15,9 @@ from typing import Any, Protocol
 from ...config import Config, from_dict
 from ..sinks import Sink
 
+# Names in the weights the last round task gets that are the best evaluation's weights, not the final ones.
+BEST = "best/"
+
 
 @dataclass(frozen=True)
 class Job:
@@ -99,6 +102,7 @@ class RunResult:
     peak_flops: float | None
     dtype: str | None
     final: dict = field(default_factory=dict)
+    best: dict = field(default_factory=dict)  # the best evaluation: its step and figures (model/ holds its weights)
     bytes_communicated: int = 0
     rounds: int | None = None
     bytes_broadcast: int | None = None

@@ -87,7 +87,7 @@ class DDP:
         # from each of the N ranks
         traffic = int(r["steps"] * 2 * (job.workers - 1) * 4 * (r.get("params") or 0))
         return RunResult(**{k: r[k] for k in ("steps", "tokens", "seconds", "params", "flops_per_token", "peak_flops",
-                                              "dtype", "final")}, bytes_communicated=traffic)
+                                              "dtype", "final", "best")}, bytes_communicated=traffic)
 
 
 def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> dict:

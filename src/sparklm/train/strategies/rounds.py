@@ -28,7 +28,7 @@ from ...errors import SparklmError, spark_errors
 from ...fs import delete, join
 from .. import checkpoint
 from ..sinks import CsvSink, Sink, Sinks
-from .base import Job, RoundSpec, RunResult, WorkerResult, default_threads
+from .base import BEST, Job, RoundSpec, RunResult, WorkerResult, default_threads
 
 ROUND_COLUMNS = ["round", "step", "workers", "workers_done", "tokens", "loss", "inner_losses", "attempts", "cold",
                  "broadcast_bytes", "returned_bytes", "broadcast_s", "fetch_s", "compute_s", "aggregate_s", "round_s",
@@ -91,6 +91,7 @@ class Rounds:
         ckpt_dir = join(job.run_dir, "checkpoints")
         inner_from = ""
         found = None
+        best, best_params = core.Best(), None  # best_params None: the best weights are the current ones
         if job.resume:
             def load(path: str):
                 state = checkpoint.read_state(path, storage)
@@ -100,7 +101,7 @@ class Rounds:
                 for name in state.get("sha256", {}):  # the workers' inner states too: all verified here, once
                     if name.startswith("inner/"):
                         checkpoint.read_file(path, name, state, storage)
-                return path, state, {n: checkpoint.read_tensors(path, n, storage, state) for n in ("model", "outer")}
+                return path, state, {n: checkpoint.read_tensors(path, n, storage, state) for n in ("model", "outer", "best")}
 
             found = checkpoint.newest_readable(ckpt_dir, load, storage, warn=progress.warn)
         if found is not None:
@@ -113,6 +114,12 @@ class Rounds:
             step, tokens_seen, elapsed_before, rnd_index = (state["step"], state["tokens_seen"], state["elapsed"],
                                                             state["round"])
             inner_from = last
+            best = core.Best.from_state(state.get("best"))
+            best_params = {n: files["best"][n].float() for n in params} if files["best"] else None
+            if best_params is None and tc.keep_best and best.step == step:
+                best_params = params  # the checkpoint's own weights are the best so far
+            elif best_params is None and best.step is not None:
+                best = core.Best()  # its weights were not kept (train.keep_best off): track anew
         resumed_at = step
 
         fault = parse_fault(os.environ.get(FAULT_ENV, ""))
@@ -129,7 +136,8 @@ class Rounds:
         last_eval: dict = {}
         dropped_last: list[int] = []  # workers left out of the last round: their optimizer state restarts
 
-        def launch(steps: int, *, do_eval: bool, persist: str, finish: bool) -> tuple[dict, float, float, int]:
+        def launch(steps: int, *, do_eval: bool, persist: str, finish: bool, also: dict | None = None
+                   ) -> tuple[dict, float, float, int]:
             elapsed = time.time() - t_start
             frac0 = elapsed / tc.time_budget if tc.time_budget else None
             spec = RoundSpec(round=rnd_index, step0=step, steps=steps, total_steps=total_steps, eval=do_eval,
@@ -138,7 +146,7 @@ class Rounds:
                              shards=shards_t, inner_from=inner_from if step == resumed_at else "",
                              cold=tuple(dropped_last))
             t0 = time.time()
-            payload = save_bytes({n: t.contiguous() for n, t in params.items()})
+            payload = save_bytes({n: t.contiguous() for n, t in {**params, **(also or {})}.items()})
             bc = spark.sparkContext.broadcast(payload)
             broadcast_s = time.time() - t0
             try:
@@ -148,9 +156,12 @@ class Rounds:
             return partial, broadcast_s, time.time() - t0, len(payload)
 
         def emit_eval(partial: dict) -> dict:
+            nonlocal best_params
             figures = _eval(partial)
             if figures:
                 out.write({"kind": "eval", "step": step, "tokens": tokens_seen, **figures})
+            if best.update(step, figures) and tc.keep_best:
+                best_params = params  # the weights just evaluated; outer steps make new tensors, never change these
             return figures
 
         while total_steps is None or step < total_steps:
@@ -168,8 +179,10 @@ class Rounds:
                 facts = next((r.facts for r in done if r.facts), {})
                 out.write({"kind": "info", **facts, "total_steps": total_steps, "workers": workers,
                            "strategy": self.name, "sync_every": rc.sync_every})
+            stop = False
             if pending_eval:
                 last_eval = emit_eval(partial)
+                stop = best.should_stop(tc.early_stop)
             dropped: list[WorkerResult] = partial["errors"]
             dropped_last = sorted(e.worker for e in dropped)
             if not done:
@@ -215,26 +228,40 @@ class Rounds:
                 # for the progress line only
                 "total_steps": total_steps, "tokens_per_s": tps, "eta_s": left,
                 "sent_mb": (comm["broadcast"] + comm["returned"]) / 1e6})
+            if rnd_index == 1:  # the first round's pace projects a time budget
+                planned = total_steps or (tc.time_budget / max(per_step_s, 1e-9))
+                note = core.epochs_note(planned * plan.tokens_per_step / epoch_tokens, epoch_tokens)
+                if note:
+                    out.write({"kind": "note", "message": note})
             pending_eval = bool(tc.eval_every) and step // tc.eval_every > (step - steps) // tc.eval_every \
                 and (total_steps is None or step < total_steps)
             if ckpt_now:
                 _save(ckpt_dir, step, params, momentum, rnd_index, tokens_seen, elapsed, job, self.name,
-                      persist)
+                      persist, best, best_params)
+            if stop:
+                out.write({"kind": "note", "message": f"early stop at round {rnd_index}: no lower validation loss in "
+                                                      f"{tc.early_stop} evaluations (best at step {best.step})"})
+                break
 
-        # -- the end: evaluate the final weights, export model/ and samples, checkpoint ----------------
+        # -- the end: evaluate the final weights, checkpoint, export model/ (the best weights) and samples ------
         elapsed = time.time() - t_start
         persist = join(ckpt_dir, f".inner-step-{step:07d}")
-        partial, *_, nbytes = launch(0, do_eval=True, persist=persist, finish=True)
+        partial, *_, nbytes = launch(0, do_eval=True, persist=persist, finish=False)
         comm["broadcast"] += nbytes * len(partial["results"])
         if partial["results"]:
             last_eval = emit_eval(partial)
+        _save(ckpt_dir, step, params, momentum, rnd_index, tokens_seen, elapsed, job, self.name, persist, best,
+              best_params)
+        keep = best_params if best_params is not None and best.step != step else None
+        partial, *_, nbytes = launch(0, do_eval=False, persist="", finish=True,
+                                     also={f"{BEST}{n}": t for n, t in (keep or {}).items()})
+        comm["broadcast"] += nbytes * len(partial["results"])
         if not any(r.worker == 0 for r in partial["results"]):
             raise SparklmError("the final task of worker 0 (export of model/ and samples) failed",
                                hint="see the Spark log; --resume runs it again")
-        _save(ckpt_dir, step, params, momentum, rnd_index, tokens_seen, elapsed, job, self.name, persist)
         rounds_csv.close()
         return RunResult(steps=step, tokens=tokens_seen, seconds=elapsed, params=facts.get("params"),
-                         flops_per_token=facts.get("flops_per_token"), final=last_eval,
+                         flops_per_token=facts.get("flops_per_token"), final=last_eval, best=best.summary(),
                          peak_flops=facts.get("peak_flops"), dtype=facts.get("dtype"), rounds=rnd_index,
                          bytes_broadcast=comm["broadcast"], bytes_returned=comm["returned"],
                          bytes_communicated=comm["broadcast"] + comm["returned"])
@@ -337,15 +364,17 @@ def _eval(partial: dict) -> dict:
 
 
 def _save(ckpt_dir: str, step: int, params, momentum, rnd: int, tokens: int, elapsed: float, job: Job,
-          strategy: str, inner: str) -> None:
+          strategy: str, inner: str, best, best_params) -> None:
     tc = job.config.train
     files = {"model": params}
     if momentum is not None:
         files["outer"] = momentum
+    if best_params is not None and best.step != step:
+        files["best"] = best_params
     checkpoint.save(ckpt_dir, step, files=files, keep=tc.keep_checkpoints, storage=job.config.storage,
                     adopt={"inner": inner},
                     state={"strategy": strategy, "round": rnd, "tokens_seen": tokens, "elapsed": elapsed,
-                           "world": job.workers, "sync_every": tc.rounds.sync_every,
+                           "world": job.workers, "sync_every": tc.rounds.sync_every, "best": best.to_state(),
                            "position": step * job.workers * tc.batch_size * tc.grad_accum})
 
 

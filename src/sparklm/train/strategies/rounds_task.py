@@ -12,7 +12,7 @@ Inner optimizer state (``train.rounds.inner_state = "keep"``) stays with the wor
 driver: a file per worker and round in the executor's temporary directory, read by the next round's
 task for that worker. Only checkpoints copy it into the run directory (so ``--resume`` is exact). A
 task that does not find its state (its executor was lost, or the previous round dropped it) starts
-from a fresh AdamW state and says so (``cold``) in the round's metrics.
+from a fresh optimizer state and says so (``cold``) in the round's metrics.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ...fs import delete, exists, join, list_names, local_path, read_bytes, writ
 from ...model.task import Batch
 from .. import checkpoint, device
 from ..core import Rank, Trainer, TrainState
-from .base import Job, RoundSpec, WorkerResult
+from .base import BEST, Job, RoundSpec, WorkerResult
 
 
 def run_worker(job: Job, worker: int, weights: bytes, spec: RoundSpec, *, attempt: int = 0
@@ -101,7 +101,8 @@ def run_worker(job: Job, worker: int, weights: bytes, spec: RoundSpec, *, attemp
             write_bytes(join(spec.persist, f"w{worker}.safetensors"), src.read_bytes(), trainer.config.storage)
     if spec.finish:
         if worker == 0:
-            trainer.export(job.run_dir)
+            best = {n[len(BEST):]: t for n, t in global_w.items() if n.startswith(BEST)}
+            trainer.export(job.run_dir, best or None)
         for f in state_dir.glob(f"w{worker}-*"):
             f.unlink(missing_ok=True)
     return WorkerResult(**out, rss_mb=device.rss_mb(), task_s=time.time() - t_task), delta

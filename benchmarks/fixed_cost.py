@@ -1,0 +1,78 @@
+"""Benchmark: the fixed cost of a `sparklm train` command, before its first step and after its last.
+
+    .venv/bin/python benchmarks/fixed_cost.py --repeats 3
+
+Runs `sparklm train --max-steps N` with the default model on the main job's data (the bundled corpus,
+prepared once with the defaults), each in a fresh process on `local[2]`, and timestamps its console
+lines as they arrive:
+  * start → first step: from launching the command to the line of step 1 (Spark start, the
+    rank's start and imports, model build, the first step itself);
+  * after the last step: from the line of the last step to the command's exit (the final
+    evaluation, checkpoint, export of model/, samples, summary.json and loss.png).
+Median of the repeats; the second and later runs are warm (JVM class cache, OS file cache), as a
+user's second command is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def timed_run(args: list[str]) -> dict:
+    t0 = time.time()
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = last = None
+    lines = []
+    for line in proc.stdout:
+        now = time.time() - t0
+        lines.append(line)
+        if line.startswith("step "):
+            first = now if first is None else first
+            last = now
+    proc.wait()
+    end = time.time() - t0
+    if proc.returncode or first is None:
+        raise SystemExit("".join(lines[-20:]))
+    return {"first_step_s": first, "after_last_step_s": end - last, "wall_s": end}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--work", default=str(ROOT / ".bench" / "fixed_cost"))
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="extra --set for every run")
+    args = ap.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    data = work / "data"
+    common = ["--master", "local[2]", "--set", "spark.ui=false"]
+    if not (data / "manifest.json").exists():
+        subprocess.run([sys.executable, "-m", "sparklm", "prepare", "-o", str(data), "--overwrite", *common],
+                       check=True, capture_output=True)
+    extra = [a for s in args.sets for a in ("--set", s)]
+    runs = []
+    for i in range(args.repeats):
+        out = work / f"run-{i}"
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+        r = timed_run([sys.executable, "-m", "sparklm", "train", "--data", str(data), "-o", str(out), "--max-steps",
+                       str(args.steps), "--set", "train.log_every=1", *common, *extra])
+        runs.append(r)
+        print(f"run {i}: first step at {r['first_step_s']:.1f} s, {r['after_last_step_s']:.1f} s after the last "
+              f"step, {r['wall_s']:.1f} s in all", flush=True)
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    (work / "fixed_cost.json").write_text(json.dumps({"runs": runs, "median": med}, indent=2))
+    print(f"\nmedian of {args.repeats}: command start → first step {med['first_step_s']:.1f} s; last step → exit "
+          f"{med['after_last_step_s']:.1f} s; wall {med['wall_s']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
