@@ -154,7 +154,7 @@ class TrainConfig:
                 "orthogonalises in bf16), else adamw", flag="--optimizer")
     lr: float = _f(3e-3, "peak learning rate", min=0.0)
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak (cosine floor)", min=0.0, max=1.0)
-    warmup_steps: int = _f(20, "linear warmup steps", min=0)
+    warmup_steps: int = _f(5, "linear warmup steps (5 measured as good as 20 on the main job, better for short runs)", min=0)
     weight_decay: float = _f(0.1, "AdamW weight decay on matrices (not on norms, biases, embeddings)", min=0.0)
     beta1: float = _f(0.9, "AdamW beta1", min=0.0, max=1.0)
     beta2: float = _f(0.95, "AdamW beta2", min=0.0, max=1.0)
