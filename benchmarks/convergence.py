@@ -23,8 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 PRIDE = ROOT / "src" / "sparklm" / "corpus" / "pride_and_prejudice.txt"
 
@@ -72,25 +70,17 @@ def prepared(work: Path, flags: list[str], inputs: list[str] | None = None) -> P
 
 
 def reference_bpb(model_dir: Path, data: Path) -> float:
-    """Bits/byte of ``model_dir`` on the validation split of the prepared ``data`` (whole split, packed rows)."""
-    from transformers import AutoModelForCausalLM
-
-    from sparklm.data.manifest import checked_row_groups, load_prepared, load_tokenizer
-    from sparklm.data.stream import validation_rows
-    from sparklm.data.tokenizer import token_byte_lengths
-    from sparklm.model.task import CausalLM, lm_figures, make_batch
+    """Bits/byte of ``model_dir`` on the validation split of the prepared ``data``: the training core's
+    evaluation (whole split, packed rows, fp32) of the model continued from ``model_dir``."""
+    from sparklm.config import from_dict
+    from sparklm.data.manifest import load_prepared, load_tokenizer
+    from sparklm.train.core import Trainer, eval_metrics
 
     dataset = load_prepared(str(data))
-    lengths = torch.tensor(token_byte_lengths(load_tokenizer(dataset)), dtype=torch.float64)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    sums = torch.zeros(4, dtype=torch.float64)
-    with torch.no_grad():
-        for ids, mask in validation_rows(checked_row_groups(dataset, "validation"), seq_len=dataset.seq_len, rank=0,
-                                         world=1, limit=None):
-            for i in range(0, len(ids), 8):
-                batch = make_batch(ids[i:i + 8], None if mask is None else mask[i:i + 8])
-                sums += CausalLM().eval_sums(model, batch, lengths)
-    return lm_figures(*sums.tolist())["bits_per_byte"]
+    config = from_dict({"model": {"init_from": str(model_dir)},
+                        "train": {"eval_batches": 0, "dtype": "float32", "optimizer": "adamw"}})
+    trainer = Trainer(config, dataset, load_tokenizer(dataset))
+    return eval_metrics(trainer.eval_sums(0, 1).tolist())["val_bpb"]
 
 
 def run(name: str, data: Path, flags: list[str], budget: float, work: Path, extra: list[str], rep: int) -> dict:

@@ -33,6 +33,15 @@ def default_corpus() -> list[str]:
     return sorted(str(p) for p in corpus.iterdir() if p.name.endswith(".txt"))
 
 
+def _inputs(args: argparse.Namespace) -> list[str]:
+    """The command's inputs; none given: the bundled corpus, said once."""
+    if args.inputs:
+        return args.inputs
+    books = default_corpus()
+    progress.info(f"no input given: using the bundled corpus ({len(books)} books in {Path(books[0]).parent})")
+    return books
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("configuration")
     g.add_argument("--config", metavar="FILE", help="TOML config file (see configs/default.toml)")
@@ -187,9 +196,7 @@ def _prepare(args: argparse.Namespace) -> int:
     from .data.prepare import prepare
 
     config, _ = _config(args)
-    inputs = args.inputs or default_corpus()
-    if not args.inputs:
-        progress.info(f"no input given: using the bundled corpus ({len(inputs)} books in {Path(inputs[0]).parent})")
+    inputs = _inputs(args)
     dataset = prepare(inputs, output=args.output, config=config, validation_inputs=args.validation_inputs,
                       overwrite=args.overwrite, spark=_session_factory(args, config))
     progress.plain(dataset.uri)
@@ -218,9 +225,7 @@ def _run(args: argparse.Namespace) -> int:
         tc = replace(tc, early_stop=RUN_EARLY_STOP)
     config = config.replace(train=tc)
     run_dir = args.output or f"runs/run-{time.strftime('%Y%m%d-%H%M%S')}"
-    inputs = args.inputs or default_corpus()
-    if not args.inputs:
-        progress.info(f"no input given: using the bundled corpus ({len(inputs)} books in {Path(inputs[0]).parent})")
+    inputs = _inputs(args)
     start = _session_factory(args, config)
     holder: dict = {}
 

@@ -49,20 +49,12 @@ class LoadedModel:
 def model_uri(path: str, storage: StorageConfig | None = None) -> str:
     """The model directory named by ``path`` (a sparklm run directory's ``model/``, or an HF model directory
     itself), local or on an object store; one line when there is none."""
-    if is_remote(path):
-        if exists(join(path, "model", "config.json"), storage):
-            return join(path, "model")
-        if exists(join(path, "config.json"), storage):
-            return path.rstrip("/")
-        what = "not found" if not list_names(path, storage) else "neither a sparklm run directory nor an HF model directory (no config.json)"
-        raise SparklmError(f"model {path}: {what}", hint="pass the --output of `sparklm train`/`run`, or a directory "
-                                                          "written by save_pretrained")
-    p = Path(path).expanduser().resolve()
-    if (p / "model" / "config.json").is_file():
-        return str(p / "model")
-    if (p / "config.json").is_file():
-        return str(p)
-    if not p.exists():
+    remote = is_remote(path)
+    base = path.rstrip("/") if remote else str(Path(path).expanduser().resolve())
+    for candidate in (join(base, "model"), base):
+        if exists(join(candidate, "config.json"), storage):
+            return candidate
+    if not (list_names(base, storage) if remote else Path(base).exists()):  # an object store has no empty directories
         raise SparklmError(f"model {path} not found", hint="pass a sparklm run directory or an HF model directory")
     raise SparklmError(f"{path} is neither a sparklm run directory nor an HF model directory (no config.json)",
                        hint="pass the --output of `sparklm train`/`run`, or a directory written by save_pretrained")

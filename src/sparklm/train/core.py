@@ -103,6 +103,27 @@ class Best:
     def from_state(cls, state: dict | None) -> Best:
         return cls(**state) if state else cls()
 
+    def apart(self, weights: dict | None, step: int) -> dict | None:
+        """The best ``weights`` when they are not those of step ``step`` (what model/ gets instead of them)."""
+        return weights if weights is not None and self.step != step else None
+
+    def checkpoint_files(self, weights: dict | None, step: int) -> dict:
+        """The checkpoint file of the best ``weights``, when they are not the checkpoint's own."""
+        kept = self.apart(weights, step)
+        return {"best": kept} if kept is not None else {}
+
+    @classmethod
+    def restore(cls, state: dict, saved: dict, step: int, current: Callable[[], dict], keep: bool
+                ) -> tuple[Best, dict | None]:
+        """The tracker and best weights a checkpoint of step ``step`` holds: its ``best`` file, else (when the best
+        evaluation is the checkpoint's own step) ``current()``; a best whose weights were not kept starts anew."""
+        best = cls.from_state(state.get("best"))
+        if saved:
+            return best, saved
+        if keep and best.step == step:
+            return best, current()
+        return (cls(), None) if best.step is not None else (best, None)
+
 
 # -- pure functions: the plan and the schedule -------------------------------------------------
 
@@ -308,9 +329,8 @@ class Trainer:
             opt, groups = checkpoint.optimizer_tensors(self.optimizer)
             s = self.state
             files = {"model": checkpoint.model_tensors(self.model), "optimizer": opt,
-                     "rng": {f"torch.{r}": t for r, t in enumerate(states)}}
-            if self.best_weights is not None and self.best.step != s.step:
-                files["best"] = self.best_weights
+                     "rng": {f"torch.{r}": t for r, t in enumerate(states)},
+                     **self.best.checkpoint_files(self.best_weights, s.step)}
             checkpoint.save(join(run_dir, "checkpoints"), s.step, keep=self.tc.keep_checkpoints,
                             storage=self.config.storage, files=files,
                             state={"strategy": "ddp", "position": s.position, "tokens_seen": s.tokens_seen,
@@ -341,12 +361,8 @@ class Trainer:
         torch.set_rng_state(files["rng"][f"torch.{self.rank.rank}"])
         self.state = TrainState(step=state["step"], position=state["position"], tokens_seen=state["tokens_seen"],
                                 elapsed=state["elapsed"])
-        self.best = Best.from_state(state.get("best"))
-        self.best_weights = files["best"] or None
-        if self.best_weights is None and self.tc.keep_best and self.best.step == self.state.step:
-            self.best_weights = self.weights()  # the checkpoint's own weights are the best so far
-        elif self.best_weights is None and self.best.step is not None:
-            self.best = Best()  # its weights were not kept (train.keep_best off): track anew
+        self.best, self.best_weights = Best.restore(state, files["best"], self.state.step, self.weights,
+                                                    self.tc.keep_best)
         return True
 
 
@@ -438,7 +454,7 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
         emit_eval(final)
     trainer.save(run_dir)
     if is_main:
-        trainer.export(run_dir, trainer.best_weights if trainer.best.step != trainer.state.step else None)
+        trainer.export(run_dir, trainer.best.apart(trainer.best_weights, trainer.state.step))
     device.trim_memory()
     return TrainResult(steps=trainer.state.step, tokens=trainer.state.tokens_seen, seconds=elapsed,
                        params=facts.get("params", 0), flops_per_token=flops_tok, peak_flops=peak,

@@ -114,12 +114,8 @@ class Rounds:
             step, tokens_seen, elapsed_before, rnd_index = (state["step"], state["tokens_seen"], state["elapsed"],
                                                             state["round"])
             inner_from = last
-            best = core.Best.from_state(state.get("best"))
-            best_params = {n: files["best"][n].float() for n in params} if files["best"] else None
-            if best_params is None and tc.keep_best and best.step == step:
-                best_params = params  # the checkpoint's own weights are the best so far
-            elif best_params is None and best.step is not None:
-                best = core.Best()  # its weights were not kept (train.keep_best off): track anew
+            saved_best = {n: files["best"][n].float() for n in params} if files["best"] else {}
+            best, best_params = core.Best.restore(state, saved_best, step, lambda: params, tc.keep_best)
         resumed_at = step
 
         fault = parse_fault(os.environ.get(FAULT_ENV, ""))
@@ -244,18 +240,22 @@ class Rounds:
                 break
 
         # -- the end: evaluate the final weights, checkpoint, export model/ (the best weights) and samples ------
+        # With earlier best weights the final evaluation decides which weights model/ gets, so the export is a
+        # second task; without them the final weights are exported by the evaluating task itself.
         elapsed = time.time() - t_start
         persist = join(ckpt_dir, f".inner-step-{step:07d}")
-        partial, *_, nbytes = launch(0, do_eval=True, persist=persist, finish=False)
+        earlier = best_params is not None
+        partial, *_, nbytes = launch(0, do_eval=True, persist=persist, finish=not earlier)
         comm["broadcast"] += nbytes * len(partial["results"])
         if partial["results"]:
             last_eval = emit_eval(partial)
         _save(ckpt_dir, step, params, momentum, rnd_index, tokens_seen, elapsed, job, self.name, persist, best,
               best_params)
-        keep = best_params if best_params is not None and best.step != step else None
-        partial, *_, nbytes = launch(0, do_eval=False, persist="", finish=True,
-                                     also={f"{BEST}{n}": t for n, t in (keep or {}).items()})
-        comm["broadcast"] += nbytes * len(partial["results"])
+        if earlier:
+            keep = best.apart(best_params, step) or {}
+            partial, *_, nbytes = launch(0, do_eval=False, persist="", finish=True,
+                                         also={f"{BEST}{n}": t for n, t in keep.items()})
+            comm["broadcast"] += nbytes * len(partial["results"])
         if not any(r.worker == 0 for r in partial["results"]):
             raise SparklmError("the final task of worker 0 (export of model/ and samples) failed",
                                hint="see the Spark log; --resume runs it again")
@@ -369,8 +369,7 @@ def _save(ckpt_dir: str, step: int, params, momentum, rnd: int, tokens: int, ela
     files = {"model": params}
     if momentum is not None:
         files["outer"] = momentum
-    if best_params is not None and best.step != step:
-        files["best"] = best_params
+    files.update(best.checkpoint_files(best_params, step))
     checkpoint.save(ckpt_dir, step, files=files, keep=tc.keep_checkpoints, storage=job.config.storage,
                     adopt={"inner": inner},
                     state={"strategy": strategy, "round": rnd, "tokens_seen": tokens, "elapsed": elapsed,
