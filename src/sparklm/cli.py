@@ -19,8 +19,8 @@ from .errors import SparklmError, known_cause
 from .version import __version__
 
 # Which config sections give each command its flags (the flags come from the fields' metadata).
-_FLAG_SECTIONS = {"prepare": ("data", "tokenizer"), "train": ("train", "model"),
-                  "run": ("data", "tokenizer", "train", "model")}
+_FLAG_SECTIONS = {"prepare": ("data", "tokenizer"), "train": ("train", "model", "lora"),
+                  "run": ("data", "tokenizer", "train", "model", "lora")}
 _COMMON_SECTIONS = ("spark", "storage")
 _STARTED: list = []  # sessions this command started, stopped when it ends
 RUN_TIME_BUDGET = 360  # seconds of training when `sparklm run` is given no budget: the whole job fits in 10 minutes
@@ -133,8 +133,21 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--format", choices=["onnx"], default="onnx")
     x.add_argument("--output", "-o", required=True, metavar="DIR")
     x.add_argument("--quantize", choices=["none", "int8", "int4"], default="none")
+    x.add_argument("--merge", action="store_true",
+                   help="also write the model as an HF directory (model.safetensors), a LoRA adapter merged into its "
+                        "base: loadable with AutoModelForCausalLM, without peft")
     x.add_argument("--overwrite", action="store_true")
     _common(x)
+
+    i = sub.add_parser("import", help="convert a GGUF model file into an HF model directory (safetensors)",
+                       description="Convert a .gguf model (llama.cpp's format; quantized weights are dequantized to "
+                                   "float32) with transformers' GGUF loader into an HF directory that --init-from, "
+                                   "--tokenizer, generate, eval and export read. --init-from and --tokenizer also take "
+                                   "the .gguf file itself, converted once into sparklm's cache.")
+    i.add_argument("gguf", metavar="MODEL.gguf")
+    i.add_argument("--output", "-o", required=True, metavar="DIR")
+    i.add_argument("--overwrite", action="store_true", help="replace an earlier import in --output")
+    _common(i)
     return parser
 
 
@@ -224,6 +237,8 @@ def _run(args: argparse.Namespace) -> int:
     if "early_stop" not in raw.get("train", {}):
         tc = replace(tc, early_stop=RUN_EARLY_STOP)
     config = config.replace(train=tc)
+    if config.model.init_from and not config.tokenizer.path:  # a pretrained model reads text with its own tokenizer
+        config = config.replace(tokenizer=replace(config.tokenizer, path=config.model.init_from))
     run_dir = args.output or f"runs/run-{time.strftime('%Y%m%d-%H%M%S')}"
     inputs = _inputs(args)
     start = _session_factory(args, config)
@@ -359,9 +374,21 @@ def _export(args: argparse.Namespace) -> int:
     from .infer.export import export
 
     config, _ = _config(args)
-    info = export(args.model, args.output, quantize=args.quantize, overwrite=args.overwrite,
+    info = export(args.model, args.output, quantize=args.quantize, overwrite=args.overwrite, merge=args.merge,
                   storage=effective(config.storage))
-    progress.info(f"ONNX graph ({args.quantize}): {info['bytes'] / 1e6:.1f} MB")
+    progress.info(f"ONNX graph ({args.quantize}): {info['bytes'] / 1e6:.1f} MB"
+                  + (" and the merged HF model (model.safetensors)" if args.merge else ""))
+    progress.plain(info["path"])
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from .model.gguf import convert
+
+    with progress.stage(None, f"import {Path(args.gguf).name}", quiet=True):
+        info = convert(args.gguf, args.output, overwrite=args.overwrite)
+    progress.info(f"{info['architecture']}, {info['params'] / 1e6:.1f}M parameters, {info['bytes'] / 1e6:.0f} MB "
+                  f"of safetensors in {info['seconds']:.1f}s")
     progress.plain(info["path"])
     return 0
 
@@ -373,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         commands = {"prepare": _prepare, "train": _train, "run": _run, "generate": _generate, "eval": _eval,
-                    "export": _export}
+                    "export": _export, "import": _import}
         return commands[args.command](args)
     except SparklmError as e:
         if args.debug:

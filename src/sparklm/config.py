@@ -39,6 +39,18 @@ class DataConfig:
     """How raw text becomes documents, and documents become training sequences."""
 
     text_field: str = _f("text", "column/field holding the text in JSONL, CSV and Parquet inputs", flag="--text-field")
+    format: Literal["text", "instruction", "chat"] = _f(
+        "text", "what the records hold: text (every token trains), instruction (a prompt and a response field) or "
+                "chat (a messages field: a list of {role, content}); the loss counts response/assistant tokens only",
+        flag="--format",
+    )
+    prompt_field: str = _f("prompt", "field/column holding the prompt of instruction records", flag="--prompt-field")
+    response_field: str = _f("response", "field/column holding the response of instruction records", flag="--response-field")
+    messages_field: str = _f("messages", "field/column holding the list of {role, content} messages of chat records "
+                                         "(a JSON string in CSV)", flag="--messages-field")
+    chat_template: bool = _f(True, "instruction records are rendered as a user turn and an assistant turn with the "
+                                   "tokenizer's chat template when it has one; false: prompt and response are joined "
+                                   "as they are (chat records always need the template)", flag="--no-chat-template")
     doc_mode: Literal["file", "paragraph", "line"] = _f(
         "paragraph", "how plain-text files split into documents: whole file, blank-line paragraphs, or lines", flag="--doc-mode",
     )
@@ -60,7 +72,8 @@ class DataConfig:
 class TokenizerConfig:
     """Train a byte-level BPE tokenizer, or load one."""
 
-    path: str = _f("", "an existing tokenizer.json or HF tokenizer directory; empty: train one", flag="--tokenizer")
+    path: str = _f("", "an existing tokenizer: a tokenizer.json, an HF tokenizer or model directory (the model's "
+                       "tokenizer and its BOS/EOS convention), or a .gguf model; empty: train one", flag="--tokenizer")
     vocab_size: int = _f(4096, "vocabulary size of a trained tokenizer", min=260, max=1_000_000, flag="--vocab-size")
     min_frequency: int = _f(2, "minimum pair frequency for a BPE merge", min=1)
     sample_mb: int = _f(16, "megabytes of training text sampled to train the tokenizer", min=1)
@@ -117,7 +130,24 @@ class ModelConfig:
     rope_theta: float = _f(10000.0, "RoPE base (llama)", min=1.0)
     qk_norm: bool = _f(True, "RMSNorm on each head's queries and keys (llama; the model is saved as a Qwen3 "
                              "architecture, which is Llama with that norm)")
-    init_from: str = _f("", "continue training a local HF causal-LM directory instead of a fresh model", flag="--init-from")
+    init_from: str = _f("", "start from a pretrained model instead of a fresh one: an HF causal-LM directory (local or "
+                            "on an object store; safetensors weights), a sparklm run, or a .gguf file (converted once "
+                            "into sparklm's cache)", flag="--init-from")
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """LoRA (peft): train low-rank adapters of a frozen pretrained model (``--init-from``)."""
+
+    r: int = _f(0, "adapter rank; 0: no LoRA, every weight trains", min=0, flag="--lora-r")
+    alpha: float = _f(16.0, "adapter scale numerator (the update is scaled by alpha / r)", min=0.0, flag="--lora-alpha")
+    dropout: float = _f(0.0, "dropout on the adapters' input", min=0.0, max=0.9)
+    targets: str = _f("all-linear", "comma-separated module names to adapt (e.g. q_proj,v_proj); all-linear: every "
+                                    "linear layer of the blocks (attention and MLP, any architecture), not the LM head",
+                      flag="--lora-targets")
+    base_dtype: Literal["float32", "bfloat16"] = _f(
+        "float32", "dtype of the frozen base weights; bfloat16 halves their memory (adapters and optimizer state stay "
+                   "float32)")
 
 
 @dataclass(kw_only=True)
@@ -152,7 +182,8 @@ class TrainConfig:
         "auto", "muon: torch.optim.Muon for the hidden weight matrices (attention, MLP) and AdamW for embeddings, "
                 "head and norms; adamw: AdamW for all; auto: muon where bf16 matmuls measure fast (torch's Muon "
                 "orthogonalises in bf16), else adamw", flag="--optimizer")
-    lr: float = _f(3e-3, "peak learning rate", min=0.0)
+    lr: float = _f(0.0, "peak learning rate; 0: auto, by what trains — 3e-3 for a model trained from scratch, 1e-3 for "
+                        "LoRA adapters, 5e-5 for every weight of a pretrained model (--init-from)", min=0.0, flag="--lr")
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak (cosine floor)", min=0.0, max=1.0)
     warmup_steps: int = _f(5, "linear warmup steps (5 measured as good as 20 on the main job, better for short runs)", min=0)
     weight_decay: float = _f(0.1, "AdamW weight decay on matrices (not on norms, biases, embeddings)", min=0.0)
@@ -167,6 +198,8 @@ class TrainConfig:
         "auto", "autocast dtype; auto: bfloat16 where bf16 matmuls measure >1.3x faster than fp32, else float32"
     )
     compile: bool = _f(False, "torch.compile the model")
+    grad_checkpoint: bool = _f(False, "gradient checkpointing: recompute each block's activations in the backward pass "
+                                      "(less memory, ~30% more compute)", flag="--grad-checkpoint")
     seed: int = _f(1337, "seed of weights, data order and dropout")
     eval_every: int = _f(100, "evaluate every N steps (and at the end); 0: only at the end", min=0, flag="--eval-every")
     eval_batches: int = _f(20, "validation micro-batches per evaluation per worker; 0: the whole split", min=0)
@@ -195,6 +228,7 @@ SECTIONS: dict[str, type] = {
     "storage": StorageConfig,
     "output": OutputConfig,
     "model": ModelConfig,
+    "lora": LoraConfig,
     "train": TrainConfig,
 }
 
@@ -209,6 +243,7 @@ class Config:
     storage: StorageConfig = field(default_factory=StorageConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def to_dict(self) -> dict[str, Any]:

@@ -192,9 +192,10 @@ def test_batch_generation_on_spark_equals_one_by_one(spark, run_dir):
 def test_eval_equals_a_direct_computation(spark, run_dir, tmp_path):
     from sparklm.config import from_dict
     from sparklm.infer.evaluate import evaluate
-    from sparklm.infer.generate import encode, load
+    from sparklm.infer.generate import encode, load, token_ids
 
     lm = load(str(run_dir))
+    assert lm.add_bos and lm.tokenizer("a")["input_ids"][0] == lm.tokenizer.bos_token_id
     text = "Москва — столица России. The quick brown fox."
     (tmp_path / "short.txt").write_text(text + "\n")
     cfg = from_dict({"data": {"doc_mode": "file"}})
@@ -215,7 +216,7 @@ def test_eval_equals_a_direct_computation(spark, run_dir, tmp_path):
     from sparklm.data.clean import clean_text
 
     cleaned = clean_text(long_text)  # eval reads as prepare does: NFC (the text has a combining accent)
-    ids = torch.tensor([[lm.tokenizer.bos_token_id, *lm.tokenizer(cleaned)["input_ids"]]])
+    ids = torch.tensor([token_ids(lm, cleaned)])  # BOS first: the tokenizer of a sparklm model adds it
     nll, count, prev_end = 0.0, 0, 0
     for begin in range(0, ids.shape[1], 16):
         end = min(begin + 32, ids.shape[1])

@@ -175,3 +175,150 @@ def test_overwrite_is_required_and_keeps_the_old_output_until_done(spark, tmp_pa
     again = prepare([str(tmp_path / "a.txt")], output=out, config=config, spark=spark, overwrite=True)
     assert again.manifest["created_unix"] > first.manifest["created_unix"]
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["format"] == "sparklm.prepared/1"
+
+
+# -- instruction and chat records: the loss counts responses only ---------------------------------------
+
+
+def stream_with_loss(dataset, split):
+    """(token ids, loss mask) of a split's rows joined in file order, padding left out."""
+    ids, loss = [], []
+    for r in rows(dataset, split):
+        keep = r.get("attention_mask") or [1] * len(r["input_ids"])
+        ids += [t for t, k in zip(r["input_ids"], keep) if k]
+        loss += [m for m, k in zip(r["loss_mask"], keep) if k]
+    return ids, loss
+
+
+def test_instruction_records_train_on_responses_only(spark, tmp_path, config):
+    from transformers import AutoTokenizer
+
+    pairs = [(f"Question {i}: {MULTILINGUAL[i % 10][:30]}?", f"Answer {i}: {MULTILINGUAL[(i + 3) % 10][:40]}")
+             for i in range(30)]
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a.jsonl").write_text("".join(json.dumps({"question": q, "answer": a, "id": i}) + "\n"
+                                       for i, (q, a) in enumerate(pairs[:12]))
+                               + '{"question": "no answer", "answer": null}\n{broken\n')
+    with (d / "b.csv").open("w", newline="") as f:
+        import csv
+
+        csv.writer(f).writerows([("answer", "question"), *((a, q) for q, a in pairs[12:20])])
+    pq.write_table(pa.table({"question": [q for q, _ in pairs[20:]], "answer": [a for _, a in pairs[20:]]}),
+                   d / "c.parquet")
+    cfg = from_dict({"data": {"seq_len": 32, "val_fraction": 0.0, "last_block": "pad", "format": "instruction",
+                              "prompt_field": "question", "response_field": "answer"},
+                     "tokenizer": {"vocab_size": 300}})
+    ds = prepare([str(d)], output=str(tmp_path / "out"), config=cfg, spark=spark)
+    m = ds.manifest
+    assert m["input"]["dropped"] == {"empty": 1, "malformed": 1}
+    assert m["packing"]["loss_mask"] is True and "loss_mask" in m["columns"]
+    ids, loss = stream_with_loss(ds, "train")
+    tok = AutoTokenizer.from_pretrained(ds.uri)
+    bos, eos = m["tokenizer"]["bos_id"], m["tokenizer"]["eos_id"]
+    found, doc = [], None
+    for t, k in zip(ids, loss):  # documents are BOS prompt response EOS, records cut across rows included
+        if t == bos:
+            assert k == 0
+            doc = []
+        elif t == eos:
+            assert k == 1  # the model learns to stop after a response
+            found.append((tok.decode([x for x, y in doc if not y]), tok.decode([x for x, y in doc if y])))
+            assert [y for _, y in doc] == sorted(y for _, y in doc)  # prompt tokens, then response tokens
+        else:
+            doc.append((t, k))
+    assert sorted(found) == sorted((clean_text(q), clean_text(a)) for q, a in pairs)  # NFC, as text is cleaned
+    rows_ = rows(ds, "train")
+    assert m["splits"]["train"]["loss_tokens"] == sum(sum(r["loss_mask"][1:]) for r in rows_)
+    assert len(rows_) > 1 and rows_[0]["loss_mask"] != rows_[1]["loss_mask"]
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def chat_tokenizer(directory, template=CHAT_TEMPLATE):
+    """A small BPE with role and end-of-turn special tokens and a chat template, saved as an HF directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from sparklm.data.tokenizer import from_tokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    tok.train_from_iterator(MULTILINGUAL * 5, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    spec = from_tokenizer(tok, "<|bos|>", "<|eos|>", "<|pad|>", chat_template=template)
+    spec.save(directory)
+    return spec
+
+
+def test_chat_records_train_only_assistant_turns(spark, tmp_path):
+    from transformers import AutoTokenizer
+
+    chat_tokenizer(tmp_path / "tok")
+    convs = []
+    for i in range(16):
+        msgs = [{"role": "system", "content": f"Be brief {i}."}] if i % 2 else []
+        for turn in range(1 + i % 3):
+            msgs += [{"role": "user", "content": f"{MULTILINGUAL[(i + turn) % 10][:25]} {i}.{turn}"},
+                     {"role": "assistant", "content": f"{MULTILINGUAL[(i + turn + 5) % 10][:20]} {i}/{turn}"}]
+        convs.append(msgs)
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    cfg = from_dict({"data": {"seq_len": 32, "val_fraction": 0.0, "last_block": "pad", "format": "chat"},
+                     "tokenizer": {"path": str(tmp_path / "tok")}})
+    ds = prepare([str(tmp_path / "chat.jsonl")], output=str(tmp_path / "out"), config=cfg, spark=spark)
+    assert ds.manifest["packing"]["chat_template"] is True
+    ids, loss = stream_with_loss(ds, "train")
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    runs, cur = [], []
+    for t, k in zip(ids + [None], loss + [0]):  # the runs of trained tokens, each one assistant turn
+        if k:
+            cur.append(t)
+        elif cur:
+            runs.append(tok.decode(cur, skip_special_tokens=False))
+            cur = []
+    want = [f"{clean_text(m['content'])}<|end|>" for c in convs for m in c if m["role"] == "assistant"]
+    assert sorted(runs) == sorted(want)  # the assistant's content and its end of turn; nothing else
+    # the untrained rest is the template's rendering of everything else (no BOS or EOS added)
+    assert tok.decode(ids, skip_special_tokens=False).count("<|user|>") == sum(len(c) - (c[0]["role"] == "system")
+                                                                               for c in convs) // 2
+
+
+def test_instruction_input_errors_are_one_line(spark, tmp_path, capsys):
+    from sparklm.cli import main
+
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"question": "c", "answer": "d"}\n')
+    cfg = from_dict({"data": {"seq_len": 32, "format": "instruction"}, "tokenizer": {"vocab_size": 300}})
+    # raised in a Spark task, surfaced on the driver as the same one line
+    with pytest.raises(SparklmError, match=r"bad.jsonl line 2 has no 'prompt' field \(fields: question, answer\)"
+                       ) as e:
+        prepare([str(tmp_path / "bad.jsonl")], output=str(tmp_path / "o"), config=cfg, spark=spark)
+    assert "--prompt-field" in e.value.hint
+    assert main(["prepare", str(tmp_path / "bad.jsonl"), "-o", str(tmp_path / "o"), "--format", "instruction"]) == 2
+    captured = capsys.readouterr().err
+    err = [line for line in captured.splitlines() if line.startswith("error")]
+    assert len(err) == 1 and "line 2 has no 'prompt' field" in err[0] and "--response-field" in err[0]
+    assert "Traceback" not in captured
+    (tmp_path / "t.txt").write_text("plain text\n")
+    with pytest.raises(SparklmError, match="t.txt is plain text, and --format instruction reads records"):
+        prepare([str(tmp_path / "t.txt")], output=str(tmp_path / "o"), config=cfg, spark=spark)
+    (tmp_path / "chat.csv").write_text('messages\n"[{""role"": ""user"", ""content"": ""hi""}, {""role"": 1}]"\n')
+    chat = from_dict({"data": {"format": "chat"}, "tokenizer": {"path": str(tmp_path / "tok")}})
+    chat_tokenizer(tmp_path / "tok")
+    with pytest.raises(SparklmError, match="chat.csv row 1 has a message 2 in 'messages' without a string"):
+        prepare([str(tmp_path / "chat.csv")], output=str(tmp_path / "o"), config=chat, spark=spark)
+    # a template that marks the last turn: prefixes of a conversation do not render as its start
+    chat_tokenizer(tmp_path / "odd", "{% for m in messages %}{{ m.content }}{% if loop.last %}!{% endif %}{% endfor %}")
+    (tmp_path / "two.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"}\n')
+    odd = from_dict({"data": {"format": "instruction", "val_fraction": 0.0},
+                     "tokenizer": {"path": str(tmp_path / "odd")}})
+    with pytest.raises(SparklmError, match=r"two.jsonl line [12] cannot be cut into prompt and response") as e:
+        prepare([str(tmp_path / "two.jsonl")], output=str(tmp_path / "o"), config=odd, spark=spark)
+    assert "--no-chat-template" in e.value.hint
+    with pytest.raises(SparklmError, match="a trained tokenizer has none"):
+        prepare([str(tmp_path / "chat.csv")], output=str(tmp_path / "o"), spark=spark,
+                config=from_dict({"data": {"format": "chat"}}))
+    assert not (tmp_path / "o").exists()

@@ -241,3 +241,38 @@ def test_a_plan_of_many_epochs_says_so():
     assert epochs_note(MANY_EPOCHS, 1000) is None and epochs_note(1.5, 10) is None
     note = epochs_note(13.2, 174_636)
     assert "~13 epochs of the 174,636 training tokens" in note and "model/ keeps the best" in note
+
+
+def test_peak_lr_follows_what_trains_unless_set():
+    from sparklm.config import from_dict
+    from sparklm.train.optim import FINETUNE_LR, LORA_LR, SCRATCH_LR, peak_lr
+
+    assert peak_lr(from_dict({})) == SCRATCH_LR
+    assert peak_lr(from_dict({"model": {"init_from": "m"}})) == FINETUNE_LR
+    assert peak_lr(from_dict({"model": {"init_from": "m"}, "lora": {"r": 8}})) == LORA_LR
+    assert peak_lr(from_dict({"model": {"init_from": "m"}, "train": {"lr": 2e-4}})) == 2e-4
+    assert FINETUNE_LR < LORA_LR < SCRATCH_LR
+
+
+def test_micro_batches_weigh_by_their_targets_and_an_empty_one_is_a_zero():
+    """Instruction data: a step's loss is its summed target losses over its targets, however they fall into
+    micro-batches; a micro-batch with no target (all prompt) adds nothing, not a NaN."""
+    import numpy as np
+
+    from sparklm.config import ModelConfig
+    from sparklm.model.build import build_model
+    from sparklm.model.task import CausalLM, make_batch
+
+    model = build_model(ModelConfig(n_layer=1, n_head=2, n_embd=16), vocab_size=64, context=16, bos_id=1, eos_id=2,
+                        pad_id=0)
+    task = CausalLM()
+    ids = np.random.default_rng(0).integers(3, 64, (3, 8))
+    trains = np.zeros((3, 8), np.int8)
+    trains[0, 5:] = 1  # 3 targets
+    trains[1, 2:] = 1  # 6 targets; row 2 has none
+    whole = task.loss(model, make_batch(ids, None, trains)).item()
+    parts = [task.loss(model, make_batch(ids[i:i + 1], None, trains[i:i + 1]), 9) for i in range(3)]
+    assert sum(p.item() for p in parts) == pytest.approx(whole, rel=1e-5)
+    parts[2].backward()
+    assert parts[2].item() == 0.0
+    assert all(p.grad is not None and not p.grad.isnan().any() for p in model.parameters())

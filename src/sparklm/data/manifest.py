@@ -66,7 +66,12 @@ def load_tokenizer(dataset: PreparedDataset, storage: StorageConfig | None = Non
         tok = Tokenizer.from_str(f.read().decode("utf-8"))
     t = dataset.manifest["tokenizer"]
     names = [tok.id_to_token(t[k]) for k in ("bos_id", "eos_id", "pad_id")]
-    spec = from_tokenizer(tok, *names)
+    template = ""
+    if t.get("chat_template"):  # kept beside the tokenizer, as save_pretrained writes it
+        with fs.open_input_stream(f"{path}/{t['chat_template']}") as f:
+            template = f.read().decode("utf-8")
+    # datasets from before the BOS convention was recorded all start documents with BOS
+    spec = from_tokenizer(tok, *names, add_bos=t.get("add_bos", True), chat_template=template)
     if spec.sha256 != t["sha256"]:
         raise SparklmError(f"{dataset.uri}/tokenizer.json does not match its manifest (fingerprint differs)",
                            hint="prepare the dataset again; do not edit its files")

@@ -30,7 +30,7 @@ from ..config import Config
 from ..errors import SparklmError, spark_errors
 from ..fs import effective, remove_stale, resolve, uri_like
 from ..version import __version__
-from . import clean, sources
+from . import clean, instruct, sources
 from . import tokenizer as tokenizers_mod
 from .manifest import FORMAT, MANIFEST, SPLITS, PreparedDataset, load_prepared
 from .packing import Packed, Packer, PackSpec
@@ -60,6 +60,11 @@ def prepare(
     if data.stride > data.seq_len:
         raise SparklmError(f"data.stride ({data.stride}) is larger than data.seq_len ({data.seq_len})",
                            hint="use a stride between 1 and seq_len (0 means seq_len)")
+    if data.format == "chat" and not (data.chat_template and config.tokenizer.path):
+        raise SparklmError("--format chat renders each conversation with the tokenizer's chat template, and "
+                           + ("data.chat_template is false" if not data.chat_template else "a trained tokenizer has none"),
+                           hint="pass --tokenizer with a model's tokenizer directory that has a chat template, or "
+                                "use --format instruction for prompt/response records")
     started = time.time()
     fs, out_path = resolve(output, storage)
     _check_output(fs, out_path, output, overwrite)
@@ -85,6 +90,10 @@ def prepare(
                 agg, losers = None, {}
                 sample, cached = _tokenizer_sample(spark, bins, config)
             spec = _tokenizer(spark, sample, config)
+            if data.format == "chat" and not spec.chat_template:
+                raise SparklmError(f"tokenizer {config.tokenizer.path} has no chat template to render --format chat "
+                                   "records with", hint="use a model's tokenizer directory whose tokenizer_config.json "
+                                   "has a chat_template, or --format instruction for prompt/response records")
             if cached is not None:
                 cached.unpersist()
             pack = _pack_spec(config, spec)
@@ -144,6 +153,7 @@ def _scan(spark, bins, config: Config, *, sample_only: bool):
                 doc = clean.doc_id(dig) if ok else None
                 # A deterministic sample by content hash; its size is bounded for the driver.
                 sampled = want_sample and ok and split == "train" and (doc & 0xFFFFFF) < sample_fraction * 2**24
+                text = sources.text_of(text) if ok else None
                 yield (unit.uri, pos, status, split, len(text.encode("utf-8", "surrogatepass")) if ok else 0,
                        invalid, doc, dig, text if sampled else None)
 
@@ -241,20 +251,23 @@ def _write(spark, bins, config: Config, spec, pack: PackSpec, losers: dict, stag
     spec_bc, losers_bc = sc.broadcast(spec), sc.broadcast(losers)
     rows_per_group = max(16, config.output.row_group_mb * 1024 * 1024 // (pack.seq_len * 4))
     data, storage = config.data, config.storage
+    templated = _templated(data, spec)
 
     def write(it):
         from pyspark import TaskContext
 
         ctx = TaskContext.get()
-        tok = _tokenizer_for(spec_bc.value)
+        # text inside a document is text, even "<|eos|>"; a chat template's rendering holds real special tokens
+        tok = _tokenizer_for(spec_bc.value, specials=templated)
+        render = _renderer_for(spec_bc.value) if templated else None
         drop = losers_bc.value
         writers = {s: _SplitWriter(s, f"part-{ctx.partitionId():05d}-{ctx.attemptNumber()}.parquet", staging,
-                                   storage, pack, spec_bc.value, rows_per_group) for s in SPLITS}
+                                   storage, pack, spec_bc.value, rows_per_group, data) for s in SPLITS}
         batch: dict[str, tuple[list, list]] = {s: ([], []) for s in SPLITS}
         counts: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0])  # (source, status, split, kept) -> n, bytes, invalid
         size = 0
         for bin_ in it:
-            for unit, pos, status, text, invalid, dig in sources.documents(bin_, data, storage):
+            for unit, pos, status, doc, invalid, dig in sources.documents(bin_, data, storage):
                 split = _split_of(unit, dig, data.val_fraction) if status == sources.OK else None
                 kept = status == sources.OK and pos not in drop.get(unit.uri, ())
                 c = counts[(unit.uri, status, split, kept or status != sources.OK)]
@@ -262,17 +275,19 @@ def _write(spark, bins, config: Config, spec, pack: PackSpec, losers: dict, stag
                 c[2] += invalid
                 if not kept:
                     continue
-                c[1] += len(text.encode("utf-8", "surrogatepass"))
-                texts, ids = batch[split]
-                texts.append(text)
+                c[1] += len(sources.text_of(doc).encode("utf-8", "surrogatepass"))
+                if isinstance(doc, instruct.Record):  # → (piece, trains) pairs
+                    doc = _segments(doc, render, data, unit, pos, storage)
+                docs, ids = batch[split]
+                docs.append(doc)
                 ids.append(clean.doc_id(dig))
-                size += len(text)
+                size += len(doc) if isinstance(doc, str) else sum(len(piece) for piece, _ in doc)
                 if size > 4 * 2**20:  # tokenize in batches of a few MB: the tokenizer parallelises inside
-                    for s, (texts, ids) in batch.items():
-                        writers[s].add(tok, texts, ids)
+                    for s, (docs, ids) in batch.items():
+                        writers[s].add(tok, docs, ids)
                     batch, size = {s: ([], []) for s in SPLITS}, 0
-        for s, (texts, ids) in batch.items():
-            writers[s].add(tok, texts, ids)
+        for s, (docs, ids) in batch.items():
+            writers[s].add(tok, docs, ids)
         yield from (w.close() for w in writers.values())
         yield {"split": "", "counts": [(*k, *v) for k, v in counts.items()]}
 
@@ -284,35 +299,92 @@ def _write(spark, bins, config: Config, spec, pack: PackSpec, losers: dict, stag
     return files, agg
 
 
-_TOKENIZERS: dict[str, object] = {}
+_TOKENIZERS: dict[tuple, object] = {}
 
 
-def _tokenizer_for(spec: tokenizers_mod.TokenizerSpec):
-    tok = _TOKENIZERS.get(spec.sha256)
+def _tokenizer_for(spec: tokenizers_mod.TokenizerSpec, *, specials: bool = False):
+    """The worker's tokenizer; ``specials``: special tokens written in the text are special tokens (a chat
+    template's rendering), else they are text ("<|eos|>" inside a document is not the end of it)."""
+    tok = _TOKENIZERS.get((spec.sha256, specials))
     if tok is None:  # once per Python worker, not once per task
-        tok = _TOKENIZERS[spec.sha256] = spec.tokenizer()
-        tok.encode_special_tokens = True  # "<|eos|>" inside a document is text, not a special token
+        tok = _TOKENIZERS[(spec.sha256, specials)] = spec.tokenizer()
+        tok.encode_special_tokens = not specials
     return tok
+
+
+def _templated(data, spec: tokenizers_mod.TokenizerSpec) -> bool:
+    """Whether records are rendered with the tokenizer's chat template (else their contents are joined as they are)."""
+    return data.format != "text" and data.chat_template and bool(spec.chat_template)
+
+
+_RENDERERS: dict[str, instruct.Render] = {}
+
+
+def _renderer_for(spec: tokenizers_mod.TokenizerSpec) -> instruct.Render:
+    """The chat template as :mod:`transformers` renders it (``apply_chat_template``), once per Python worker."""
+    render = _RENDERERS.get(spec.sha256)
+    if render is None:
+        hf = spec.hf()
+
+        def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+            try:
+                return hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            except Exception as e:  # the template's own raise_exception(), or jinja's errors
+                raise instruct.TemplateError(f"makes the chat template fail: {' '.join(str(e).split())[:200]}") from None
+
+        _RENDERERS[spec.sha256] = render
+    return render
+
+
+def _segments(record: instruct.Record, render, data, unit: sources.ReadUnit, pos: int, storage) -> list:
+    """A record's (piece, trains) pairs, or one line naming the record the chat template cannot cut."""
+    try:
+        return instruct.segments(record, render)
+    except instruct.TemplateError as e:
+        fix = ("--no-chat-template joins prompt and response as they are" if data.format == "instruction" else
+               "fix the record")
+        raise SparklmError(f"{sources.where(unit, pos, storage)} {e}",
+                           hint=f"{fix}, or use a tokenizer whose chat template renders each turn the same "
+                                "whatever follows it") from None
 
 
 class _SplitWriter:
     """Executor side: packs one split's documents and writes them to one Parquet file in row groups."""
 
-    def __init__(self, split, name, staging, storage, pack: PackSpec, spec, rows_per_group: int):
+    def __init__(self, split, name, staging, storage, pack: PackSpec, spec, rows_per_group: int, data):
         self.split, self.name, self.staging, self.storage = split, f"{split}/{name}", staging, storage
         self.pack, self.rows_per_group = pack, rows_per_group
-        self.packer = Packer(pack, bos_id=spec.bos_id, eos_id=spec.eos_id)
-        self.schema = _data_schema(pack.has_mask)
+        bos = spec.bos_id if spec.add_bos else None
+        self.packer = Packer(pack, bos_id=bos, eos_id=spec.eos_id)
+        self.records = data.format != "text"  # documents come as (piece, trains) pairs; rows get a loss mask
+        # a chat template's rendering holds its own special tokens; contents joined as they are get BOS and EOS
+        self.specials = (None, None) if _templated(data, spec) else (bos, spec.eos_id)
+        self.schema = _data_schema(pack.has_mask, self.records)
         self.pending: list[Packed] = []
         self.writer = self.sink = None
         self.counts = {"rows": 0, "documents": 0, "pad_tokens": 0, "row_groups": 0}
+        if self.records:
+            self.counts["loss_tokens"] = 0
 
-    def add(self, tok, texts: list[str], ids: list[int]) -> None:
-        if not texts:
+    def add(self, tok, docs: list, ids: list[int]) -> None:
+        """Tokenize and pack documents: texts, or records' (piece, trains) pairs (see :mod:`.instruct`)."""
+        if not docs:
             return
-        encodings = tok.encode_batch_fast(texts, add_special_tokens=False)
-        self.counts["documents"] += len(texts)
-        self.pending.extend(self.packer.feed([e.ids for e in encodings], ids))
+        self.counts["documents"] += len(docs)
+        if not self.records:
+            encodings = tok.encode_batch_fast(docs, add_special_tokens=False)
+            self.pending.extend(self.packer.feed([e.ids for e in encodings], ids))
+        else:
+            # Pieces are tokenized apart: a prompt's tokens are those the model sees at inference, before it answers.
+            pieces = tok.encode_batch_fast([piece for doc in docs for piece, _ in doc], add_special_tokens=False)
+            seqs, masks, k = [], [], 0
+            for doc in docs:
+                seq, mask = instruct.frame([e.ids for e in pieces[k:k + len(doc)]], [t for _, t in doc],
+                                           bos_id=self.specials[0], eos_id=self.specials[1])
+                seqs.append(seq)
+                masks.append(mask)
+                k += len(doc)
+            self.pending.extend(self.packer.feed(seqs, ids, masks))
         self._flush(final=False)
 
     def close(self) -> dict:
@@ -330,6 +402,7 @@ class _SplitWriter:
         while self.pending and (final or sum(len(p) for p in self.pending) >= self.rows_per_group):
             ids = np.concatenate([p.input_ids for p in self.pending])
             mask = np.concatenate([p.attention_mask for p in self.pending]) if self.pack.has_mask else None
+            loss = np.concatenate([p.loss_mask for p in self.pending]) if self.records else None
             doc = np.concatenate([p.doc_id for p in self.pending])
             take = len(ids) if final else self.rows_per_group
             if self.writer is None:
@@ -340,29 +413,35 @@ class _SplitWriter:
                 # training on garbage
                 self.writer = pq.ParquetWriter(self.sink, self.schema, compression="zstd", write_page_checksum=True)
             self.writer.write_table(_to_table(ids[:take], None if mask is None else mask[:take], doc[:take],
-                                              self.schema), row_group_size=take)
+                                              self.schema, None if loss is None else loss[:take]), row_group_size=take)
             self.counts["rows"] += take
             self.counts["row_groups"] += 1
             if mask is not None:
                 self.counts["pad_tokens"] += int(take * self.pack.seq_len - mask[:take].sum())
-            rest = Packed(ids[take:], None if mask is None else mask[take:], doc[take:])
+            if loss is not None:  # targets that count: a row's first token is never one
+                self.counts["loss_tokens"] += int(loss[:take, 1:].sum())
+            rest = Packed(ids[take:], None if mask is None else mask[take:], doc[take:],
+                          None if loss is None else loss[take:])
             self.pending = [rest] if len(rest) else []
 
 
-def _data_schema(has_mask: bool) -> pa.Schema:
+def _data_schema(has_mask: bool, has_loss_mask: bool = False) -> pa.Schema:
     fields = [("input_ids", pa.list_(pa.int32()))]
     if has_mask:
         fields.append(("attention_mask", pa.list_(pa.int8())))
+    if has_loss_mask:
+        fields.append(("loss_mask", pa.list_(pa.int8())))
     fields.append(("doc_id", pa.int64()))
     return pa.schema(fields)
 
 
-def _to_table(ids: np.ndarray, mask: np.ndarray | None, doc: np.ndarray, schema: pa.Schema) -> pa.Table:
+def _to_table(ids: np.ndarray, mask: np.ndarray | None, doc: np.ndarray, schema: pa.Schema,
+              loss: np.ndarray | None = None) -> pa.Table:
     def lists(a: np.ndarray) -> pa.Array:
         offsets = np.arange(0, a.size + 1, a.shape[1], dtype=np.int32)
         return pa.ListArray.from_arrays(pa.array(offsets), pa.array(a.reshape(-1)))
 
-    cols = [lists(ids)] + ([lists(mask)] if mask is not None else []) + [pa.array(doc)]
+    cols = [lists(ids)] + [lists(a) for a in (mask, loss) if a is not None] + [pa.array(doc)]
     return pa.Table.from_arrays(cols, schema=schema)
 
 
@@ -471,6 +550,8 @@ def _manifest(config, inputs, validation_inputs, stats, files, spec, pack: PackS
         splits[split]["bytes_per_token"] = (
             entry["text_bytes"] / splits[split]["tokens"] if splits[split]["tokens"] else None
         )
+        if config.data.format != "text":  # the targets the loss counts, per epoch
+            splits[split]["loss_tokens"] = sum(m["loss_tokens"] for m in metas)
     seconds = time.time() - started
     total_tokens = sum(s["tokens"] for s in splits.values())
     return {
@@ -485,18 +566,33 @@ def _manifest(config, inputs, validation_inputs, stats, files, spec, pack: PackS
         "packing": {"seq_len": pack.seq_len, "stride": pack.stride, "concat": pack.concat,
                     "last_block": "pad" if pack.pad_last else "drop", "has_attention_mask": pack.has_mask,
                     "targets": "inputs shifted by one (labels = input_ids)",
-                    "bos_eos": "each document is BOS tokens EOS"},
+                    "bos_eos": _framing(config.data, spec), "format": config.data.format,
+                    "chat_template": _templated(config.data, spec), "loss_mask": config.data.format != "text"},
         "tokenizer": {"file": "tokenizer.json", "sha256": spec.sha256, "vocab_size": spec.vocab_size,
-                      "bos_id": spec.bos_id, "eos_id": spec.eos_id, "pad_id": spec.pad_id,
+                      "bos_id": spec.bos_id, "eos_id": spec.eos_id, "pad_id": spec.pad_id, "add_bos": spec.add_bos,
+                      "chat_template": "chat_template.jinja" if spec.chat_template else None,
                       "trained": not config.tokenizer.path},
         "columns": {"input_ids": "list<int32>, seq_len token ids",
                     "attention_mask": "list<int8>, 0 on padding (present when sequences may be padded)",
+                    **({"loss_mask": "list<int8>, 1 on the tokens whose prediction counts in the loss (responses, "
+                                     "assistant turns and their end), 0 on prompts, specials and padding"}
+                       if config.data.format != "text" else {}),
                     "doc_id": "int64, stable id (content hash) of the document at the sequence's first token"},
         "timing": {"seconds": round(seconds, 3), "spark_start_seconds": round(spark_start, 3),
                    "tokens_per_second": round(total_tokens / max(seconds, 1e-9), 1),
                    "tokens_per_second_after_spark_start": round(total_tokens / max(seconds - spark_start, 1e-9), 1)},
         "config": config.to_saved(),
     }
+
+
+def _framing(data, spec) -> str:
+    """What one document is, in the manifest's words."""
+    bos = "BOS " if spec.add_bos else ""
+    if data.format == "text":
+        return f"each document is {bos}tokens EOS" + ("" if spec.add_bos else " (the tokenizer's convention: no BOS)")
+    if _templated(data, spec):
+        return "each record is its chat-template rendering, special tokens as the template writes them (none added)"
+    return f"each record is {bos}prompt response EOS (contents joined as they are)"
 
 
 def _summary(m: dict) -> None:
@@ -508,6 +604,8 @@ def _summary(m: dict) -> None:
     for split, s in m["splits"].items():
         rows.append((f"{split}: documents / bytes", f"{s['documents']:,}", f"{s['text_bytes']:,}"))
         rows.append((f"{split}: tokens / sequences", f"{s['tokens']:,}", f"{s['sequences']:,}"))
+        if "loss_tokens" in s:
+            rows.append((f"{split}: tokens in the loss", f"{s['loss_tokens']:,}", ""))
     t = m["timing"]
     rows.append(("time / throughput", f"{t['seconds']:.1f}s", f"{t['tokens_per_second']:,.0f} tokens/s"))
     progress.table("prepare summary", rows, ("", "", ""))

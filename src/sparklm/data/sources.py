@@ -14,6 +14,7 @@ import json
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -21,7 +22,7 @@ import pyarrow.parquet as pq
 from ..config import DataConfig, StorageConfig
 from ..errors import SparklmError
 from ..fs import expand, resolve, storage_hint, uri_like
-from . import clean
+from . import clean, instruct
 
 _COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4"}
 _FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv",
@@ -72,6 +73,9 @@ def plan_units(inputs: list[str], *, group: str, data: DataConfig, storage: Stor
         for info in infos:
             file_uri = uri_like(uri, info.path)
             fmt, compression = detect_format(info.path)
+            if data.format != "text" and fmt == "text":
+                raise SparklmError(f"{file_uri} is plain text, and --format {data.format} reads records",
+                                   hint="pass .jsonl, .csv or .parquet files of records, or use --format text")
             splittable = not compression and (fmt == "jsonl" or (fmt == "text" and data.doc_mode != "file"))
             if splittable and info.size > chunk:
                 units += [ReadUnit(file_uri, fmt, "", s, min(s + chunk, info.size), group, info.size)
@@ -85,14 +89,79 @@ def plan_units(inputs: list[str], *, group: str, data: DataConfig, storage: Stor
 
 
 def documents(units: list[ReadUnit], data: DataConfig, storage: StorageConfig) -> Iterator[tuple]:
-    """Read and clean units in order: ``(unit, pos, status, text or None, invalid bytes, digest or None)``."""
+    """Read and clean units in order: ``(unit, pos, status, document or None, invalid bytes, digest or None)``.
+
+    A document is a ``str`` (``data.format`` text) or an :class:`~sparklm.data.instruct.Record`
+    (instruction and chat records: every content cleaned; one without assistant content is empty).
+    """
     for unit in units:
-        for pos, status, text, invalid in _read_unit(unit, data, storage):
+        for pos, status, doc, invalid in _read_unit(unit, data, storage):
             if status == OK:
-                text = clean.clean_text(text, data.normalize)
-                status = EMPTY if not text else TOO_SHORT if len(text) < data.min_chars else OK
+                if isinstance(doc, instruct.Record):
+                    doc = doc.map(lambda text: clean.clean_text(text, data.normalize))
+                    status = EMPTY if not doc.trains else TOO_SHORT if len(doc.text) < data.min_chars else OK
+                else:
+                    doc = clean.clean_text(doc, data.normalize)
+                    status = EMPTY if not doc else TOO_SHORT if len(doc) < data.min_chars else OK
             ok = status == OK
-            yield unit, pos, status, text if ok else None, invalid, clean.digest(text) if ok else None
+            digest = clean.digest(doc if isinstance(doc, str) else doc.key()) if ok else None
+            yield unit, pos, status, doc if ok else None, invalid, digest
+
+
+def text_of(doc: str | instruct.Record) -> str:
+    """A document's text: itself, or a record's contents (for byte counts and the tokenizer sample)."""
+    return doc if isinstance(doc, str) else doc.text
+
+
+def where(unit: ReadUnit, pos: int, storage: StorageConfig) -> str:
+    """Where the record read at ``pos`` of ``unit`` is, for a message: ``FILE line N`` or ``FILE row N``."""
+    if unit.fmt != "jsonl":
+        return _where(None, "", unit, pos, by_line=True)
+    fs, path = resolve(unit.uri, storage)
+    with fs.open_input_stream(path, compression=unit.compression or None) as s:
+        encoding = clean.sniff_encoding(s.read(clean.BINARY_SNIFF_BYTES), "utf-8")
+    return _where(fs, path, unit, pos, by_line=bool(unit.compression) or encoding in ("utf-16", "utf-32"))
+
+
+def _where(fs, path: str, unit: ReadUnit, pos: int, *, by_line: bool) -> str:
+    """``pos`` is a line number (from 0) when ``by_line`` (compressed or UTF-16/32 JSONL), a CSV row number
+    (from 1) or a Parquet row index (from 0); else a byte offset, turned into a line number by counting."""
+    if unit.fmt in ("csv", "tsv"):
+        return f"{unit.uri} row {pos}"
+    if unit.fmt == "parquet":
+        return f"{unit.uri} row {pos + 1}"
+    if by_line:
+        return f"{unit.uri} line {pos + 1}"
+    with fs.open_input_file(path) as f:  # only on the way to an error: read the file up to the record
+        newlines, left = 0, pos
+        while left > 0 and (block := f.read(min(left, 1 << 20))):
+            newlines += block.count(b"\n")
+            left -= len(block)
+    return f"{unit.uri} line {newlines + 1}"
+
+
+def _record(values: dict, data: DataConfig, where) -> instruct.Record:
+    """An instruction or chat record from a row's values; ``where()`` names the row for an error."""
+    try:
+        if data.format == "chat":
+            return instruct.chat_record(values, data.messages_field)
+        return instruct.instruction_record(values, data.prompt_field, data.response_field)
+    except instruct.RecordError as e:
+        raise SparklmError(f"{where()} {e}", hint=_fields_hint(data)) from None
+
+
+def _fields_hint(data: DataConfig) -> str:
+    if data.format == "chat":
+        return ("name the messages field with --messages-field (--format instruction reads prompt/response records), "
+                "or fix the record")
+    return ("name the fields with --prompt-field and --response-field (--format chat reads records of messages), "
+            "or fix the record")
+
+
+def _record_fields(data: DataConfig) -> list[str]:
+    """The columns a record format needs: the text, the prompt and response, or the messages."""
+    return {"text": [data.text_field], "instruction": [data.prompt_field, data.response_field],
+            "chat": [data.messages_field]}[data.format]
 
 
 def _read_unit(unit: ReadUnit, data: DataConfig, storage: StorageConfig) -> Iterator[tuple[int, str, str | None, int]]:
@@ -100,7 +169,7 @@ def _read_unit(unit: ReadUnit, data: DataConfig, storage: StorageConfig) -> Iter
     fs, path = resolve(unit.uri, storage)
     try:
         if unit.fmt == "parquet":
-            yield from _read_parquet(fs, path, data)
+            yield from _read_parquet(fs, path, unit, data)
             return
         with fs.open_input_stream(path, compression=unit.compression or None) as s:
             head = s.read(clean.BINARY_SNIFF_BYTES)
@@ -115,7 +184,15 @@ def _read_unit(unit: ReadUnit, data: DataConfig, storage: StorageConfig) -> Iter
         tally = _Tally()
         lines = tally.feed(_lines(fs, path, unit, encoding, data.doc_mode))
         stop = unit.end if unit.end >= 0 else None
-        if unit.fmt == "jsonl":
+        if unit.fmt == "jsonl" and data.format != "text":
+            by_line = bool(unit.compression) or encoding in ("utf-16", "utf-32")
+            for pos, line in clean.group_documents(lines, "line", stop=stop):
+                status, values = _json_object(line)
+                record = None
+                if status == OK:
+                    record = _record(values, data, partial(_where, fs, path, unit, pos, by_line=by_line))
+                yield pos, status, record, tally.take()
+        elif unit.fmt == "jsonl":
             for pos, line in clean.group_documents(lines, "line", stop=stop):
                 yield (pos, *_json_text(line, data.text_field), tally.take())
         else:
@@ -196,6 +273,14 @@ def _previous_line_blank(f: io.BufferedReader, pos: int) -> bool:
     return True
 
 
+def _json_object(line: str) -> tuple[str, dict | None]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return MALFORMED, None
+    return (OK, record) if isinstance(record, dict) else (MALFORMED, None)
+
+
 def _json_text(line: str, field: str) -> tuple[str, str | None]:
     try:
         record = json.loads(line)
@@ -219,27 +304,37 @@ def _read_csv(fs, path: str, unit: ReadUnit, data: DataConfig, encoding: str) ->
         if header is None:
             return
         header = [h.lstrip("\ufeff").strip() for h in header]
-        if data.text_field not in header:
-            raise SparklmError(f"{unit.uri} has no column '{data.text_field}' (columns: {', '.join(header[:20])})",
-                               hint="name the text column with --text-field or data.text_field")
-        col = header.index(data.text_field)
+        _check_columns(unit.uri, header, data)
+        col = header.index(data.text_field) if data.format == "text" else max(map(header.index, _record_fields(data)))
         before = clean.invalid_total()
         for number, row in enumerate(reader, start=1):
             now = clean.invalid_total()
-            if col < len(row):
+            if col >= len(row):
+                yield number, MALFORMED, None, now - before
+            elif data.format == "text":
                 yield number, OK, row[col], now - before
             else:
-                yield number, MALFORMED, None, now - before
+                where = partial(_where, None, path, unit, number, by_line=True)
+                yield number, OK, _record(dict(zip(header, row)), data, where), now - before
             before = now
 
 
-def _read_parquet(fs, path: str, data: DataConfig) -> Iterator[tuple[int, str, str | None, int]]:
+def _check_columns(uri: str, names: list[str], data: DataConfig) -> None:
+    """A CSV or Parquet file must have the columns its format reads (one line naming the file and what it has)."""
+    for name in _record_fields(data):
+        if name not in names:
+            hint = "name the text column with --text-field or data.text_field" if data.format == "text" else _fields_hint(data)
+            raise SparklmError(f"{uri} has no column '{name}' (columns: {', '.join(names[:20])})", hint=hint)
+
+
+def _read_parquet(fs, path: str, unit: ReadUnit, data: DataConfig) -> Iterator[tuple[int, str, object, int]]:
     with fs.open_input_file(path) as raw:
         pf = pq.ParquetFile(raw)
         names = pf.schema_arrow.names
-        if data.text_field not in names:
-            raise SparklmError(f"{path} has no column '{data.text_field}' (columns: {', '.join(names[:20])})",
-                               hint="name the text column with --text-field or data.text_field")
+        _check_columns(path, names, data)
+        if data.format != "text":
+            yield from _parquet_records(pf, unit, data)
+            return
         number = 0
         for batch in pf.iter_batches(columns=[data.text_field], batch_size=4096):
             for value in batch.column(0).to_pylist():
@@ -253,3 +348,11 @@ def _read_parquet(fs, path: str, data: DataConfig) -> Iterator[tuple[int, str, s
                 else:
                     yield number, MALFORMED, None, 0
                 number += 1
+
+
+def _parquet_records(pf: pq.ParquetFile, unit: ReadUnit, data: DataConfig) -> Iterator[tuple[int, str, object, int]]:
+    number = 0
+    for batch in pf.iter_batches(columns=_record_fields(data), batch_size=1024):
+        for values in batch.to_pylist():
+            yield number, OK, _record(values, data, partial(_where, None, "", unit, number, by_line=True)), 0
+            number += 1

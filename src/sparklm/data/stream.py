@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -48,21 +49,37 @@ def unreadable(uri: str, e: BaseException) -> SparklmError:
                         hint="prepare the dataset again (`sparklm prepare … --overwrite`)")
 
 
-def read_rows(group: RowGroup, seq_len: int, storage: StorageConfig | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-    """(input_ids [rows, seq_len] int64, attention_mask [rows, seq_len] int8 or None) of one row group."""
+class Rows(NamedTuple):
+    """Rows of a prepared split: ``input_ids`` [rows, seq_len] int64; ``attention_mask`` [rows, seq_len] int8,
+    None when nothing is padded; ``loss_mask`` [rows, seq_len] int8, 1 where predicting the token counts in
+    the loss (instruction data), None when every real token does."""
+
+    input_ids: np.ndarray
+    attention_mask: np.ndarray | None = None
+    loss_mask: np.ndarray | None = None
+
+    def take(self, index) -> Rows:
+        """The rows at ``index`` (a slice, a boolean mask or positions) of every array."""
+        return Rows(*(None if a is None else a[index] for a in self))
+
+
+def read_rows(group: RowGroup, seq_len: int, storage: StorageConfig | None = None) -> Rows:
+    """The rows of one row group."""
     fs, path = resolve(group.path, storage)
     try:
         with fs.open_input_file(path) as f:
             pf = pq.ParquetFile(f, page_checksum_verification=True)
-            names = [n for n in ("input_ids", "attention_mask") if n in pf.schema_arrow.names]
+            names = [n for n in Rows._fields if n in pf.schema_arrow.names]
             table = pf.read_row_group(group.index, columns=names)
     except Exception as e:
         raise unreadable(group.path, e) from None
-    ids = np.asarray(table.column("input_ids").combine_chunks().flatten(), dtype=np.int64).reshape(-1, seq_len)
-    mask = None
-    if "attention_mask" in names:
-        mask = np.asarray(table.column("attention_mask").combine_chunks().flatten(), dtype=np.int8).reshape(-1, seq_len)
-    return ids, mask
+
+    def column(name: str, dtype) -> np.ndarray | None:
+        if name not in names:
+            return None
+        return np.asarray(table.column(name).combine_chunks().flatten(), dtype=dtype).reshape(-1, seq_len)
+
+    return Rows(column("input_ids", np.int64), column("attention_mask", np.int8), column("loss_mask", np.int8))
 
 
 class TokenStream:
@@ -80,11 +97,10 @@ class TokenStream:
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.groups))
         return [[self.groups[i] for i in order[k:k + self.window]] for k in range(0, len(order), self.window)]
 
-    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+    def __iter__(self) -> Iterator[Rows]:
         global_batch = self.batch * self.world
         lo = self.rank * self.batch
-        ids = np.zeros((0, self.seq_len), np.int64)  # this rank's rows not yet yielded
-        masks: np.ndarray | None = None
+        rest: Rows | None = None  # this rank's rows not yet yielded
         epoch = self.start // self.rows_per_epoch
         base = epoch * self.rows_per_epoch  # global position of the next window's first row
         while True:
@@ -98,36 +114,34 @@ class TokenStream:
                 pos = base + np.arange(n)
                 slot = pos % global_batch
                 mine = perm[(slot >= lo) & (slot < lo + self.batch) & (pos >= self.start)]
-                ids = np.concatenate([ids, np.concatenate([p[0] for p in parts])[mine]])
-                if parts[0][1] is not None:
-                    new = np.concatenate([p[1] for p in parts])[mine]
-                    masks = new if masks is None else np.concatenate([masks, new])
+                rows = _concat(([] if rest is None else [rest]) + [_concat(parts).take(mine)])
                 base += n
                 k = 0
-                while len(ids) - k >= self.batch:  # yield views; copy the short rest once per window
-                    yield ids[k:k + self.batch], None if masks is None else masks[k:k + self.batch]
+                while len(rows.input_ids) - k >= self.batch:  # yield views; copy the short rest once per window
+                    yield rows.take(slice(k, k + self.batch))
                     k += self.batch
-                ids = ids[k:].copy()
-                masks = None if masks is None else masks[k:].copy()
+                rest = Rows(*(None if a is None else a[k:].copy() for a in rows))
             epoch += 1
 
 
+def _concat(parts: list[Rows]) -> Rows:
+    return Rows(*(None if arrays[0] is None else np.concatenate(arrays) for arrays in zip(*parts)))
+
+
 def validation_rows(groups: list[RowGroup], *, seq_len: int, rank: int, world: int, limit: int | None,
-                    storage: StorageConfig | None = None) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+                    storage: StorageConfig | None = None) -> Iterator[Rows]:
     """Validation rows of one rank in file order (row i goes to rank i mod world), up to ``limit`` rows."""
     index = 0
     taken = 0
     for g in groups:
-        ids, mask = read_rows(g, seq_len, storage)
-        pick = (np.arange(index, index + len(ids)) % world) == rank
-        index += len(ids)
-        ids = ids[pick]
-        mask = None if mask is None else mask[pick]
-        if limit is not None and taken + len(ids) > limit:
-            ids = ids[: limit - taken]
-            mask = None if mask is None else mask[: limit - taken]
-        taken += len(ids)
-        if len(ids):
-            yield ids, mask
+        rows = read_rows(g, seq_len, storage)
+        n = len(rows.input_ids)
+        rows = rows.take((np.arange(index, index + n) % world) == rank)
+        index += n
+        if limit is not None:
+            rows = rows.take(slice(0, limit - taken))
+        taken += len(rows.input_ids)
+        if len(rows.input_ids):
+            yield rows
         if limit is not None and taken >= limit:
             return

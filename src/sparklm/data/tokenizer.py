@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from ..config import TokenizerConfig
 from ..errors import SparklmError
@@ -21,7 +21,11 @@ _PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]")
 
 @dataclass(frozen=True)
 class TokenizerSpec:
-    """A tokenizer as JSON text plus the ids of its special tokens: small, picklable, hashable."""
+    """A tokenizer as JSON text plus the ids of its special tokens: small, picklable, hashable.
+
+    ``add_bos``: documents start with BOS (the tokenizer's own convention: Llama's adds one, GPT-2's,
+    Qwen's and SmolLM's do not; sparklm's trained tokenizers do). ``chat_template``: the model's Jinja
+    chat template, when its tokenizer has one (instruction data is rendered with it)."""
 
     json: str
     bos_id: int
@@ -30,6 +34,8 @@ class TokenizerSpec:
     bos_token: str
     eos_token: str
     pad_token: str
+    add_bos: bool = True
+    chat_template: str = ""
 
     @property
     def sha256(self) -> str:
@@ -49,8 +55,10 @@ class TokenizerSpec:
         """The tokenizer as ``transformers`` sees it (what ``AutoTokenizer`` loads from :meth:`save`'s files)."""
         from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast(tokenizer_object=self.tokenizer(), bos_token=self.bos_token,
-                                       eos_token=self.eos_token, pad_token=self.pad_token)
+        # A model that starts no document with BOS is saved without one, so that nothing downstream adds it.
+        return PreTrainedTokenizerFast(tokenizer_object=self.tokenizer(), eos_token=self.eos_token,
+                                       pad_token=self.pad_token, bos_token=self.bos_token if self.add_bos else None,
+                                       chat_template=self.chat_template or None)
 
     def save(self, directory: str | Path) -> list[Path]:
         """Write tokenizer.json and the files that let ``AutoTokenizer.from_pretrained(directory)`` load it."""
@@ -71,12 +79,20 @@ def train(texts: Iterable[str], config: TokenizerConfig) -> TokenizerSpec:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
+    # BOS first on encode, as Llama's tokenizers do: AutoTokenizer users of a sparklm model get the ids it trained on.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{config.bos_token} $A", pair=f"{config.bos_token} $A {config.bos_token} $B",
+        special_tokens=[(config.bos_token, tok.token_to_id(config.bos_token))])
     return from_tokenizer(tok, config.bos_token, config.eos_token, config.pad_token)
 
 
 def load(path: str) -> TokenizerSpec:
-    """Load a ``tokenizer.json`` file or an HF tokenizer directory (local files only)."""
+    """Load a ``tokenizer.json`` file, an HF tokenizer or model directory, or a .gguf model's tokenizer (local)."""
     p = Path(path)
+    if (p.is_file() and p.suffix.lower() == ".gguf") or (p / "model").is_dir():
+        from ..model.build import model_source
+
+        p = model_source(str(p))  # a .gguf converted once (its tokenizer files are the GGUF's), a run's model/
     if p.is_dir():
         try:
             from transformers import AutoTokenizer
@@ -94,7 +110,8 @@ def load(path: str) -> TokenizerSpec:
         if eos is None:
             eos = _find(backend, _EOS_NAMES, "EOS", p)
             bos, pad = bos or eos, pad or eos
-        return from_tokenizer(backend, bos, eos, pad)
+        template = getattr(hf, "chat_template", None)
+        return from_tokenizer(backend, bos, eos, pad, chat_template=template if isinstance(template, str) else "")
     if not p.is_file():
         raise SparklmError(f"tokenizer not found: {p}", hint="pass a tokenizer.json file or an HF tokenizer directory")
     try:
@@ -129,13 +146,22 @@ def _find(tok: Tokenizer, names: tuple[str, ...], role: str | None, where: Path)
     return None
 
 
-def from_tokenizer(tok: Tokenizer, bos: str, eos: str, pad: str) -> TokenizerSpec:
-    """A spec from a ``tokenizers.Tokenizer`` and the names of its BOS, EOS and PAD tokens."""
+def from_tokenizer(tok: Tokenizer, bos: str, eos: str, pad: str, *, add_bos: bool | None = None,
+                   chat_template: str = "") -> TokenizerSpec:
+    """A spec from a ``tokenizers.Tokenizer`` and the names of its BOS, EOS and PAD tokens; ``add_bos`` None:
+    whether the tokenizer itself puts BOS first (see :func:`adds_bos`)."""
     ids = [tok.token_to_id(t) for t in (bos, eos, pad)]
     if None in ids:
         raise SparklmError(f"special tokens {bos!r}, {eos!r}, {pad!r} are not all in the vocabulary")
+    if add_bos is None:
+        add_bos = adds_bos(tok, ids[0], ids[1])
     return TokenizerSpec(json=tok.to_str(), bos_id=ids[0], eos_id=ids[1], pad_id=ids[2],
-                         bos_token=bos, eos_token=eos, pad_token=pad)
+                         bos_token=bos, eos_token=eos, pad_token=pad, add_bos=add_bos, chat_template=chat_template)
+
+
+def adds_bos(tok: Tokenizer, bos_id: int, eos_id: int) -> bool:
+    """Whether ``tok`` puts a BOS (distinct from EOS) before the text it encodes: the model's convention."""
+    return bos_id != eos_id and tok.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
 
 
 def save_to(spec: TokenizerSpec, fs, directory: str) -> None:

@@ -9,6 +9,8 @@ Bits per byte divide the summed nats by the documents' UTF-8 bytes: comparable a
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..cache import process_local
@@ -62,6 +64,8 @@ def evaluate(model: str, inputs: list[str], *, config: Config | None = None, max
     from .generate import load, model_uri, token_ids
 
     config = config or Config()
+    # eval scores text; instruction records are scored through the prepared dataset's validation split instead
+    config = config.replace(data=dataclasses.replace(config.data, format="text"))
     storage = effective(config.storage)
     source = model_uri(model, storage)  # a local path or an object-store URL each executor copies once
     lm = load(source, storage=storage)  # on the driver too: fail early on a bad model, and learn its context

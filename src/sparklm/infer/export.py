@@ -33,9 +33,11 @@ class LogitsGraph(torch.nn.Module):
                           use_cache=False).logits
 
 
-def export(model: str, output: str, *, quantize: str = "none", overwrite: bool = False,
+def export(model: str, output: str, *, quantize: str = "none", overwrite: bool = False, merge: bool = False,
            storage: StorageConfig | None = None) -> dict:
-    """Write ``output``/model.onnx (+ tokenizer and config files); returns what was written."""
+    """Write ``output``/model.onnx (+ tokenizer and config files); returns what was written. A LoRA adapter is
+    merged into its base first; with ``merge`` the merged model is also written as an HF model directory
+    (model.safetensors beside the graph), loadable without peft."""
     from .generate import load
 
     if quantize not in ("none", "int8", "int4"):
@@ -72,8 +74,12 @@ def export(model: str, output: str, *, quantize: str = "none", overwrite: bool =
         if fp32.name != ONNX_FILE:
             fp32.unlink()
         lm.tokenizer.save_pretrained(str(tmp))
-        lm.model.config.save_pretrained(str(tmp))
-        info = {"format": "onnx", "quantize": quantize, "source": lm.path, "context": lm.context,
+        if merge:
+            lm.model.config.use_cache = True
+            lm.model.save_pretrained(str(tmp), safe_serialization=True)
+        else:
+            lm.model.config.save_pretrained(str(tmp))
+        info = {"format": "onnx", "quantize": quantize, "source": lm.path, "context": lm.context, "merged_hf": merge,
                 "add_bos": lm.add_bos, "inputs": ["input_ids", "attention_mask"], "outputs": ["logits"]}
         (tmp / "sparklm_export.json").write_text(json.dumps(info, indent=2))
     return {**info, "path": str(out), "bytes": (out / ONNX_FILE).stat().st_size}

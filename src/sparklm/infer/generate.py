@@ -43,16 +43,22 @@ class LoadedModel:
     tokenizer: object
     path: str
     context: int
-    add_bos: bool  # prepend BOS to prompts (sparklm models: every training document starts with it)
+    add_bos: bool  # prompts start with BOS (as the training documents did)
 
 
 def model_uri(path: str, storage: StorageConfig | None = None) -> str:
-    """The model directory named by ``path`` (a sparklm run directory's ``model/``, or an HF model directory
-    itself), local or on an object store; one line when there is none."""
+    """The model directory named by ``path`` (a sparklm run directory's ``model/``, an HF model directory itself,
+    or a LoRA adapter directory), local or on an object store; one line when there is none."""
+    from ..model.build import ADAPTER_CONFIG
+
     remote = is_remote(path)
     base = path.rstrip("/") if remote else str(Path(path).expanduser().resolve())
+    if not remote and Path(base).is_file() and base.lower().endswith(".gguf"):
+        from ..model.gguf import cached
+
+        return cached(base)  # converted once into sparklm's cache
     for candidate in (join(base, "model"), base):
-        if exists(join(candidate, "config.json"), storage):
+        if any(exists(join(candidate, name), storage) for name in ("config.json", ADAPTER_CONFIG)):
             return candidate
     if not (list_names(base, storage) if remote else Path(base).exists()):  # an object store has no empty directories
         raise SparklmError(f"model {path} not found", hint="pass a sparklm run directory or an HF model directory")
@@ -79,7 +85,7 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
     if threads:
         torch.set_num_threads(threads)
     directory = model_dir(path, storage)
-    model = load_model(str(directory)).eval()
+    model = load_model(str(directory), storage=storage).eval()
     if quantize == "int8":
         import warnings
 
@@ -97,15 +103,16 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
     cfg = model.config
     context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
     bos = tok.bos_token_id
-    adds_bos = bool(tok("a")["input_ids"][:1] == [bos]) if bos is not None else False
-    add_bos = bos is not None and bos != tok.eos_token_id and not adds_bos
+    # The tokenizer's own convention (sparklm saves a tokenizer that adds BOS exactly when training did).
+    add_bos = bos is not None and bos != tok.eos_token_id and tok("a")["input_ids"][:1] == [bos]
     return LoadedModel(model, tok, str(directory), int(context), add_bos)
 
 
 def token_ids(lm: LoadedModel, text: str) -> list[int]:
     """The ids the model sees for ``text``: its tokenizer's, with BOS first where training put it."""
     ids = lm.tokenizer(text, add_special_tokens=True)["input_ids"]
-    return [lm.tokenizer.bos_token_id, *ids] if lm.add_bos else ids
+    bos = lm.tokenizer.bos_token_id
+    return [bos, *ids] if lm.add_bos and ids[:1] != [bos] else ids
 
 
 def encode(lm: LoadedModel, prompt: str, max_new_tokens: int) -> tuple[list[int], bool]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ModelConfig, StorageConfig
 from ..errors import SparklmError
 from ..fs import verify_checksums
 
@@ -40,21 +40,62 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, context: int, bos_id: int,
     return model
 
 
-def load_model(directory: str) -> torch.nn.Module:
-    """Load a local HF causal-LM directory (safetensors weights only; nothing is unpickled)."""
+def load_model(directory: str, *, dtype: torch.dtype | None = None, storage: StorageConfig | None = None
+               ) -> torch.nn.Module:
+    """Load a causal LM: an HF model directory (safetensors weights only; nothing is unpickled), a LoRA adapter
+    directory (its base loaded and the adapter merged in), on local disk or an object store, or a .gguf file."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # sparklm reports its own progress; keep stderr for real messages
-    if not (Path(directory) / "config.json").is_file():
-        raise SparklmError(f"{directory} is not a Hugging Face model directory (no config.json)",
-                           hint="pass a directory written by save_pretrained or a sparklm run's model/")
-    verify_checksums(Path(directory))  # a sparklm model/ records its files' SHA-256
+    path = model_source(directory, storage)
+    if (path / ADAPTER_CONFIG).is_file():
+        from .lora import load_adapter
+
+        return load_adapter(path, lambda base: load_model(base, dtype=dtype, storage=storage))
+    check_model_dir(path, directory)
+    verify_checksums(path)  # a sparklm model/ records its files' SHA-256
     try:
-        return AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, use_safetensors=True,
-                                                    attn_implementation="sdpa")
+        return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, use_safetensors=True,
+                                                    attn_implementation="sdpa", dtype=dtype or torch.float32)
     except Exception as e:
         raise SparklmError(f"cannot load the model in {directory}: {' '.join(str(e).split())[:200]}") from None
+
+
+ADAPTER_CONFIG = "adapter_config.json"  # what peft's save_pretrained writes beside the adapter weights
+
+
+def model_source(directory: str, storage: StorageConfig | None = None) -> Path:
+    """The local directory of the model ``directory`` names: itself, an object store's copy in the per-host cache,
+    or a .gguf file's conversion (done once, cached)."""
+    from ..fs import is_remote, local_copy
+    from . import gguf
+
+    if is_remote(directory):
+        if directory.lower().endswith(".gguf"):
+            raise SparklmError(f"{directory}: a .gguf file is read from local disk only",
+                               hint="convert it once with `sparklm import FILE.gguf --output DIR` and pass that DIR")
+        return local_copy(directory, storage)
+    path = Path(directory).expanduser()
+    if path.is_file() and gguf.is_gguf(str(path)):
+        return Path(gguf.cached(str(path)))
+    if (path / "model" / "config.json").is_file() or (path / "model" / ADAPTER_CONFIG).is_file():
+        return path / "model"  # a sparklm run directory
+    return path
+
+
+def check_model_dir(path: Path, name: str) -> None:
+    """One line when ``path`` is not a loadable HF model directory: no config.json, or no safetensors weights."""
+    if not path.exists():
+        raise SparklmError(f"model {name} not found", hint="pass an HF model directory, a sparklm run or a .gguf file")
+    if not (path / "config.json").is_file():
+        raise SparklmError(f"{name} is not a Hugging Face model directory (no config.json)",
+                           hint="pass a directory written by save_pretrained, a sparklm run's model/ or a .gguf file")
+    if not any(path.glob("*.safetensors")):
+        pickled = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+        why = f" (only {', '.join(pickled)}: sparklm never unpickles weights)" if pickled else ""
+        raise SparklmError(f"{name} has no safetensors weights{why}",
+                           hint="save the model with save_pretrained(..., safe_serialization=True)")
 
 
 def _swiglu_hidden(d: int) -> int:

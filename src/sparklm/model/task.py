@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from ..config import Config, StorageConfig
 from ..data.tokenizer import TokenizerSpec
 from ..errors import SparklmError
+from . import lora
 from .build import build_model, load_model
 
 IGNORE = -100  # label of positions without a loss (padding), as in HF and torch's cross_entropy
@@ -32,13 +34,21 @@ class Batch:
     labels: torch.Tensor  # (B, T) targets before the shift; IGNORE where no loss
 
 
-def make_batch(ids: np.ndarray, mask: np.ndarray | None) -> Batch:
-    """A batch from a stream's (input_ids, attention_mask) arrays; padded positions get no loss."""
+def make_batch(ids: np.ndarray, mask: np.ndarray | None, loss_mask: np.ndarray | None = None) -> Batch:
+    """A batch from a stream's (input_ids, attention_mask, loss_mask) arrays: padded positions and those
+    whose loss mask is 0 (instruction data: prompts) get no loss (label IGNORE)."""
     x = torch.from_numpy(ids)
-    if mask is None:
-        return Batch(x, None, x)
-    m = torch.from_numpy(mask)
-    return Batch(x, m.long(), x.masked_fill(m == 0, IGNORE))
+    m = None if mask is None else torch.from_numpy(mask)
+    keep = None if m is None else m != 0
+    if loss_mask is not None:
+        trains = torch.from_numpy(loss_mask) != 0
+        keep = trains if keep is None else keep & trains
+    return Batch(x, None if m is None else m.long(), x if keep is None else x.masked_fill(~keep, IGNORE))
+
+
+def targets(batch: Batch) -> int:
+    """The positions of ``batch`` whose next-token prediction counts (labels shift by one inside the model)."""
+    return int((batch.labels[:, 1:] != IGNORE).sum())
 
 
 def token_sums(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
@@ -68,7 +78,7 @@ class Task(Protocol):
 
     def build(self, config: Config, spec: TokenizerSpec, context: int) -> torch.nn.Module: ...
 
-    def loss(self, net: torch.nn.Module, batch: Batch) -> torch.Tensor: ...
+    def loss(self, net: torch.nn.Module, batch: Batch, total: int | None = None) -> torch.Tensor: ...
 
     def eval_sums(self, model: torch.nn.Module, batch: Batch, byte_lengths: torch.Tensor) -> torch.Tensor: ...
 
@@ -85,27 +95,52 @@ class CausalLM:
     """Next-token prediction with an HF causal LM (built from config, or continued from a directory)."""
 
     name = "causal-lm"
+    base = ""  # the pretrained model LoRA adapts (named in the exported adapter's config)
 
     def build(self, config: Config, spec: TokenizerSpec, context: int) -> torch.nn.Module:
         vocab = spec.vocab_size
         if config.model.init_from:
-            model = load_model(config.model.init_from)
+            dtype = torch.bfloat16 if config.lora.r and config.lora.base_dtype == "bfloat16" else None
+            model = load_model(config.model.init_from, dtype=dtype, storage=config.storage)
             have = model.get_input_embeddings().weight.shape[0]
             if have < vocab:
                 raise SparklmError(f"{config.model.init_from} has a vocabulary of {have} tokens, the data's tokenizer "
                                    f"{vocab}", hint="prepare the data with --tokenizer pointing at that model's tokenizer")
-            return model
-        # Round the embedding table up to a multiple of 64: faster matmuls, unused rows are never targets.
-        return build_model(config.model, vocab_size=64 * math.ceil(vocab / 64), context=context, bos_id=spec.bos_id,
-                           eos_id=spec.eos_id, pad_id=spec.pad_id, seed=config.train.seed)
+        elif config.lora.r:
+            raise SparklmError("LoRA adapts a pretrained model, and none is given",
+                               hint="pass --init-from MODEL (an HF model directory or a .gguf file), or drop --lora-r")
+        else:
+            # Round the embedding table up to a multiple of 64: faster matmuls, unused rows are never targets.
+            model = build_model(config.model, vocab_size=64 * math.ceil(vocab / 64), context=context,
+                                bos_id=spec.bos_id, eos_id=spec.eos_id, pad_id=spec.pad_id, seed=config.train.seed)
+        if config.train.grad_checkpoint:
+            # non-reentrant: works with frozen inputs (LoRA) and needs no inputs that require grad
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers 5's name
+                model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False  # training never reuses keys and values
+        if config.lora.r:
+            torch.manual_seed(config.train.seed)  # the adapters' initial weights, the same in every process
+            model = lora.wrap(model, config.lora)
+            self.base = config.model.init_from
+        return model
 
-    def loss(self, net: torch.nn.Module, batch: Batch) -> torch.Tensor:
-        return net(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels).loss
+    def loss(self, net: torch.nn.Module, batch: Batch, total: int | None = None) -> torch.Tensor:
+        """The summed next-token loss of ``batch`` divided by ``total`` targets (default: the batch's own), so that
+        micro-batches of a step weigh by the targets they hold (instruction data: response tokens only); a batch
+        without any target gives a zero that still reaches every parameter (DDP expects every gradient)."""
+        out = net(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
+        n = targets(batch)
+        if n == 0:
+            return out.logits.sum() * 0.0
+        return out.loss * (n / (total or n))
 
     def eval_sums(self, model: torch.nn.Module, batch: Batch, byte_lengths: torch.Tensor) -> torch.Tensor:
         mask = batch.attention_mask if batch.attention_mask is not None else torch.ones_like(batch.input_ids)
         logits = model(input_ids=batch.input_ids, attention_mask=mask).logits
-        return token_sums(logits[:, :-1], batch.input_ids[:, 1:], mask[:, 1:], byte_lengths)
+        # the targets the loss counts: labels are IGNORE on padding and on tokens whose loss mask is 0
+        return token_sums(logits[:, :-1], batch.input_ids[:, 1:], batch.labels[:, 1:] != IGNORE, byte_lengths)
 
     def trainable(self, model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
         return {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -121,16 +156,30 @@ class CausalLM:
         return {id(p) for p in model.parameters() if p.dim() == 2 and id(p) not in ends}
 
     def export(self, model: torch.nn.Module, spec: TokenizerSpec, uri: str, storage: StorageConfig) -> None:
-        """An HF model directory: config, model.safetensors, tokenizer files, generation config."""
+        """An HF model directory (config, model.safetensors, tokenizer files, generation config), or with LoRA
+        the adapter in PEFT format naming its base, with the tokenizer files."""
         from ..fs import CHECKSUMS, staged_dir, write_checksums
 
-        model.generation_config.bos_token_id = spec.bos_id
+        model.generation_config.bos_token_id = spec.bos_id if spec.add_bos else None
         model.generation_config.eos_token_id = spec.eos_id
         model.generation_config.pad_token_id = spec.pad_id
         with staged_dir(uri, storage, marker=CHECKSUMS) as tmp:
-            model.save_pretrained(str(tmp), safe_serialization=True)
+            if lora.is_lora(model):
+                lora.save(model, tmp, base_name(self.base))
+            else:
+                model.config.use_cache = True  # for generation by whoever loads it
+                model.save_pretrained(str(tmp), safe_serialization=True)
+                model.config.use_cache = False
             spec.save(tmp)
             write_checksums(tmp)
+
+
+def base_name(init_from: str) -> str:
+    """How an adapter names its base: an object store URI as given, a local path absolute (so it loads from
+    anywhere on this host)."""
+    from ..fs import is_remote
+
+    return init_from if is_remote(init_from) else str(Path(init_from).expanduser().resolve())
 
 
 def task_for(config: Config) -> Task:

@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from ..data.tokenizer import TokenizerSpec, token_byte_lengths
 from ..errors import SparklmError
 from ..fs import delete, exists, join
 from ..model import flops_per_token, param_count
-from ..model.task import Batch, Task, lm_figures, make_batch, task_for
+from ..model.task import Batch, Task, lm_figures, make_batch, targets, task_for
 from . import checkpoint, device, optim
 from .report import write_samples
 from .sinks import Sink
@@ -58,6 +58,8 @@ class TrainResult:
     dtype: str
     final: dict  # the last evaluation's figures (val_loss, val_ppl, val_bpb, val_acc, val_tokens)
     best: dict = field(default_factory=dict)  # the best evaluation's step and figures (model/ holds its weights)
+    peak_rss_mb: float = 0.0  # the largest resident memory of a training process (rank 0, or any round worker)
+    trainable_params: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -193,13 +195,14 @@ class Trainer:
 
     def __init__(self, config: Config, dataset: PreparedDataset, spec: TokenizerSpec, *, rank: Rank = Rank(),
                  task: Task | None = None, dev: device.Device | None = None, workers: int | None = None):
-        self.config, self.tc, self.dataset, self.spec, self.rank = config, config.train, dataset, spec, rank
+        self.config, self.dataset, self.spec, self.rank = config, dataset, spec, rank
+        self.tc = replace(config.train, lr=optim.peak_lr(config))  # train.lr = 0: the peak for what trains
         self.task = task or task_for(config)
         self.device = dev or device.select(config.train.dtype, rank.threads)
         self.seq_len = dataset.seq_len
         self.model = self.task.build(config, spec, self.seq_len)
         self.net: torch.nn.Module = self.model
-        self.optimizer_name = optim.choose(self.tc, rank.threads)
+        self.optimizer_name = optim.choose(self.tc, rank.threads, pretrained=bool(config.model.init_from))
         self.optimizer = self.new_optimizer()
         self.train_groups = checked_row_groups(dataset, "train", config.storage)
         self.val_groups = checked_row_groups(dataset, "validation", config.storage)
@@ -224,7 +227,7 @@ class Trainer:
                              rank=self.rank.rank if part is None else part, world=self.rank.world if parts is None else parts,
                              seed=self.tc.seed, window=self.tc.window_row_groups, start=position,
                              storage=self.config.storage)
-        return (make_batch(ids, mask) for ids, mask in stream)
+        return (make_batch(*rows) for rows in stream)
 
     def train_step(self, batches: Iterator[Batch], lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, gradient norm)."""
@@ -232,12 +235,13 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros(())
-        for micro in range(tc.grad_accum):
-            batch = next(batches)
+        micros = [next(batches) for _ in range(tc.grad_accum)]
+        total = sum(targets(b) for b in micros)  # each micro-batch weighs by its share of the step's targets
+        for micro, batch in enumerate(micros):
             sync = self.rank.world == 1 or micro == tc.grad_accum - 1
             ctx = self.net.no_sync() if not sync and hasattr(self.net, "no_sync") else nullcontext()
             with ctx, self.device.autocast():
-                loss = self.task.loss(self.net, batch) / tc.grad_accum
+                loss = self.task.loss(self.net, batch, total)
             loss.backward()
             loss_sum += loss.detach().float()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip or float("inf"))
@@ -269,10 +273,10 @@ class Trainer:
         self.model.eval()
         limit = tc.eval_batches * tc.batch_size if tc.eval_batches else None
         sums = torch.zeros(4, dtype=torch.float64)
-        for ids, mask in validation_rows(self.val_groups, seq_len=self.seq_len, rank=part, world=parts, limit=limit,
-                                         storage=self.config.storage):
-            for i in range(0, len(ids), tc.batch_size):
-                batch = make_batch(ids[i:i + tc.batch_size], None if mask is None else mask[i:i + tc.batch_size])
+        for rows in validation_rows(self.val_groups, seq_len=self.seq_len, rank=part, world=parts, limit=limit,
+                                    storage=self.config.storage):
+            for i in range(0, len(rows.input_ids), tc.batch_size):
+                batch = make_batch(*rows.take(slice(i, i + tc.batch_size)))
                 with self.device.autocast():
                     sums += self.task.eval_sums(self.model, batch, self.byte_lengths)
         self.model.train()
@@ -290,7 +294,30 @@ class Trainer:
     def facts(self) -> dict:
         return {"params": param_count(self.model), "flops_per_token": flops_per_token(self.model, self.seq_len),
                 "peak_flops": self.device.peak_flops(self.rank.threads), "dtype": self.device.dtype_name,
-                "optimizer": self.optimizer_name}
+                "optimizer": self.optimizer_name,
+                "trainable_params": sum(p.numel() for p in self.task.trainable(self.model).values())}
+
+    def frozen(self) -> bool:
+        """Whether part of the model does not train (LoRA): checkpoints then hold only the trainable weights,
+        the rest comes from the pretrained model again."""
+        return any(not p.requires_grad for p in self.model.parameters())
+
+    def checkpoint_weights(self) -> dict[str, torch.Tensor]:
+        if self.frozen():
+            return {n: p.detach() for n, p in self.task.trainable(self.model).items()}
+        return checkpoint.model_tensors(self.model)
+
+    def load_checkpoint_weights(self, weights: dict[str, torch.Tensor], path: str) -> None:
+        if not self.frozen():
+            checkpoint.load_model_tensors(self.model, weights, path)
+            return
+        trainable = self.task.trainable(self.model)
+        if set(weights) != set(trainable):
+            raise SparklmError(f"checkpoint {path} does not hold this model's trainable weights (LoRA adapters)",
+                               hint="resume with the same model and lora settings")
+        with torch.no_grad():
+            for n, p in trainable.items():
+                p.copy_(weights[n])
 
     def record_eval(self, figures: dict, *, snapshot: bool) -> None:
         """Track the best evaluation; on a new best, ``snapshot`` copies the trainable weights (train.keep_best)."""
@@ -328,7 +355,7 @@ class Trainer:
         if self.rank.rank == 0:
             opt, groups = checkpoint.optimizer_tensors(self.optimizer)
             s = self.state
-            files = {"model": checkpoint.model_tensors(self.model), "optimizer": opt,
+            files = {"model": self.checkpoint_weights(), "optimizer": opt,
                      "rng": {f"torch.{r}": t for r, t in enumerate(states)},
                      **self.best.checkpoint_files(self.best_weights, s.step)}
             checkpoint.save(join(run_dir, "checkpoints"), s.step, keep=self.tc.keep_checkpoints,
@@ -356,7 +383,7 @@ class Trainer:
         if found is None:
             return False
         path, state, files = found
-        checkpoint.load_model_tensors(self.model, files["model"], path)
+        self.load_checkpoint_weights(files["model"], path)
         checkpoint.load_optimizer(self.optimizer, files["optimizer"], state["param_groups"])
         torch.set_rng_state(files["rng"][f"torch.{self.rank.rank}"])
         self.state = TrainState(step=state["step"], position=state["position"], tokens_seen=state["tokens_seen"],
@@ -426,7 +453,8 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
             emit({"kind": "train", "step": s.step, "epoch": s.tokens_seen / epoch_tokens, "tokens": s.tokens_seen,
                   "loss": loss.item(), "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tps,
                   "ms_per_step": 1000 * (now - last_log) / max(s.step - last_step, 1),
-                  "mfu": tps * flops_tok / (peak * rank.world), "rss_mb": device.rss_mb(), "elapsed": now - t_start})
+                  "mfu": tps * flops_tok / (peak * rank.world), "rss_mb": device.rss_mb(),
+                  "peak_rss_mb": device.peak_rss_mb(), "elapsed": now - t_start})
             last_log, last_tokens, last_step = now, s.tokens_seen, s.step
         if is_main and s.step == NOTE_STEP:  # by then the pace projects a time budget well enough
             pace = s.tokens_seen / max(time.time() - t_start, 1e-9)
@@ -458,5 +486,6 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
     device.trim_memory()
     return TrainResult(steps=trainer.state.step, tokens=trainer.state.tokens_seen, seconds=elapsed,
                        params=facts.get("params", 0), flops_per_token=flops_tok, peak_flops=peak,
-                       dtype=trainer.device.dtype_name, final=final, best=trainer.best.summary())
+                       dtype=trainer.device.dtype_name, final=final, best=trainer.best.summary(),
+                       peak_rss_mb=device.peak_rss_mb(), trainable_params=facts.get("trainable_params", 0))
 

@@ -103,6 +103,17 @@ def rss_mb() -> float:
     return 0.0
 
 
+def peak_rss_mb() -> float:
+    """The largest resident memory of this process so far (VmHWM): what a container's memory limit is held to."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
 def keep_freed_memory() -> None:
     """glibc: keep freed memory in the process instead of handing it back to the OS every step.
 

@@ -49,7 +49,7 @@ def write_samples(model, spec, run_dir: str, dataset, config) -> None:
         return
     tok = spec.hf()
     prompts = [p if p.strip() else "The" for p in _prompts(dataset, tok, tc.samples, config)]
-    lm = LoadedModel(model.eval(), tok, join(run_dir, "model"), context, add_bos=True)
+    lm = LoadedModel(model.eval(), tok, join(run_dir, "model"), context, add_bos=spec.add_bos)
     sampling = Sampling(max_new_tokens=new_tokens, seed=tc.seed)
     lines = [f"# {len(prompts)} samples: temperature {sampling.temperature}, top-k {sampling.top_k}, "
              f"{new_tokens} new tokens (seed {tc.seed})\n"]
@@ -63,14 +63,16 @@ def _prompts(dataset, tok, n: int, config) -> list[str]:
     corpus's voice, not title-page fragments."""
     from ..data.stream import read_rows, row_groups
 
-    bos, eos = tok.bos_token_id, tok.eos_token_id
+    # a document starts after its BOS, or (a tokenizer without one) after the previous document's EOS
+    start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    eos = tok.eos_token_id
     prompts: list[str] = []
     for split in ("validation", "train"):
         for group in row_groups(dataset.files(split), config.storage)[:4]:
-            ids, _ = read_rows(group, dataset.seq_len, config.storage)
+            ids = read_rows(group, dataset.seq_len, config.storage).input_ids
             for row in ids.tolist():
                 for i, t in enumerate(row[:-31]):
-                    if t == bos and eos not in row[i + 1:i + 31]:
+                    if t == start and eos not in row[i + 1:i + 31]:
                         words = tok.decode(row[i + 1:i + 7]).split()
                         if len(words) >= 2:
                             prompts.append(" ".join(words[:4]))

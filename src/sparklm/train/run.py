@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 from .. import progress
@@ -127,16 +126,36 @@ def _check_resumable(run_dir: str, config: Config) -> None:
 
 
 def _check_init_from(config: Config, spec: TokenizerSpec) -> None:
+    """Before Spark starts: the pretrained model exists and loads (config and safetensors weights), its tokenizer is
+    the dataset's, and LoRA's targets name modules of it (checked on an empty model: no weights are read)."""
     if not config.model.init_from:
-        return
-    path = Path(config.model.init_from)
-    if not (path / "tokenizer.json").is_file():
+        if config.lora.r:
+            raise SparklmError("LoRA adapts a pretrained model, and none is given",
+                               hint="pass --init-from MODEL (an HF model directory or a .gguf file), or drop --lora-r")
         return
     from ..data.tokenizer import load
+    from ..model.build import ADAPTER_CONFIG, check_model_dir, model_source
 
-    if load(str(path)).sha256 != spec.sha256:
-        raise SparklmError(f"the tokenizer of {path} differs from the dataset's",
-                           hint=f"prepare the data with --tokenizer {path}")
+    name = config.model.init_from
+    path = model_source(name, config.storage)  # a .gguf file is converted here, once per host
+    if (path / ADAPTER_CONFIG).is_file():  # a LoRA run's model/: its base is checked when it loads
+        return
+    check_model_dir(path, name)
+    if (path / "tokenizer.json").is_file() and load(str(path)).sha256 != spec.sha256:
+        raise SparklmError(f"the tokenizer of {name} differs from the dataset's",
+                           hint=f"prepare the data with --tokenizer {name}")
+    if config.lora.r:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from ..model import lora
+
+        try:
+            with torch.device("meta"):
+                empty = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path), local_files_only=True))
+        except Exception as e:
+            raise SparklmError(f"cannot read the model config in {name}: {' '.join(str(e).split())[:200]}") from None
+        lora.check_targets(empty, config.lora)
 
 
 def _summary(run_dir: str, config: Config, dataset: PreparedDataset, result: dict, spark, seconds: float,
@@ -152,8 +171,10 @@ def _summary(run_dir: str, config: Config, dataset: PreparedDataset, result: dic
         "train_seconds": result["seconds"], "wall_seconds": seconds, "spark_start_seconds": spark_start,
         "seconds_per_epoch": result["seconds"] / max(result["tokens"] / max(epoch_tokens, 1), 1e-9),
         "tokens_per_s": _mean(steady, "tokens_per_s"), "ms_per_step": _mean(steady, "ms_per_step"),
-        "mfu": _mean(steady, "mfu"), "peak_rss_mb": max((r["rss_mb"] or 0 for r in train_rows), default=0),
-        "params": result["params"], "flops_per_token": result["flops_per_token"],
+        "mfu": _mean(steady, "mfu"),
+        "peak_rss_mb": max([result.get("peak_rss_mb") or 0, *(r["rss_mb"] or 0 for r in train_rows)]),
+        "params": result["params"], "trainable_params": result.get("trainable_params"),
+        "flops_per_token": result["flops_per_token"],
         "peak_flops": result["peak_flops"], "dtype": result["dtype"],
         "workers": config.train.workers, "strategy": config.train.strategy,
         "bytes_communicated": result.get("bytes_communicated"),

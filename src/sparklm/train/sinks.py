@@ -25,7 +25,7 @@ from ..config import StorageConfig
 from ..fs import exists, local_path, read_text, write_text
 
 METRIC_COLUMNS = ["kind", "step", "epoch", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "ms_per_step", "mfu",
-                  "rss_mb", "elapsed", "val_loss", "val_ppl", "val_bpb", "val_acc", "val_tokens"]
+                  "rss_mb", "peak_rss_mb", "elapsed", "val_loss", "val_ppl", "val_bpb", "val_acc", "val_tokens"]
 
 
 class Sink(Protocol):

@@ -82,6 +82,7 @@ class WorkerResult:
     compute_s: float = 0.0
     task_s: float = 0.0
     rss_mb: float = 0.0
+    peak_rss_mb: float = 0.0
     delta_bytes: int = 0
     eval_sums: tuple[float, ...] | None = None
     facts: dict[str, Any] | None = None  # worker 0, first round: params, FLOPs/token, peak, dtype
@@ -104,6 +105,8 @@ class RunResult:
     final: dict = field(default_factory=dict)
     best: dict = field(default_factory=dict)  # the best evaluation: its step and figures (model/ holds its weights)
     bytes_communicated: int = 0
+    peak_rss_mb: float = 0.0  # the largest resident memory of a training process
+    trainable_params: int | None = None
     rounds: int | None = None
     bytes_broadcast: int | None = None
     bytes_returned: int | None = None

@@ -85,9 +85,11 @@ class DDP:
             raise channel.error
         # gloo has no counters: a ring all-reduce of the fp32 gradients per step sends 2·(N−1)/N of them
         # from each of the N ranks
-        traffic = int(r["steps"] * 2 * (job.workers - 1) * 4 * (r.get("params") or 0))
+        # (only the trainable ones: with LoRA, the adapters')
+        traffic = int(r["steps"] * 2 * (job.workers - 1) * 4 * (r.get("trainable_params") or r.get("params") or 0))
         return RunResult(**{k: r[k] for k in ("steps", "tokens", "seconds", "params", "flops_per_token", "peak_flops",
-                                              "dtype", "final", "best")}, bytes_communicated=traffic)
+                                              "dtype", "final", "best", "peak_rss_mb", "trainable_params")},
+                         bytes_communicated=traffic)
 
 
 def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> dict:

@@ -125,6 +125,7 @@ class Rounds:
         shards_t = tuple(tuple(s) for s in (shards or [(w, workers) for w in range(workers)]))
         facts: dict = {}
         comm = {"broadcast": 0, "returned": 0}
+        peak_rss = 0.0
         epoch_tokens = max(dataset.manifest["splits"]["train"]["tokens"], 1)
         t_start = time.time() - elapsed_before
         per_step_s = None
@@ -210,7 +211,9 @@ class Rounds:
                        "loss": loss, "lr": sum(r.lr for r in done) / len(done),
                        "grad_norm": sum(r.grad_norm for r in done) / len(done), "tokens_per_s": tps,
                        "ms_per_step": 1000 * per_step_s, "mfu": tps * facts.get("flops_per_token", 0) / (peak * workers),
-                       "rss_mb": max(r.rss_mb for r in done), "elapsed": elapsed})
+                       "rss_mb": max(r.rss_mb for r in done), "peak_rss_mb": max(r.peak_rss_mb for r in done),
+                       "elapsed": elapsed})
+            peak_rss = max([peak_rss, *(r.peak_rss_mb for r in done)])
             left = (total_steps - step) * per_step_s if total_steps else max(tc.time_budget - elapsed, 0)
             out.write({
                 "kind": "round", "round": rnd_index, "step": step, "workers": workers, "workers_done": len(done),
@@ -264,7 +267,8 @@ class Rounds:
                          flops_per_token=facts.get("flops_per_token"), final=last_eval, best=best.summary(),
                          peak_flops=facts.get("peak_flops"), dtype=facts.get("dtype"), rounds=rnd_index,
                          bytes_broadcast=comm["broadcast"], bytes_returned=comm["returned"],
-                         bytes_communicated=comm["broadcast"] + comm["returned"])
+                         bytes_communicated=comm["broadcast"] + comm["returned"], peak_rss_mb=peak_rss,
+                         trainable_params=sum(t.numel() for t in params.values()))
 
 
 def _round_job(spark, job: Job, bc, spec: RoundSpec, fault: dict | None, max_failures: int) -> dict:

