@@ -61,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scheduler", choices=("constant", "cosine"), default="constant")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bf16-base", action="store_true", help="load the model in bfloat16 (LoRA adapters stay fp32)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (TrainingArguments(bf16=True)), weights fp32")
     p.add_argument("--grad-checkpointing", action="store_true", help="activation (gradient) checkpointing")
     p.add_argument("--allocator", action="store_true", help="sparklm's glibc allocator settings")
     p.add_argument("--eval", default=None, help="plain-text file for held-out perplexity after training")
@@ -184,6 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
         "engine": "hf-trainer", "transformers": transformers.__version__, "torch": torch.__version__,
         "model": args.model, "mode": f"lora-r{args.lora_r}" if args.lora_r else "full",
         "base_dtype": "bfloat16" if args.bf16_base else "float32", "grad_checkpointing": args.grad_checkpointing,
+        "autocast": "bfloat16" if args.bf16 else None,
         "allocator": args.allocator, "threads": args.threads, "seq_len": args.seq_len, "batch_size": args.batch_size,
         "steps": args.steps, "warmup_steps": args.warmup_steps, "lr": args.lr, "scheduler": args.scheduler,
         "train_blocks": len(train_ds) if train_ds is not None else None,
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
                 logging_strategy="steps", logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none",
                 use_cpu=True, dataloader_num_workers=0, seed=args.seed, disable_tqdm=True, log_level="error",
                 # transformers 5: `activation_checkpointing` (`gradient_checkpointing` is a deprecated alias)
-                activation_checkpointing=args.grad_checkpointing,
+                activation_checkpointing=args.grad_checkpointing, bf16=args.bf16,
             )
             trainer = Trainer(model=model, args=targs, train_dataset=train_ds, callbacks=[clock])
             # disable_tqdm=True swaps the progress bar for a PrinterCallback that prints every log dict to stdout

@@ -423,7 +423,10 @@ def main(argv: list[str] | None = None) -> int:
 def _stop_spark() -> None:
     """Stop the session this command started (not one it found running: main() may run in a caller's process)."""
     while _STARTED:
-        _STARTED.pop().stop()
+        try:
+            _STARTED.pop().stop()
+        except Exception:  # the JVM already died (its error was reported): stopping it is moot, not a traceback
+            pass
 
 
 if __name__ == "__main__":

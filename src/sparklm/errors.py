@@ -52,6 +52,10 @@ _CAUSES = [
      "install the same packages on every host and set PYSPARK_PYTHON to that interpreter"),
     (re.compile(r"No space left on device|ENOSPC|errno 28\b", re.I),
      "no space left on device", "free disk space (or point the output and spark.local.dir elsewhere) and run again"),
+    (re.compile(r"java\.lang\.OutOfMemoryError|Java heap space", re.I),
+     "the Spark driver's JVM ran out of memory (Java heap space)",
+     "raise spark.driver.memory (e.g. --conf spark.driver.memory=12g; in local mode the tasks' results and "
+     "broadcasts share that heap), or train fewer weights (LoRA)"),
     (re.compile(r"\bMemoryError\b|Cannot allocate memory|std::bad_alloc|DefaultCPUAllocator: can't allocate", re.I),
      "out of memory", "lower train.batch_size or the model size, or give the executors more memory"),
     (re.compile(r"Connection closed by peer|Connection reset by peer|Timed out|timeout.*gloo|gloo.*timeout", re.I),

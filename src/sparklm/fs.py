@@ -241,12 +241,23 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a local file, read in chunks (a checkpoint's files can be larger than spare memory)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def write_checksums(directory: Path) -> None:
     """``sparklm_checksums.json``: the SHA-256 of every file in a local directory (written last, before publishing)."""
     import json
 
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != CHECKSUMS)
-    sums = {str(p.relative_to(directory)): sha256(p.read_bytes()) for p in files}
+    sums = {str(p.relative_to(directory)): file_sha256(p) for p in files}
     (directory / CHECKSUMS).write_text(json.dumps(sums, indent=2))
 
 
@@ -263,7 +274,7 @@ def verify_checksums(directory: Path) -> None:
         raise SparklmError(f"{listing} is unreadable", hint="export the model again") from None
     for name, want in sums.items():
         path = directory / name
-        if not path.is_file() or sha256(path.read_bytes()) != want:
+        if not path.is_file() or file_sha256(path) != want:
             raise SparklmError(f"{path} is damaged: it does not match the SHA-256 recorded when it was written",
                                hint="restore it from a copy or export the model again")
 

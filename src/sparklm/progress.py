@@ -40,7 +40,10 @@ def stage(spark, name: str, *, quiet: bool = False):
         if status is not None:
             status.stop()
         if sc is not None:
-            sc.setJobDescription(None)
+            try:
+                sc.setJobDescription(None)
+            except Exception:  # the JVM is gone (its failure is what is being reported): nothing to reset
+                pass
     if not quiet:
         console.print(f"[green]✓[/green] {name} [dim]{time.monotonic() - start:.1f}s[/dim]")
 

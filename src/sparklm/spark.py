@@ -66,6 +66,9 @@ def get_session(config: SparkConfig | None = None, *, spark=None, jvm_log: str |
         "spark.ui.enabled": "true" if config.ui else "false",
         "spark.ui.showConsoleProgress": "false",  # sparklm draws its own progress
         "spark.driver.memory": "4g",
+        # rounds return each worker's weight delta as a task result: a full 135M-parameter model's is 538 MB, past
+        # the 1 GiB default for two workers; the driver's memory is the real bound (its exhaustion is one line)
+        "spark.driver.maxResultSize": "0",
         "spark.sql.execution.arrow.pyspark.enabled": "true",
         # DDP's barrier stage: fail in seconds, not minutes, when there are too few slots (Spark retries its
         # check 40 times every 15 s by default), and never wait forever for a rank that does not arrive

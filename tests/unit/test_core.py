@@ -217,6 +217,9 @@ def test_muon_with_adamw_checkpoints_as_one_optimizer():
     assert len(in_muon) + sum(len(g["params"]) for g in adamw.param_groups) == len(list(a.parameters()))
     step(a, opt_a)
     tensors, groups = checkpoint.optimizer_tensors(opt_a)
+    from safetensors.torch import load, save
+
+    tensors = load(save(tensors))  # what a checkpoint holds (optimizer_tensors are views of the live state)
     b, opt_b = fresh()
     b.load_state_dict(a.state_dict())
     checkpoint.load_optimizer(opt_b, tensors, groups)
@@ -276,3 +279,19 @@ def test_micro_batches_weigh_by_their_targets_and_an_empty_one_is_a_zero():
     parts[2].backward()
     assert parts[2].item() == 0.0
     assert all(p.grad is not None and not p.grad.isnan().any() for p in model.parameters())
+
+
+def test_flops_per_token_counts_frozen_weights_at_four_not_six():
+    from sparklm.config import ModelConfig
+    from sparklm.model import flops_per_token
+    from sparklm.model.build import build_model
+
+    model = build_model(ModelConfig(n_layer=1, n_head=2, n_embd=16), vocab_size=64, context=16, bos_id=1, eos_id=2,
+                        pad_id=0)
+    full = flops_per_token(model, 16)
+    frozen = 0
+    for name, p in model.named_parameters():
+        if "mlp" in name:
+            p.requires_grad_(False)
+            frozen += p.numel()
+    assert frozen and flops_per_token(model, 16) == full - 2 * frozen

@@ -113,10 +113,16 @@ def param_count(model: torch.nn.Module, *, non_embedding: bool = False) -> int:
 def flops_per_token(model: torch.nn.Module, context: int) -> float:
     """Training FLOPs per token: 6 × (non-embedding params + LM head) + attention (12 · L · d · T).
 
-    The PaLM/nanoGPT estimate; the LM head counts even when tied (it is a real matmul).
+    The PaLM/nanoGPT estimate; the LM head counts even when tied (it is a real matmul). Frozen weights
+    (LoRA's base) cost 4 per parameter, not 6: the backward pass computes no gradient for them, only
+    through them.
     """
     cfg = model.config
     n = param_count(model, non_embedding=True)
     if cfg.tie_word_embeddings:
         n += model.get_output_embeddings().weight.numel()
-    return 6.0 * n + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * context
+    embed = model.get_input_embeddings().weight
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad and p is not embed)
+    if cfg.tie_word_embeddings and not embed.requires_grad:
+        frozen += embed.numel()  # the tied LM head
+    return 6.0 * n - 2.0 * frozen + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * context

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import StorageConfig
 from ..errors import SparklmError
-from ..fs import delete, exists, join, list_names, read_bytes, read_text, remove_stale, sha256, staged_dir
+from ..fs import delete, exists, file_sha256, join, list_names, read_bytes, read_text, remove_stale, sha256, staged_dir
 
 if TYPE_CHECKING:
     import torch
@@ -35,7 +35,7 @@ def save(directory: str, step: int, *, files: dict[str, dict[str, torch.Tensor]]
     ``files``: name → tensors, saved as ``NAME.safetensors``. ``adopt``: name → a directory whose files
     are taken into the checkpoint as ``NAME/`` (the workers' inner optimizer states) and then removed.
     """
-    from safetensors.torch import save as save_bytes
+    from safetensors.torch import save_file
 
     final = join(directory, step_name(step))
     remove_stale(final, storage, before=time.time() - 1)  # a killed earlier save of the same step
@@ -47,7 +47,11 @@ def save(directory: str, step: int, *, files: dict[str, dict[str, torch.Tensor]]
             digests[name] = sha256(data)
 
         for name, tensors in files.items():
-            put(f"{name}.safetensors", save_bytes({k: v.detach().contiguous().cpu() for k, v in tensors.items()}))
+            # straight to the file: safetensors' save() would hold the whole file in memory twice (a full
+            # model's optimizer state is twice the weights: 2 GB at 135M parameters)
+            path = tmp / f"{name}.safetensors"
+            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+            digests[path.name] = file_sha256(path)
         for name, src in (adopt or {}).items():
             (tmp / name).mkdir()
             for f in list_names(src, storage):
@@ -159,7 +163,9 @@ def load_model_tensors(model: torch.nn.Module, weights: dict[str, torch.Tensor],
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """An optimizer's state as flat tensors (``PARAM.NAME``) plus its JSON-able param groups."""
+    """An optimizer's state as flat tensors (``PARAM.NAME``) plus its JSON-able param groups. The tensors are
+    views of the live state, not copies (a full model's AdamW state is twice its weights): serialise them
+    before the optimizer steps again."""
     import torch
 
     sd = optimizer.state_dict()
@@ -167,7 +173,7 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch
     for pid, st in sd["state"].items():
         for name, value in st.items():
             t = value if torch.is_tensor(value) else torch.tensor(value)
-            tensors[f"{pid}.{name}"] = t.detach().contiguous().cpu().clone()
+            tensors[f"{pid}.{name}"] = t.detach().contiguous().cpu()  # serialised at once: no copy
     return tensors, sd["param_groups"]
 
 

@@ -421,10 +421,11 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
 
     evaluated = {"step": -1}
 
-    def emit_eval(figures: dict) -> None:
+    def emit_eval(figures: dict, *, last: bool = False) -> None:
         if figures:
             emit({"kind": "eval", "step": trainer.state.step, "tokens": trainer.state.tokens_seen, **figures})
-        trainer.record_eval(figures, snapshot=is_main)
+        # after the last step a new best is the current weights themselves: no copy (a model's worth of memory)
+        trainer.record_eval(figures, snapshot=is_main and not last)
         evaluated.update(step=trainer.state.step, figures=figures)
 
     t_start = time.time() - trainer.state.elapsed
@@ -479,7 +480,7 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
         final = evaluated["figures"]
     else:
         final = trainer.evaluate()
-        emit_eval(final)
+        emit_eval(final, last=True)
     trainer.save(run_dir)
     if is_main:
         trainer.export(run_dir, trainer.best.apart(trainer.best_weights, trainer.state.step))

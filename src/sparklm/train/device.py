@@ -94,20 +94,19 @@ def matmul_peak(threads: int, dtype: torch.dtype, *, size: int = 1024, seconds: 
 
 
 def rss_mb() -> float:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
+    """This process's resident memory now."""
+    return _status_mb("VmRSS")
 
 
 def peak_rss_mb() -> float:
     """The largest resident memory of this process so far (VmHWM): what a container's memory limit is held to."""
+    return _status_mb("VmHWM")
+
+
+def _status_mb(key: str) -> float:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM"):
+            if line.startswith(key):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
