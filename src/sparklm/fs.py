@@ -191,24 +191,35 @@ def local_copy(uri: str, storage: StorageConfig | None = None) -> Path:
     target = cache_dir("remote", key)
     if target.is_dir():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=target.parent))
     try:
-        for rel, _, _ in listing:
-            dest = stage / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            with fs.open_input_stream(f"{path}/{rel}") as src, open(dest, "wb") as out:
-                shutil.copyfileobj(src, out, 8 << 20)
-        try:
-            stage.rename(target)
-        except OSError:  # another process on this host finished first
-            if not target.is_dir():
-                raise
+        with staged_once(target) as stage:
+            for rel, _, _ in listing:
+                dest = stage / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with fs.open_input_stream(f"{path}/{rel}") as src, open(dest, "wb") as out:
+                    shutil.copyfileobj(src, out, 8 << 20)
     except OSError as e:
         raise SparklmError(f"cannot download {uri}: {_short(e)}", hint=storage_hint(uri)) from None
+    return target
+
+
+@contextmanager
+def staged_once(target: Path, *, marker: str | None = None) -> Iterator[Path]:
+    """Fill the yielded directory; on success it becomes the local ``target`` unless another process made
+    ``target`` meanwhile (a per-host cache filled by concurrent tasks): then that one stays, and this copy is
+    dropped. Unlike :func:`staged_dir` it never replaces a directory someone may be reading. ``marker``: the
+    file whose presence says a ``target`` is complete (default: that it exists)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{target.name}.sparklm-tmp-", dir=target.parent))
+    try:
+        yield stage
+        try:
+            stage.rename(target)  # atomic; fails when target is a non-empty directory
+        except OSError:  # another process on this host finished first
+            if not ((target / marker).is_file() if marker else target.is_dir()):
+                raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    return target
 
 
 def remove_stale(uri: str, storage: StorageConfig | None = None, *, before: float) -> list[str]:

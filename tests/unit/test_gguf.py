@@ -12,6 +12,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from sparklm.errors import SparklmError  # noqa: E402
+from sparklm.fs import staged_once  # noqa: E402
 from sparklm.model import gguf as gguf_import  # noqa: E402
 from sparklm.model.build import load_model  # noqa: E402
 
@@ -179,7 +180,7 @@ def test_cached_converts_once_by_content(tiny, tmp_path):
     assert (first / "model.safetensors").stat().st_mode == (first / "config.json").stat().st_mode
 
     # A process that loses the race to publish drops its copy and leaves the winner's directory alone.
-    with gguf_import._staged_once(first) as stage:
+    with staged_once(first, marker=gguf_import.MARKER) as stage:
         (stage / "late.txt").write_text("loser")
     assert not (first / "late.txt").exists() and (first / gguf_import.MARKER).stat().st_mtime_ns == stamp
     assert not [p for p in first.parent.iterdir() if p.name.startswith(".")]  # no staging left behind

@@ -49,14 +49,12 @@ class LoadedModel:
 def model_uri(path: str, storage: StorageConfig | None = None) -> str:
     """The model directory named by ``path`` (a sparklm run directory's ``model/``, an HF model directory itself,
     or a LoRA adapter directory), local or on an object store; one line when there is none."""
-    from ..model.build import ADAPTER_CONFIG
+    from ..model.build import ADAPTER_CONFIG, model_source
 
     remote = is_remote(path)
     base = path.rstrip("/") if remote else str(Path(path).expanduser().resolve())
     if not remote and Path(base).is_file() and base.lower().endswith(".gguf"):
-        from ..model.gguf import cached
-
-        return cached(base)  # converted once into sparklm's cache
+        return str(model_source(base))  # converted once into sparklm's cache
     for candidate in (join(base, "model"), base):
         if any(exists(join(candidate, name), storage) for name in ("config.json", ADAPTER_CONFIG)):
             return candidate

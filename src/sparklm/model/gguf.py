@@ -9,13 +9,10 @@ from a hub and no remote code runs: the file's metadata is the whole config.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import shutil
 import struct
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +21,7 @@ import numpy as np
 
 from ..cache import cache_dir
 from ..errors import SparklmError
+from ..fs import file_sha256, staged_once
 
 MAGIC = b"GGUF"
 MARKER = "sparklm_import.json"  # marks a directory this module wrote (and so may replace)
@@ -86,7 +84,7 @@ def cached(gguf_path: str) -> str:
 
         publish = staged_dir(str(target), None, marker=CHECKSUMS)
     else:
-        publish = _staged_once(target)
+        publish = staged_once(target, marker=MARKER)
     with publish as tmp:
         _write(source, key, tmp)
     return str(target)
@@ -104,12 +102,8 @@ def digest(path: str) -> str:
         known = {}
     if stamp in known:
         return known[stamp]
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
     known = {k: v for k, v in known.items() if not k.startswith(f"{p}|")}  # drop the file's older versions
-    known[stamp] = value = h.hexdigest()
+    known[stamp] = value = file_sha256(p)
     with contextlib.suppress(OSError):  # a memo only: a read-only cache just means hashing again next time
         from ..fs import write_text
 
@@ -272,24 +266,6 @@ def _write(path: Path, sha256: str, directory: Path) -> dict:
     write_checksums(directory)
     size = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
     return {"architecture": arch, "params": params, "bytes": size, "seconds": seconds, "gguf_types": inspected["types"]}
-
-
-@contextlib.contextmanager
-def _staged_once(target: Path) -> Iterator[Path]:
-    """Like :func:`sparklm.fs.staged_dir`, but never replaces: when ``target`` appeared meanwhile (another
-    process converted the same file), the staging is dropped and the winner's directory stays."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    stage = target.with_name(f".{target.name}.sparklm-tmp-{uuid.uuid4().hex[:12]}")
-    stage.mkdir()
-    try:
-        yield stage
-        try:
-            stage.rename(target)  # atomic; fails on a non-empty existing directory
-        except OSError:
-            if not (target / MARKER).is_file():
-                raise
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
 
 
 def _canonical(arch: str) -> str:

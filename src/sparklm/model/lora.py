@@ -20,6 +20,11 @@ from ..errors import SparklmError
 ALL_LINEAR = "all-linear"
 
 
+def no_base() -> SparklmError:
+    return SparklmError("LoRA adapts a pretrained model, and none is given",
+                        hint="pass --init-from MODEL (an HF model directory or a .gguf file), or drop --lora-r")
+
+
 def targets(cfg: LoraConfig) -> str | list[str]:
     """peft's ``target_modules``: "all-linear" (every linear layer of the blocks, not the LM head) or names."""
     names = [t.strip() for t in cfg.targets.split(",") if t.strip()]

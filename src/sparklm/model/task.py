@@ -107,8 +107,7 @@ class CausalLM:
                 raise SparklmError(f"{config.model.init_from} has a vocabulary of {have} tokens, the data's tokenizer "
                                    f"{vocab}", hint="prepare the data with --tokenizer pointing at that model's tokenizer")
         elif config.lora.r:
-            raise SparklmError("LoRA adapts a pretrained model, and none is given",
-                               hint="pass --init-from MODEL (an HF model directory or a .gguf file), or drop --lora-r")
+            raise lora.no_base()
         else:
             # Round the embedding table up to a multiple of 64: faster matmuls, unused rows are never targets.
             model = build_model(config.model, vocab_size=64 * math.ceil(vocab / 64), context=context,

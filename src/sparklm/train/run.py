@@ -128,10 +128,11 @@ def _check_resumable(run_dir: str, config: Config) -> None:
 def _check_init_from(config: Config, spec: TokenizerSpec) -> None:
     """Before Spark starts: the pretrained model exists and loads (config and safetensors weights), its tokenizer is
     the dataset's, and LoRA's targets name modules of it (checked on an empty model: no weights are read)."""
+    from ..model import lora
+
     if not config.model.init_from:
         if config.lora.r:
-            raise SparklmError("LoRA adapts a pretrained model, and none is given",
-                               hint="pass --init-from MODEL (an HF model directory or a .gguf file), or drop --lora-r")
+            raise lora.no_base()
         return
     from ..data.tokenizer import load
     from ..model.build import ADAPTER_CONFIG, check_model_dir, model_source
@@ -147,8 +148,6 @@ def _check_init_from(config: Config, spec: TokenizerSpec) -> None:
     if config.lora.r:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
-
-        from ..model import lora
 
         try:
             with torch.device("meta"):
