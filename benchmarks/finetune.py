@@ -93,20 +93,34 @@ def quality(minutes: float) -> dict:
 
 LORA_HF = ["--lora-r", "8", "--lora-alpha", "16", "--lora-targets", TARGETS]
 LORA_SPARKLM = ["--lora-r", "8", "--lora-alpha", "16", "--lora-targets", TARGETS]
-FP32 = ["--set", 'train.dtype="float32"']
+# the same settings as the baseline: float32, the micro-batch as given (no memory plan), checkpointing as named
+FP32 = ["--set", 'train.dtype="float32"', "--memory-limit", "none", "--grad-checkpoint", "off"]
+FP32_BASE = ["--set", 'lora.base_dtype="float32"']
+BF16_BASE = ["--set", 'lora.base_dtype="bfloat16"']
+CKPT = ["--grad-checkpoint", "on"]
 CONTENDERS = {
-    "sparklm lora": ("sparklm", LORA_SPARKLM + FP32),
+    "sparklm lora": ("sparklm", LORA_SPARKLM + FP32 + FP32_BASE),
     "hf lora": ("hf", LORA_HF),
+    "sparklm lora, bf16 base": ("sparklm", LORA_SPARKLM + FP32 + BF16_BASE),
+    "hf lora, bf16 base": ("hf", LORA_HF + ["--bf16-base"]),
+    "sparklm lora, checkpointing": ("sparklm", LORA_SPARKLM + FP32 + FP32_BASE + CKPT),
+    "hf lora, checkpointing": ("hf", LORA_HF + ["--grad-checkpointing"]),
+    "sparklm lora, bf16 base + checkpointing": ("sparklm", LORA_SPARKLM + FP32 + BF16_BASE + CKPT),
+    "hf lora, bf16 base + checkpointing": ("hf", LORA_HF + ["--bf16-base", "--grad-checkpointing"]),
     "sparklm full": ("sparklm", FP32),
     "hf full": ("hf", []),
-    "sparklm lora, bf16 base": ("sparklm", LORA_SPARKLM + FP32 + ["--set", 'lora.base_dtype="bfloat16"']),
-    "hf lora, bf16 base": ("hf", LORA_HF + ["--bf16-base"]),
-    "sparklm lora, checkpointing": ("sparklm", LORA_SPARKLM + FP32 + ["--grad-checkpoint"]),
+    "sparklm full, checkpointing": ("sparklm", FP32 + CKPT),
+    "hf full, checkpointing": ("hf", ["--grad-checkpointing"]),
+    # the memory plan for a 2 GB rank: micro-batches and the allocator chosen to fit (global batch 8 kept); the
+    # baseline with the same micro-batch and allocator
+    "sparklm lora, bf16 base, planned for 2 GB": ("sparklm", LORA_SPARKLM + BF16_BASE + [
+        "--set", 'train.dtype="float32"', "--memory-limit", "2g"]),
+    "hf lora, bf16 base, micro-batch 2 x 4, memory returned": ("hf", LORA_HF + ["--bf16-base", "--micro-batch", "2",
+                                                                                      "--allocator", "return"]),
     # bf16 autocast: sparklm's default where bf16 matmuls measure fast (this machine), HF's when asked (bf16=True)
-    "sparklm lora, bf16 autocast": ("sparklm", LORA_SPARKLM + ["--set", 'train.dtype="bfloat16"']),
+    "sparklm lora, bf16 autocast": ("sparklm", LORA_SPARKLM + FP32_BASE + ["--set", 'train.dtype="bfloat16"',
+                                                                           "--memory-limit", "none"]),
     "hf lora, bf16 autocast": ("hf", LORA_HF + ["--bf16"]),
-    "sparklm full, bf16 autocast": ("sparklm", ["--set", 'train.dtype="bfloat16"']),
-    "hf full, bf16 autocast": ("hf", ["--bf16"]),
 }
 
 

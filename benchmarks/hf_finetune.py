@@ -63,7 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bf16-base", action="store_true", help="load the model in bfloat16 (LoRA adapters stay fp32)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (TrainingArguments(bf16=True)), weights fp32")
     p.add_argument("--grad-checkpointing", action="store_true", help="activation (gradient) checkpointing")
-    p.add_argument("--allocator", action="store_true", help="sparklm's glibc allocator settings")
+    p.add_argument("--micro-batch", type=int, default=0,
+                   help="sequences per forward pass (gradient accumulation makes up --batch-size); 0: --batch-size")
+    p.add_argument("--allocator", nargs="?", const="keep", choices=["keep", "return"],
+                   help="sparklm's glibc allocator settings (train.allocator): keep freed memory, or return it")
     p.add_argument("--eval", default=None, help="plain-text file for held-out perplexity after training")
     p.add_argument("--out", default=None, help="also write the result JSON here")
     a = p.parse_args(argv)
@@ -147,9 +150,9 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     if args.allocator:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-        from sparklm.train.device import keep_freed_memory
+        from sparklm.train.device import set_allocator
 
-        keep_freed_memory()
+        set_allocator(args.allocator)
 
     import datasets
     import transformers
@@ -212,7 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
         clock = Clock()
         with tempfile.TemporaryDirectory(prefix="hf_finetune-") as tmp:
             targs = TrainingArguments(
-                output_dir=tmp, per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=1,
+                output_dir=tmp, per_device_train_batch_size=args.micro_batch or args.batch_size,
+                gradient_accumulation_steps=args.batch_size // (args.micro_batch or args.batch_size),
                 max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type=args.scheduler, warmup_steps=0,
                 logging_strategy="steps", logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none",
                 use_cpu=True, dataloader_num_workers=0, seed=args.seed, disable_tqdm=True, log_level="error",

@@ -198,8 +198,20 @@ class TrainConfig:
         "auto", "autocast dtype; auto: bfloat16 where bf16 matmuls measure >1.3x faster than fp32, else float32"
     )
     compile: bool = _f(False, "torch.compile the model")
-    grad_checkpoint: bool = _f(False, "gradient checkpointing: recompute each block's activations in the backward pass "
-                                      "(less memory, ~30% more compute)", flag="--grad-checkpoint")
+    grad_checkpoint: Literal["auto", "on", "off"] = _f(
+        "auto", "gradient checkpointing: recompute each block's activations in the backward pass (a fraction of the "
+                "activation memory, ~30% more compute); auto: only when the memory plan finds nothing that fits without",
+        flag="--grad-checkpoint")
+    allocator: Literal["auto", "keep", "return"] = _f(
+        "auto", "glibc's handling of freed memory in training processes: keep (reuse it, no page faults: fastest), "
+                "return (hand it back to the OS: half the peak resident memory of a LoRA run, measured ~2x slower "
+                "steps); auto: return only when the memory plan had to shrink the micro-batch to fit a limit")
+    memory_limit: str = _f("", "each rank's memory limit, e.g. 2g or 1536m; the micro-batch (and checkpointing) is "
+                               "planned to fit it, keeping batch_size x grad_accum. Empty: from Spark — "
+                               "spark.executor.pyspark.memory, else on YARN/Kubernetes the executor container, in "
+                               "local mode this host's available memory; none: no plan", flag="--memory-limit")
+    loss_chunk: int = _f(0, "positions per chunk of the LM-head loss: the logits of a whole micro-batch never exist at "
+                            "once (same loss and gradients); 0: ~128 MB of float32 logits per chunk", min=0)
     seed: int = _f(1337, "seed of weights, data order and dropout")
     eval_every: int = _f(100, "evaluate every N steps (and at the end); 0: only at the end", min=0, flag="--eval-every")
     eval_batches: int = _f(20, "validation micro-batches per evaluation per worker; 0: the whole split", min=0)

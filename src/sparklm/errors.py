@@ -64,6 +64,20 @@ _CAUSES = [
 ]
 
 
+_KILLED = re.compile(r"Python worker exited unexpectedly|Container killed by YARN for exceeding|OOMKilled|"
+                     r"exit code 137", re.I)
+
+
+def killed_note(text: str) -> str | None:
+    """For a Spark task whose process was killed (``text``: the failure), what most often did it, else None. Not a
+    :func:`known_cause`: the strategies decide what a lost process means (DDP restarts, a round goes on without it)."""
+    if _KILLED.search(text):
+        return ("a killed process, most often for going over its memory limit: --memory-limit SIZE plans each "
+                "rank's micro-batch to it, or give the executors more memory (spark.executor.pyspark.memory, "
+                "spark.executor.memoryOverhead)")
+    return None
+
+
 def known_cause(text: str) -> tuple[str, str] | None:
     """(what happened, how to fix it) for a foreseeable failure named in ``text``, else None."""
     for pattern, what, hint in _CAUSES:

@@ -232,6 +232,11 @@ def _start(master: str, confs: dict[str, str], pending, config: SparkConfig, jvm
         listed = [f for f in confs.get("spark.files", "").split(",") if f]
         confs["spark.files"] = ",".join([*listed, *(f"file://{f}" for f in files)])
         os.environ["PYSPARK_PYTHON"] = python
+    if confs.get("spark.executor.pyspark.memory"):  # an address-space limit on the Python workers: reserve less
+        from .train.device import LEAN_ADDRESS_SPACE
+
+        for key, value in LEAN_ADDRESS_SPACE.items():
+            confs.setdefault(f"spark.executorEnv.{key}", value)
     builder = SparkSession.builder.master(master)
     for key, value in confs.items():
         builder = builder.config(key, value)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -127,3 +128,39 @@ def test_diloco_on_a_standalone_cluster_recomputes_a_failed_task_exactly(spark, 
     a = [float(r["loss"]) for r in clean_rows]
     b = [row["loss"] for row in read_metrics(local / "metrics.csv") if row["kind"] == "train"]
     assert a == pytest.approx(b, abs=1e-4)
+
+
+def test_a_capped_python_worker_trains_with_the_planned_micro_batch(spark, standalone, tmp_path):
+    """spark.executor.pyspark.memory caps each Python worker (Spark sets it as the worker's address-space limit,
+    inherited by the DDP rank): unplanned, micro-batches of 16 sequences of 512 tokens run out of memory and the
+    run fails with one line naming memory; planned, the same global batch trains in smaller micro-batches."""
+    (tmp_path / "a.txt").write_text(make_text(3000, seed=12))
+    data = prepare([str(tmp_path / "a.txt")], output=str(tmp_path / "data"), spark=spark,
+                   config=from_dict({"data": {"seq_len": 512}, "tokenizer": {"vocab_size": 512}}))
+
+    def run(name: str, *extra: str) -> subprocess.CompletedProcess:
+        args = [sys.executable, "-m", "sparklm", "train", "--data", data.uri, "--output", str(tmp_path / name),
+                "--master", standalone, "--threads", "1", "--max-steps", "2", "--eval-every", "0",
+                "--conf", "spark.executor.pyspark.memory=1900m", "--conf", "spark.ui.enabled=false",
+                "--set", "model.n_embd=256", "--set", "model.n_layer=4", "--set", "model.n_head=4",
+                "--set", "train.batch_size=16", "--set", "train.eval_batches=1", "--set", "train.samples=0",
+                "--set", "train.log_every=1", "--set", 'train.dtype="float32"', *extra]
+        return subprocess.run(args, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
+
+    unplanned = run("unplanned", "--memory-limit", "none")
+    assert unplanned.returncode != 0
+    errors = [line for line in unplanned.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "out of memory" in errors[0] and "address-space limit 1.86 GB" in errors[0], \
+        unplanned.stderr[-2000:]
+    assert "Traceback" not in unplanned.stderr
+
+    planned = run("planned")
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    line = next(x for x in (planned.stdout + planned.stderr).splitlines() if x.startswith("memory: "))
+    assert "(spark.executor.pyspark.memory)" in line
+    micro, accum = (int(x) for x in re.search(r"micro-batch (\d+) x (\d+) accumulation", line).groups())
+    assert micro < 16 and micro * accum == 16  # the global batch kept
+    summary = json.loads((tmp_path / "planned" / "summary.json").read_text())
+    assert summary["steps"] == 2 and 0 < summary["peak_rss_mb"] < 1900
+    assert json.loads((tmp_path / "planned" / "config.json").read_text())["config"]["train"]["batch_size"] == 16

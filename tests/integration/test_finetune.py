@@ -216,7 +216,7 @@ def test_gradient_checkpointing_and_a_bf16_base(bases):
         raw = {"model": {"init_from": str(model_dir)}, "lora": {"r": 4, **lora}}
         grad_checkpoint = lora.pop("grad_checkpoint", False)
         raw["lora"].pop("grad_checkpoint", None)
-        raw["train"] = {"grad_checkpoint": grad_checkpoint}
+        raw["train"] = {"grad_checkpoint": "on" if grad_checkpoint else "off"}
         task = CausalLM()
         model = task.build(from_dict(raw), spec, 16)
         model.train()

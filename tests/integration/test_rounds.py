@@ -80,8 +80,15 @@ def test_diloco_learns_and_accounts_its_communication(spark, dataset, tmp_path):
     assert all(int(r["broadcast_bytes"]) >= 2 * 4 * params for r in rows)
     assert s["bytes_communicated"] >= sum(int(r["returned_bytes"]) + int(r["broadcast_bytes"]) for r in rows)
     assert all(float(r["outer_update_norm"]) > 0 and float(r["compute_s"]) > 0 for r in rows)
-    evals = [r for r in read_metrics(run / "metrics.csv") if r["kind"] == "eval"]
+    metrics = read_metrics(run / "metrics.csv")
+    evals = [r for r in metrics if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [4, 8, 12] and evals[-1]["val_loss"] < evals[0]["val_loss"] + 0.5
+    # each worker's peak memory: per round, and its largest over the run
+    for r in (r for r in metrics if r["kind"] == "train"):
+        per_worker = [float(v) for v in r["rank_peak_rss_mb"].split("/")]
+        assert len(per_worker) == 2 and min(per_worker) > 0 and r["peak_rss_mb"] == pytest.approx(max(per_worker), abs=1)
+    assert len(s["rank_peak_rss_mb"]) == 2 and min(s["rank_peak_rss_mb"]) > 0
+    assert s["peak_rss_mb"] == max(s["rank_peak_rss_mb"])
     ckpt = sorted((run / "checkpoints").glob("step-*"))[-1]
     assert (ckpt / "outer.safetensors").is_file() and (ckpt / "inner" / "w1.safetensors").is_file()
 

@@ -53,8 +53,14 @@ def test_two_workers_equal_one_process_on_the_same_global_batch(spark, dataset, 
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst < 1e-5, worst
     la = [r["loss"] for r in read_metrics(one / "metrics.csv") if r["kind"] == "train"]
-    lb = [r["loss"] for r in read_metrics(two / "metrics.csv") if r["kind"] == "train"]
-    assert la == pytest.approx(lb, abs=1e-5)
+    rows = [r for r in read_metrics(two / "metrics.csv") if r["kind"] == "train"]
+    assert la == pytest.approx([r["loss"] for r in rows], abs=1e-5)
+    # every rank's peak memory: per log step and for the run, the largest of them as peak_rss_mb
+    for r in rows:
+        per_rank = [float(v) for v in r["rank_peak_rss_mb"].split("/")]
+        assert len(per_rank) == 2 and min(per_rank) > 0 and r["peak_rss_mb"] == pytest.approx(max(per_rank), abs=1)
+    assert len(s1["rank_peak_rss_mb"]) == 1 and len(s2["rank_peak_rss_mb"]) == 2
+    assert min(s2["rank_peak_rss_mb"]) > 0 and s2["peak_rss_mb"] == max(s2["rank_peak_rss_mb"])
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])

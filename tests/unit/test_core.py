@@ -13,7 +13,8 @@ import torch
 from sparklm.config import Config, TrainConfig, diff, from_dict, merge
 from sparklm.data.stream import TokenStream, row_groups
 from sparklm.errors import SparklmError
-from sparklm.model.task import IGNORE, lm_figures, make_batch, token_sums
+from sparklm.model.lm_head import token_sums
+from sparklm.model.task import IGNORE, lm_figures, make_batch
 from sparklm.train import checkpoint
 from sparklm.train.core import Best, eval_metrics, fraction, lr_at, plan
 from sparklm.train.run import resume_config

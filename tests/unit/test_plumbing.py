@@ -9,7 +9,18 @@ import pytest
 
 from sparklm.cache import process_local
 from sparklm.fs import exists, list_names, read_text, staged_dir, write_text
-from sparklm.train.sinks import METRIC_COLUMNS, Channel, ChannelSink, ConsoleSink, CsvSink, Sinks, read_metrics
+from sparklm.train.sinks import (
+    METRIC_COLUMNS,
+    Channel,
+    ChannelSink,
+    ConsoleSink,
+    CsvSink,
+    Sinks,
+    rank_mb,
+    read_metrics,
+    round_line,
+    train_line,
+)
 
 
 def test_write_text_replaces_whole_and_leaves_no_temporary(tmp_path):
@@ -91,6 +102,21 @@ def test_rows_travel_from_a_rank_to_the_driver_sinks(tmp_path, capsys):
     assert [(r["kind"], r["step"]) for r in rows] == [("train", 1), ("train", 2), ("eval", 2)]
     err = capsys.readouterr().err
     assert "step 1/4" in err and "eval step 2" in err and "step 99" not in err
+
+
+def test_peak_memory_per_rank_in_a_csv_cell_and_the_progress_lines(tmp_path):
+    assert rank_mb([812.4, 790.6]) == "812/791" and rank_mb([812.0, None]) == "812/-"
+    csv_path = tmp_path / "metrics.csv"
+    sink = CsvSink(str(csv_path), METRIC_COLUMNS, {"train"})
+    sink.write({"kind": "train", "step": 1, "peak_rss_mb": 812.4, "rank_peak_rss_mb": rank_mb([812.4, 790.6])})
+    sink.close()
+    assert read_metrics(str(csv_path))[0]["rank_peak_rss_mb"] == "812/791"
+    row = {"step": 3, "loss": 2.0, "lr": 1e-3, "tokens_per_s": 100.0, "ms_per_step": 10.0, "mfu": 0.5,
+           "elapsed": 1.0, "peak_rss_mb": 1260.0}
+    assert "| 1.23 GB peak |" in train_line(row, 4)
+    assert "GB peak" not in train_line({**row, "peak_rss_mb": None}, 4)  # a row without it: no figure
+    assert "| 1.23 GB peak |" in round_line({**row, "round": 1, "workers": 2, "workers_done": 2, "round_s": 1.0,
+                                             "outer_update_norm": 0.1, "sent_mb": 1.0, "eta_s": 3.0})
 
 
 def test_secret_values_are_masked_in_files_and_lines():

@@ -17,7 +17,8 @@ from ..cache import process_local
 from ..config import Config
 from ..errors import SparklmError, spark_errors
 from ..fs import effective
-from ..model.task import lm_figures, token_sums
+from ..model import lm_head
+from ..model.task import lm_figures
 
 
 def windows(n_tokens: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:
@@ -50,8 +51,8 @@ def score(lm, batch: list[tuple[list[int], int]]) -> torch.Tensor:
         x[i, :len(ids)] = torch.tensor(ids)
         mask[i, :len(ids)] = 1
         target_mask[i, len(ids) - scored:len(ids)] = True
-    logits = lm.model(input_ids=x, attention_mask=mask).logits
-    return token_sums(logits[:, :-1], x[:, 1:], target_mask[:, 1:])[:3]
+    chunked = process_local(("chunked-head", id(lm.model)), lambda: lm_head.supports(lm.model))
+    return lm_head.score(lm.model, x, mask, target_mask[:, 1:], chunked=chunked)[:3]
 
 
 def evaluate(model: str, inputs: list[str], *, config: Config | None = None, max_length: int = 0, stride: int = 0,

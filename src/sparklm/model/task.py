@@ -16,15 +16,14 @@ from typing import Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..config import Config, StorageConfig
 from ..data.tokenizer import TokenizerSpec
 from ..errors import SparklmError
-from . import lora
+from . import lm_head, lora
 from .build import build_model, load_model
 
-IGNORE = -100  # label of positions without a loss (padding), as in HF and torch's cross_entropy
+IGNORE = lm_head.IGNORE  # label of positions without a loss (padding), as in HF and torch's cross_entropy
 
 
 @dataclass(frozen=True)
@@ -49,19 +48,6 @@ def make_batch(ids: np.ndarray, mask: np.ndarray | None, loss_mask: np.ndarray |
 def targets(batch: Batch) -> int:
     """The positions of ``batch`` whose next-token prediction counts (labels shift by one inside the model)."""
     return int((batch.labels[:, 1:] != IGNORE).sum())
-
-
-def token_sums(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
-               byte_lengths: torch.Tensor | None = None) -> torch.Tensor:
-    """[nats, tokens, correct, bytes] (float64) of next-token predictions ``logits`` (…, V) for ``targets``
-    (…) at the ``valid`` positions. The one masked LM sum: training's evaluation and ``sparklm eval``."""
-    logits = logits.float().reshape(-1, logits.size(-1))
-    targets, valid = targets.reshape(-1), valid.reshape(-1).bool()
-    nats = F.cross_entropy(logits, targets, reduction="none")[valid]
-    hits = logits.argmax(-1)[valid] == targets[valid]
-    nbytes = byte_lengths[targets[valid]].sum() if byte_lengths is not None else 0.0
-    return torch.tensor([float(nats.double().sum()), float(valid.sum()), float(hits.sum()), float(nbytes)],
-                        dtype=torch.float64)
 
 
 def lm_figures(nats: float, tokens: float, correct: float, nbytes: float) -> dict:
@@ -96,6 +82,8 @@ class CausalLM:
 
     name = "causal-lm"
     base = ""  # the pretrained model LoRA adapts (named in the exported adapter's config)
+    chunked = False  # the LM-head loss in chunks of positions (set by build: model/lm_head.py)
+    chunk = 0  # positions per chunk; 0: by the vocabulary's size
 
     def build(self, config: Config, spec: TokenizerSpec, context: int) -> torch.nn.Module:
         vocab = spec.vocab_size
@@ -112,7 +100,7 @@ class CausalLM:
             # Round the embedding table up to a multiple of 64: faster matmuls, unused rows are never targets.
             model = build_model(config.model, vocab_size=64 * math.ceil(vocab / 64), context=context,
                                 bos_id=spec.bos_id, eos_id=spec.eos_id, pad_id=spec.pad_id, seed=config.train.seed)
-        if config.train.grad_checkpoint:
+        if config.train.grad_checkpoint == "on":  # "auto" was resolved by the memory plan (train/memory.py)
             # non-reentrant: works with frozen inputs (LoRA) and needs no inputs that require grad
             if hasattr(model, "activation_checkpointing_enable"):  # transformers 5's name
                 model.activation_checkpointing_enable({"use_reentrant": False})
@@ -123,23 +111,30 @@ class CausalLM:
             torch.manual_seed(config.train.seed)  # the adapters' initial weights, the same in every process
             model = lora.wrap(model, config.lora)
             self.base = config.model.init_from
+        self.chunk = config.train.loss_chunk
+        self.chunked = not config.train.compile and lm_head.supports(model)
         return model
 
     def loss(self, net: torch.nn.Module, batch: Batch, total: int | None = None) -> torch.Tensor:
         """The summed next-token loss of ``batch`` divided by ``total`` targets (default: the batch's own), so that
         micro-batches of a step weigh by the targets they hold (instruction data: response tokens only); a batch
         without any target gives a zero that still reaches every parameter (DDP expects every gradient)."""
-        out = net(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
         n = targets(batch)
+        if self.chunked:  # the head's loss a chunk of positions at a time (model/lm_head.py)
+            with lm_head.hidden_states(net) as box:
+                net(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+            nats = lm_head.nll_sum(box["hidden"], lm_head.head_of(net), batch.labels, self.chunk)
+            return nats / (total or max(n, 1))
+        out = net(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
         if n == 0:
             return out.logits.sum() * 0.0
         return out.loss * (n / (total or n))
 
     def eval_sums(self, model: torch.nn.Module, batch: Batch, byte_lengths: torch.Tensor) -> torch.Tensor:
-        mask = batch.attention_mask if batch.attention_mask is not None else torch.ones_like(batch.input_ids)
-        logits = model(input_ids=batch.input_ids, attention_mask=mask).logits
         # the targets the loss counts: labels are IGNORE on padding and on tokens whose loss mask is 0
-        return token_sums(logits[:, :-1], batch.input_ids[:, 1:], batch.labels[:, 1:] != IGNORE, byte_lengths)
+        mask = batch.attention_mask if batch.attention_mask is not None else torch.ones_like(batch.input_ids)
+        return lm_head.score(model, batch.input_ids, mask, batch.labels[:, 1:] != IGNORE, byte_lengths,
+                             chunk=self.chunk, chunked=self.chunked)
 
     def trainable(self, model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
         return {n: p for n, p in model.named_parameters() if p.requires_grad}

@@ -28,7 +28,7 @@ from ..model import flops_per_token, param_count
 from ..model.task import Batch, Task, lm_figures, make_batch, targets, task_for
 from . import checkpoint, device, optim
 from .report import write_samples
-from .sinks import Sink
+from .sinks import Sink, rank_mb
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,9 @@ class TrainResult:
     dtype: str
     final: dict  # the last evaluation's figures (val_loss, val_ppl, val_bpb, val_acc, val_tokens)
     best: dict = field(default_factory=dict)  # the best evaluation's step and figures (model/ holds its weights)
-    peak_rss_mb: float = 0.0  # the largest resident memory of a training process (rank 0, or any round worker)
+    peak_rss_mb: float = 0.0  # the largest resident memory of a training process (any rank)
     trainable_params: int = 0
+    rank_peak_rss_mb: list[float] = field(default_factory=list)  # each rank's peak resident memory, in rank order
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -400,7 +401,7 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
     injection and profiling)."""
     tc = config.train
     torch.set_num_threads(rank.threads)
-    device.keep_freed_memory()
+    device.set_allocator(tc.allocator)
     trainer = Trainer(config, dataset, spec, rank=rank)
     is_main = rank.rank == 0
     emit = sink.write if (sink is not None and is_main) else (lambda row: None)
@@ -430,6 +431,15 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
 
     t_start = time.time() - trainer.state.elapsed
 
+    def rank_peaks() -> list[float]:
+        """Every rank's peak resident memory, in rank order: a collective, so every rank calls it at the same step."""
+        mine = torch.tensor([device.peak_rss_mb()], dtype=torch.float64)
+        if rank.world == 1:
+            return mine.tolist()
+        gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(rank.world)]
+        dist.all_gather(gathered, mine)
+        return torch.cat(gathered).tolist()
+
     def frac(_i: int) -> float:
         done = fraction(trainer.state.step, total, time.time() - t_start, tc.time_budget)
         if tc.time_budget and rank.world > 1:  # ranks must agree on when to stop
@@ -448,14 +458,16 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
         if rank.world > 1:  # report the global mean loss
             dist.all_reduce(loss)
             loss /= rank.world
-        if is_main and (s.step % tc.log_every == 0 or s.step == 1):
+        logs = s.step % tc.log_every == 0 or s.step == 1  # the same on every rank
+        peaks = rank_peaks() if logs else []
+        if is_main and logs:
             now = time.time()
             tps = (s.tokens_seen - last_tokens) / max(now - last_log, 1e-9)
             emit({"kind": "train", "step": s.step, "epoch": s.tokens_seen / epoch_tokens, "tokens": s.tokens_seen,
                   "loss": loss.item(), "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tps,
                   "ms_per_step": 1000 * (now - last_log) / max(s.step - last_step, 1),
                   "mfu": tps * flops_tok / (peak * rank.world), "rss_mb": device.rss_mb(),
-                  "peak_rss_mb": device.peak_rss_mb(), "elapsed": now - t_start})
+                  "peak_rss_mb": max(peaks), "rank_peak_rss_mb": rank_mb(peaks), "elapsed": now - t_start})
             last_log, last_tokens, last_step = now, s.tokens_seen, s.step
         if is_main and s.step == NOTE_STEP:  # by then the pace projects a time budget well enough
             pace = s.tokens_seen / max(time.time() - t_start, 1e-9)
@@ -485,8 +497,10 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
     if is_main:
         trainer.export(run_dir, trainer.best.apart(trainer.best_weights, trainer.state.step))
     device.trim_memory()
+    peaks = rank_peaks()  # after rank 0's export, which may be its peak
     return TrainResult(steps=trainer.state.step, tokens=trainer.state.tokens_seen, seconds=elapsed,
                        params=facts.get("params", 0), flops_per_token=flops_tok, peak_flops=peak,
                        dtype=trainer.device.dtype_name, final=final, best=trainer.best.summary(),
-                       peak_rss_mb=device.peak_rss_mb(), trainable_params=facts.get("trainable_params", 0))
+                       peak_rss_mb=max(peaks), rank_peak_rss_mb=peaks,
+                       trainable_params=facts.get("trainable_params", 0))
 

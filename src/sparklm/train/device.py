@@ -127,6 +127,31 @@ def keep_freed_memory() -> None:
         libc.mallopt(-1, (1 << 31) - 1)  # M_TRIM_THRESHOLD: 2 GiB
 
 
+# Under an address-space limit (RLIMIT_AS, which spark.executor.pyspark.memory sets on Python workers) a process
+# must reserve less: measured here, a training process held 1.9 GB more address space than resident memory, mostly
+# pyarrow's jemalloc pool and glibc's per-thread arenas; with Arrow on the system allocator and two arenas, 0.6 GB
+# (same speed, same resident memory). Both are read at process start: set for the Python workers (executorEnv)
+# and the DDP ranks' processes.
+LEAN_ADDRESS_SPACE = {"ARROW_DEFAULT_MEMORY_POOL": "system", "MALLOC_ARENA_MAX": "2"}
+
+
+def set_allocator(policy: str) -> None:
+    """train.allocator: "return" hands freed memory back (:func:`hand_back_memory`), else keep it (auto: the memory
+    plan resolved it on the driver; a core run without a plan keeps it)."""
+    hand_back_memory() if policy == "return" else keep_freed_memory()
+
+
+def hand_back_memory() -> None:
+    """glibc: serve every block over 256 KB with mmap and hand it back on free — the opposite of
+    :func:`keep_freed_memory`, for a rank under a memory limit. glibc's default threshold grows to the largest
+    block freed so far (up to 32 MB), after which freed activations stay in the heap, fragmented: measured on
+    SmolLM2-135M LoRA (bf16 base, checkpointing), 2.5 GB peak resident memory with the default, 1.2 GB with
+    this (the rest of the difference was heap never handed back)."""
+    if (libc := _glibc()) is not None:
+        libc.mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD (fixed: no dynamic growth)
+        libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD
+
+
 def trim_memory() -> None:
     if (libc := _glibc()) is not None:
         libc.malloc_trim(0)

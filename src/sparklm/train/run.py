@@ -20,7 +20,7 @@ from ..data.tokenizer import TokenizerSpec
 from ..errors import SparklmError
 from ..fs import effective, exists, join, read_text, write_text
 from ..version import __version__
-from . import checkpoint
+from . import checkpoint, memory
 from .report import plot_loss
 from .sinks import METRIC_COLUMNS, ConsoleSink, CsvSink, JsonSink, Sinks, read_metrics
 
@@ -66,16 +66,18 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
     _check_init_from(config, spec)
     if dataset.manifest["splits"]["train"]["sequences"] == 0:
         raise SparklmError(f"{data} has no training sequences", hint="prepare more text or a shorter --seq-len")
-    write_text(join(run_dir, "config.json"), json.dumps(
-        {"config": config.to_saved(), "data": data, "sparklm_version": __version__}, indent=2), storage)
-
     t_spark = time.time()
     spark = spark() if callable(spark) else get_session(config.spark, spark=spark)
     spark_start = time.time() - t_spark
     check_shared(spark, {"run directory": run_dir, "dataset": data})
+    # Before anything is written: a job that cannot fit stops here, and the same --output can be used again.
+    mem = memory.plan_for(config, spec, dataset.seq_len, spark)
+    progress.info(mem.describe())
+    write_text(join(run_dir, "config.json"), json.dumps(
+        {"config": config.to_saved(), "data": data, "sparklm_version": __version__}, indent=2), storage)
     tc = config.train
     strategy = get(tc.strategy)
-    job = Job(config=config, data=data, run_dir=run_dir, resume=resume, workers=tc.workers, threads=tc.threads,
+    job = Job(config=memory.apply(config, mem), data=data, run_dir=run_dir, resume=resume, workers=tc.workers, threads=tc.threads,
               uid=uuid.uuid4().hex)
     sinks = Sinks([CsvSink(join(run_dir, "metrics.csv"), METRIC_COLUMNS, {"train", "eval"}, storage),
                    JsonSink(join(run_dir, "run_info.json"), storage), ConsoleSink()])
@@ -172,6 +174,7 @@ def _summary(run_dir: str, config: Config, dataset: PreparedDataset, result: dic
         "tokens_per_s": _mean(steady, "tokens_per_s"), "ms_per_step": _mean(steady, "ms_per_step"),
         "mfu": _mean(steady, "mfu"),
         "peak_rss_mb": max([result.get("peak_rss_mb") or 0, *(r["rss_mb"] or 0 for r in train_rows)]),
+        "rank_peak_rss_mb": result.get("rank_peak_rss_mb") or [],  # each rank's (round worker's), in rank order
         "params": result["params"], "trainable_params": result.get("trainable_params"),
         "flops_per_token": result["flops_per_token"],
         "peak_flops": result["peak_flops"], "dtype": result["dtype"],

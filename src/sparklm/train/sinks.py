@@ -25,7 +25,8 @@ from ..config import StorageConfig
 from ..fs import exists, local_path, read_text, write_text
 
 METRIC_COLUMNS = ["kind", "step", "epoch", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "ms_per_step", "mfu",
-                  "rss_mb", "peak_rss_mb", "elapsed", "val_loss", "val_ppl", "val_bpb", "val_acc", "val_tokens"]
+                  "rss_mb", "peak_rss_mb", "rank_peak_rss_mb", "elapsed", "val_loss", "val_ppl", "val_bpb", "val_acc",
+                  "val_tokens"]
 
 
 class Sink(Protocol):
@@ -163,19 +164,29 @@ class ConsoleSink:
         pass
 
 
+def rank_mb(values: Iterable[float | None]) -> str:
+    """Per-rank megabytes in rank order as one CSV cell, e.g. ``812/790`` (``-``: a rank that reported none)."""
+    return "/".join("-" if v is None else f"{v:.0f}" for v in values)
+
+
+def _peak(r: dict) -> str:
+    """The progress line's peak memory (the largest of any rank's), when the row has it."""
+    return f" | {r['peak_rss_mb'] / 1024:.2f} GB peak" if r.get("peak_rss_mb") else ""
+
+
 def train_line(r: dict, total: int | None) -> str:
     of = f"/{total}" if total else ""
     eta = f" | ETA {progress.duration((total - r['step']) * r['ms_per_step'] / 1000)}" if of and r.get("ms_per_step") else ""
     return (f"step {r['step']}{of} | loss {r['loss']:.3f} | lr {r['lr']:.2e} | {r['tokens_per_s']:,.0f} tok/s | "
-            f"{r['ms_per_step']:.0f} ms/step | MFU {r['mfu']:.0%} | {r['elapsed']:.0f}s{eta}")
+            f"{r['ms_per_step']:.0f} ms/step | MFU {r['mfu']:.0%}{_peak(r)} | {r['elapsed']:.0f}s{eta}")
 
 
 def round_line(r: dict) -> str:
     of = f"/{r['total_steps']}" if r.get("total_steps") else ""
     who = f" | {r['workers_done']}/{r['workers']} workers" if r["workers_done"] < r["workers"] else ""
     return (f"round {r['round']} | step {r['step']}{of} | loss {r['loss']:.3f} | {r['tokens_per_s']:,.0f} tok/s | "
-            f"{r['round_s']:.1f} s/round | outer step {r['outer_update_norm']:.3g} | {r['sent_mb']:,.1f} MB sent{who} | "
-            f"{r['elapsed']:.0f}s | ETA {progress.duration(r['eta_s'])}")
+            f"{r['round_s']:.1f} s/round | outer step {r['outer_update_norm']:.3g} | {r['sent_mb']:,.1f} MB sent{who}"
+            f"{_peak(r)} | {r['elapsed']:.0f}s | ETA {progress.duration(r['eta_s'])}")
 
 
 def read_metrics(uri: str, storage: StorageConfig | None = None) -> list[dict]:

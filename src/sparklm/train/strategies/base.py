@@ -107,6 +107,7 @@ class RunResult:
     bytes_communicated: int = 0
     peak_rss_mb: float = 0.0  # the largest resident memory of a training process
     trainable_params: int | None = None
+    rank_peak_rss_mb: list[float] = field(default_factory=list)  # each rank's (round worker's) peak, in rank order
     rounds: int | None = None
     bytes_broadcast: int | None = None
     bytes_returned: int | None = None

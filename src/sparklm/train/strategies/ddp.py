@@ -26,9 +26,11 @@ from dataclasses import asdict, dataclass
 
 from ... import progress
 from ...config import Config
-from ...errors import SparklmError, known_cause, spark_errors
+from ...errors import SparklmError, killed_note, known_cause, spark_errors
 from ...fs import join, local_path, write_bytes
 from .. import checkpoint
+from ..device import LEAN_ADDRESS_SPACE
+from ..memory import process_limit
 from ..sinks import Channel, Sink
 from .base import Job, RunResult, default_threads
 
@@ -65,7 +67,7 @@ class DDP:
                     r = launch(spark, job, channel=(*channel.address, channel.token))
                     break
                 except Exception as e:
-                    lost = _lost(e)
+                    lost = lost_cause(e)
                     if lost is None:
                         raise
                     if attempt == restarts:
@@ -88,7 +90,8 @@ class DDP:
         # (only the trainable ones: with LoRA, the adapters')
         traffic = int(r["steps"] * 2 * (job.workers - 1) * 4 * (r.get("trainable_params") or r.get("params") or 0))
         return RunResult(**{k: r[k] for k in ("steps", "tokens", "seconds", "params", "flops_per_token", "peak_flops",
-                                              "dtype", "final", "best", "peak_rss_mb", "trainable_params")},
+                                              "dtype", "final", "best", "peak_rss_mb", "trainable_params",
+                                              "rank_peak_rss_mb")},
                          bytes_communicated=traffic)
 
 
@@ -158,6 +161,8 @@ def _driver_host(spark) -> str:
 
 def _start_rank(log_dir: str, rank: int, threads: int) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if process_limit() is not None:  # this task's address-space limit binds the rank too
+        env.update(LEAN_ADDRESS_SPACE)
     if threads:  # otherwise the rank sets its thread count once it knows how many ranks share the host
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     os.makedirs(log_dir, exist_ok=True)
@@ -187,7 +192,9 @@ def _finish_rank(proc: subprocess.Popen, start: RankStart, log_path: str) -> dic
         return {**result, "rank": start.rank}
     error = _last_error(log_path)
     if error is not None:  # the rank said what went wrong (bad input, disk full, …): running again would not help
-        raise SparklmError(error, hint=f"see {log_path}")
+        what, _, hint = error.partition(" (hint: ")
+        hint = f"{hint[:-1]}; see {log_path}" if hint.endswith(")") else f"see {log_path}"
+        raise SparklmError(what, hint=hint)
     how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     cause = known_cause(_tail(log_path))
     why = cause[0] if cause else ("out of memory, or stopped from outside" if code in (-9, 137) else "see its log")
@@ -224,7 +231,7 @@ def free_slots(spark) -> int:
 LOST = "training rank"  # "training rank N on HOST killed by …": a lost rank, which a restart may cure
 
 
-def _lost(e: Exception) -> str | None:
+def lost_cause(e: Exception) -> str | None:
     """The one-line description of a lost rank or executor in ``e`` (a restart may cure it), else None."""
     if isinstance(e, SparklmError):
         # a rank that died, or one that lost its peer (a dead or stuck rank): a restart may cure both
@@ -232,7 +239,8 @@ def _lost(e: Exception) -> str | None:
         return e.message if m else None
     text = str(e)
     if "ExecutorLostFailure" in text or "Python worker exited unexpectedly" in text or "TaskKilled" in text:
-        return "a Spark executor running a training rank was lost"
+        note = killed_note(text)
+        return "a Spark executor running a training rank was lost" + (f" ({note})" if note else "")
     return None
 
 

@@ -49,8 +49,12 @@ def main() -> None:
         traceback.print_exc()
         cause = known_cause(f"{type(e).__name__}: {e}")
         what = cause[0] if cause else f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-        print(SparklmError(f"{where}: {what}", hint=cause[1] if cause else None).one_line(), file=sys.stderr,
-              flush=True)
+        error = SparklmError(f"{where}: {what}", hint=cause[1] if cause else None)
+        if cause and cause[0] == "out of memory":
+            from ..memory import out_of_memory
+
+            error = out_of_memory(where)
+        print(error.one_line(), file=sys.stderr, flush=True)
         os._exit(1)
     if sink is not None:
         sink.close()

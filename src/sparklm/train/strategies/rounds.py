@@ -24,10 +24,10 @@ import time
 
 from ... import progress
 from ...config import Config
-from ...errors import SparklmError, spark_errors
+from ...errors import SparklmError, killed_note, spark_errors
 from ...fs import delete, join
 from .. import checkpoint
-from ..sinks import CsvSink, Sink, Sinks
+from ..sinks import CsvSink, Sink, Sinks, rank_mb
 from .base import BEST, Job, RoundSpec, RunResult, WorkerResult, default_threads
 
 ROUND_COLUMNS = ["round", "step", "workers", "workers_done", "tokens", "loss", "inner_losses", "attempts", "cold",
@@ -125,7 +125,7 @@ class Rounds:
         shards_t = tuple(tuple(s) for s in (shards or [(w, workers) for w in range(workers)]))
         facts: dict = {}
         comm = {"broadcast": 0, "returned": 0}
-        peak_rss = 0.0
+        rank_peak = [0.0] * workers  # each worker's peak resident memory over the rounds (task index order)
         epoch_tokens = max(dataset.manifest["splits"]["train"]["tokens"], 1)
         t_start = time.time() - elapsed_before
         per_step_s = None
@@ -151,6 +151,13 @@ class Rounds:
             finally:
                 bc.destroy()
             return partial, broadcast_s, time.time() - t0, len(payload)
+
+        def note_peaks(results: list[WorkerResult]) -> list[float | None]:
+            """The round's peak of each worker (None: it returned nothing), also kept in ``rank_peak``."""
+            got = {r.worker: r.peak_rss_mb for r in results}
+            peaks = [got.get(w) for w in range(workers)]
+            rank_peak[:] = [max(a, b or 0.0) for a, b in zip(rank_peak, peaks)]
+            return peaks
 
         def emit_eval(partial: dict) -> dict:
             nonlocal best_params
@@ -207,13 +214,13 @@ class Rounds:
             loss = sum(r.mean_loss * r.tokens for r in done) / max(round_tokens, 1)
             tps = round_tokens / max(wall, 1e-9)
             peak = facts.get("peak_flops") or 1.0
+            peaks = note_peaks(done)
             out.write({"kind": "train", "step": step, "epoch": tokens_seen / epoch_tokens, "tokens": tokens_seen,
                        "loss": loss, "lr": sum(r.lr for r in done) / len(done),
                        "grad_norm": sum(r.grad_norm for r in done) / len(done), "tokens_per_s": tps,
                        "ms_per_step": 1000 * per_step_s, "mfu": tps * facts.get("flops_per_token", 0) / (peak * workers),
                        "rss_mb": max(r.rss_mb for r in done), "peak_rss_mb": max(r.peak_rss_mb for r in done),
-                       "elapsed": elapsed})
-            peak_rss = max([peak_rss, *(r.peak_rss_mb for r in done)])
+                       "rank_peak_rss_mb": rank_mb(peaks), "elapsed": elapsed})
             left = (total_steps - step) * per_step_s if total_steps else max(tc.time_budget - elapsed, 0)
             out.write({
                 "kind": "round", "round": rnd_index, "step": step, "workers": workers, "workers_done": len(done),
@@ -226,7 +233,7 @@ class Rounds:
                 "delta_norm": outer.norm(avg), "elapsed": elapsed,
                 # for the progress line only
                 "total_steps": total_steps, "tokens_per_s": tps, "eta_s": left,
-                "sent_mb": (comm["broadcast"] + comm["returned"]) / 1e6})
+                "sent_mb": (comm["broadcast"] + comm["returned"]) / 1e6, "peak_rss_mb": max(r.peak_rss_mb for r in done)})
             if rnd_index == 1:  # the first round's pace projects a time budget
                 planned = total_steps or (tc.time_budget / max(per_step_s, 1e-9))
                 note = core.epochs_note(planned * plan.tokens_per_step / epoch_tokens, epoch_tokens)
@@ -250,6 +257,7 @@ class Rounds:
         earlier = best_params is not None
         partial, *_, nbytes = launch(0, do_eval=True, persist=persist, finish=not earlier)
         comm["broadcast"] += nbytes * len(partial["results"])
+        note_peaks(partial["results"])  # the final evaluation and export count too, as a DDP rank's do
         if partial["results"]:
             last_eval = emit_eval(partial)
         _save(ckpt_dir, step, params, momentum, rnd_index, tokens_seen, elapsed, job, self.name, persist, best,
@@ -259,6 +267,7 @@ class Rounds:
             partial, *_, nbytes = launch(0, do_eval=False, persist="", finish=True,
                                          also={f"{BEST}{n}": t for n, t in keep.items()})
             comm["broadcast"] += nbytes * len(partial["results"])
+            note_peaks(partial["results"])
         if not any(r.worker == 0 for r in partial["results"]):
             raise SparklmError("the final task of worker 0 (export of model/ and samples) failed",
                                hint="see the Spark log; --resume runs it again")
@@ -267,8 +276,8 @@ class Rounds:
                          flops_per_token=facts.get("flops_per_token"), final=last_eval, best=best.summary(),
                          peak_flops=facts.get("peak_flops"), dtype=facts.get("dtype"), rounds=rnd_index,
                          bytes_broadcast=comm["broadcast"], bytes_returned=comm["returned"],
-                         bytes_communicated=comm["broadcast"] + comm["returned"], peak_rss_mb=peak_rss,
-                         trainable_params=sum(t.numel() for t in params.values()))
+                         bytes_communicated=comm["broadcast"] + comm["returned"], peak_rss_mb=max(rank_peak),
+                         rank_peak_rss_mb=rank_peak, trainable_params=sum(t.numel() for t in params.values()))
 
 
 def _round_job(spark, job: Job, bc, spec: RoundSpec, fault: dict | None, max_failures: int) -> dict:
@@ -291,8 +300,10 @@ def _round_job(spark, job: Job, bc, spec: RoundSpec, fault: dict | None, max_fai
                 raise SparklmError(f"round {spec.round}: the Spark job failed: {_first_line(e)}",
                                    hint="see the Spark log (--debug shows more)") from None
             worker = alive.pop(int(m.group(1)))
+            note = killed_note(str(e))
             lost.append(WorkerResult(worker=worker, attempt=max_failures - 1,
-                                     error=f"its task failed {max_failures} time(s): {_first_line(e)}"))
+                                     error=f"its task failed {max_failures} time(s): {_first_line(e)}"
+                                           + (f" ({note})" if note else "")))
             continue
         return {**partial, "errors": partial["errors"] + lost}
     return {"sum": None, "results": [], "errors": lost}

@@ -44,7 +44,7 @@ def run_worker(job: Job, worker: int, weights: bytes, spec: RoundSpec, *, attemp
     its delta (name → float32 array, already multiplied by the worker's weight), or None without steps."""
     t_task = time.time()
     torch.set_num_threads(job.threads)
-    device.keep_freed_memory()
+    device.set_allocator(job.config.train.allocator)
     trainer: Trainer = process_local(("rounds", job.uid), lambda: _trainer(job))
     tc = trainer.tc
     t0 = time.time()

@@ -1,0 +1,296 @@
+"""Each rank's memory: its limit, the estimated peak of a training step, and the micro-batch that fits.
+
+On YARN and Kubernetes a rank lives inside an executor container; going over its memory gets the
+container killed (exit 137) and the task retried into the same wall. Before training, the driver
+learns each rank's limit from Spark's settings (or ``train.memory_limit``), estimates a rank's peak
+from the model's shapes, and picks the largest micro-batch that fits while keeping the global batch
+(micro-batch × accumulation); gradient checkpointing only when nothing fits without it (it costs
+compute). When even one sequence per micro-batch cannot fit, training does not start: one line says
+what would make it fit.
+
+The estimate is a sum of parts (bytes): the runtime (Python, torch, transformers, the data reader),
+the weights at their dtype, gradients and optimizer state of what trains, the activations kept for
+the backward pass (per sequence, from hidden and MLP widths, layers and sequence length; with
+checkpointing only the blocks' inputs and one block's activations) and the LM head's loss buffers
+(chunked: a constant). Its coefficients were fitted to peak RSS measured on SmolLM2-135M
+(benchmarks/finetune.py memory); it errs high.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import SparklmError
+
+MB = 1 << 20
+GB = 1 << 30
+RUNTIME = 700 * MB  # a training process before its model: interpreter, torch, transformers, peft, pyarrow, gloo
+HEADROOM = 0.9  # plan to this fraction of the limit: allocator fragmentation and what the estimate misses
+# Extra address space over resident memory (thread stacks, allocator arenas, shared libraries): an
+# RLIMIT_AS limit (spark.executor.pyspark.memory) counts it, a container's memory limit does not.
+ADDRESS_SPACE = 700 * MB
+# Activation elements kept per token and layer, in units of the hidden and MLP widths (fitted, see above)
+HIDDEN_UNITS, MLP_UNITS = 14, 6
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What the estimate needs of a model: its sizes and what trains."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    params: int  # every parameter
+    weight_bytes: int  # every parameter at its dtype
+    trainable: int  # parameters that train (all, or LoRA's adapters)
+    head_trains: bool  # the LM head's weight gets a gradient (not under LoRA)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """A rank's estimated memory, in bytes, by part (see the module docstring)."""
+
+    runtime: int
+    weights: int
+    states: int  # gradients and optimizer state of the trainable parameters
+    per_sequence: int  # activations per sequence
+    per_sequence_checkpointed: int
+    head: int  # the LM head's loss buffers (chunked loss)
+    address_space: int = 0  # added when the limit counts address space, not resident memory
+
+    def peak(self, micro_batch: int, checkpointing: bool) -> int:
+        act = self.per_sequence_checkpointed if checkpointing else self.per_sequence
+        return self.runtime + self.weights + self.states + micro_batch * act + self.head + self.address_space
+
+
+def footprint(shapes: Shapes, *, seq_len: int, optimizer_slots: int = 2, activation_bytes: int = 4,
+              loss_chunk: int = 512) -> Footprint:
+    """The estimate's parts for a model of ``shapes`` trained on sequences of ``seq_len`` tokens (pure).
+
+    ``optimizer_slots``: float32 values of optimizer state per trainable parameter (AdamW 2);
+    ``activation_bytes``: 4 in float32, 2 when the model computes in bfloat16 (bf16 base weights)."""
+    per_token_layer = HIDDEN_UNITS * shapes.hidden + MLP_UNITS * shapes.intermediate
+    per_sequence = seq_len * shapes.layers * per_token_layer * activation_bytes
+    # checkpointing keeps each block's input, and recomputes one block at a time in the backward pass
+    checkpointed = seq_len * (shapes.layers * shapes.hidden + 2 * per_token_layer) * activation_bytes
+    head = 3 * loss_chunk * shapes.vocab * 4 + (shapes.vocab * shapes.hidden * 4 if shapes.head_trains else 0)
+    return Footprint(runtime=RUNTIME, weights=shapes.weight_bytes, states=shapes.trainable * 4 * (1 + optimizer_slots),
+                     per_sequence=per_sequence, per_sequence_checkpointed=checkpointed, head=head)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    batch_size: int  # sequences per micro-batch
+    grad_accum: int
+    checkpointing: bool
+    estimate: int  # bytes at the chosen settings
+    limit: int | None  # bytes; None: no limit known
+    source: str  # where the limit comes from
+    hand_back: bool = False  # freed memory goes back to the OS (device.hand_back_memory): the plan had to shrink
+
+    def describe(self) -> str:
+        est = f"estimated peak {self.estimate / GB:.2f} GB"
+        where = f"of {self.limit / GB:.2f} GB ({self.source})" if self.limit else "(no memory limit known)"
+        ckpt = ", gradient checkpointing" if self.checkpointing else ""
+        ckpt += ", freed memory handed back" if self.hand_back else ""
+        return (f"memory: micro-batch {self.batch_size} x {self.grad_accum} accumulation{ckpt}, "
+                f"{est} {where}")
+
+
+def plan(fp: Footprint, limit: int | None, *, batch_size: int, grad_accum: int, checkpointing: str = "auto",
+         source: str = "", fixes: list[str] | None = None) -> MemoryPlan:
+    """The micro-batch, accumulation and checkpointing that fit ``limit`` bytes per rank (pure).
+
+    The sequences a rank takes per step (``batch_size × grad_accum``) stay the same: the micro-batch is their
+    largest divisor, up to ``batch_size``, whose estimate fits. ``checkpointing``: "on", "off", or "auto" (only
+    when no micro-batch fits without). With no limit, or the configured settings fitting, they are kept.
+    ``fixes``: what would lower the estimate, named in the error when nothing fits."""
+    per_step = batch_size * grad_accum
+    sizes = [m for m in range(batch_size, 0, -1) if per_step % m == 0]
+    options = {"on": [True], "off": [False], "auto": [False, True]}[checkpointing]
+    if limit is None:
+        ckpt = checkpointing == "on"
+        return MemoryPlan(batch_size, grad_accum, ckpt, fp.peak(batch_size, ckpt), None, source or "none")
+    budget = limit * HEADROOM
+    for ckpt in options:
+        for m in sizes:
+            if fp.peak(m, ckpt) <= budget:
+                shrunk = (m, ckpt) != (batch_size, checkpointing == "on")
+                return MemoryPlan(m, per_step // m, ckpt, fp.peak(m, ckpt), limit, source, hand_back=shrunk)
+    least = min(fp.peak(1, c) for c in options)
+    hint = "; ".join(fixes or []) or "give each rank more memory"
+    raise SparklmError(f"training does not fit in each rank's {limit / GB:.2f} GB ({source}): even a micro-batch of "
+                       f"one sequence needs about {least / GB:.2f} GB", hint=f"to fit: {hint}")
+
+
+def model_shapes(config, spec, context: int) -> Shapes:
+    """The shapes of the model ``config`` trains, built on the meta device (no weights are read or allocated):
+    a pretrained model from its config.json, or sparklm's own from ``[model]``; LoRA's adapters counted by peft."""
+    import torch
+
+    from ..model import lora
+    from ..model.build import ADAPTER_CONFIG, build_model, model_source
+
+    with torch.device("meta"):
+        if config.model.init_from:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            path = model_source(config.model.init_from, config.storage)
+            if (path / ADAPTER_CONFIG).is_file():  # a LoRA run: its base, with the adapter merged in
+                path = model_source(lora.base_of(path), config.storage)
+            base_bf16 = config.lora.r and config.lora.base_dtype == "bfloat16"
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path), local_files_only=True),
+                                                     dtype=torch.bfloat16 if base_bf16 else torch.float32)
+        else:
+            vocab = 64 * -(-spec.vocab_size // 64)
+            model = build_model(config.model, vocab_size=vocab, context=context, bos_id=spec.bos_id,
+                                eos_id=spec.eos_id, pad_id=spec.pad_id)
+        if config.lora.r:
+            model = lora.wrap(model, config.lora)
+    cfg = model.config
+    params = list(model.parameters())
+    head = model.get_output_embeddings().weight
+    return Shapes(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
+                  intermediate=getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size,
+                  vocab=head.shape[0], params=sum(p.numel() for p in params),
+                  weight_bytes=sum(p.numel() * p.element_size() for p in params),
+                  trainable=sum(p.numel() for p in params if p.requires_grad), head_trains=head.requires_grad)
+
+
+def plan_for(config, spec, seq_len: int, spark) -> MemoryPlan:
+    """The memory plan of a training job on ``spark`` (driver side, before any task starts)."""
+    from dataclasses import replace
+
+    from ..model.lm_head import chunk_size
+
+    tc = config.train
+    sc = spark.sparkContext
+    conf = dict(sc.getConf().getAll())
+    limit, source = rank_limit(conf, sc.master, ranks_per_host=tc.workers, setting=tc.memory_limit)
+    shapes = model_shapes(config, spec, seq_len)
+    bf16_base = bool(config.lora.r) and config.lora.base_dtype == "bfloat16"
+    fp = footprint(shapes, seq_len=seq_len, activation_bytes=2 if bf16_base else 4,
+                   loss_chunk=chunk_size(shapes.vocab, tc.loss_chunk))
+    if source.startswith("spark.executor.pyspark.memory"):
+        fp = replace(fp, address_space=ADDRESS_SPACE)
+    fixes = []
+    if config.model.init_from and not config.lora.r:
+        fixes.append("train LoRA adapters only (--lora-r 8)")
+    if config.lora.r and not bf16_base:
+        fixes.append('keep the frozen base in bfloat16 (--set lora.base_dtype="bfloat16")')
+    if tc.grad_checkpoint == "off":
+        fixes.append("--grad-checkpoint auto")
+    fixes += ["shorter sequences (prepare --seq-len)", "more memory per rank (--memory-limit, "
+              "spark.executor.pyspark.memory, or a larger executor)"]
+    return plan(fp, limit, batch_size=tc.batch_size, grad_accum=tc.grad_accum, checkpointing=tc.grad_checkpoint,
+                source=source, fixes=fixes)
+
+
+def apply(config, p: MemoryPlan):
+    """``config`` with the plan's micro-batch, accumulation and checkpointing."""
+    from dataclasses import replace
+
+    tc = config.train
+    allocator = tc.allocator if tc.allocator != "auto" else "return" if p.hand_back else "keep"
+    return config.replace(train=replace(tc, batch_size=p.batch_size, grad_accum=p.grad_accum,
+                                        grad_checkpoint="on" if p.checkpointing else "off", allocator=allocator))
+
+
+# -- the limit --
+
+_UNITS = {"": 1 << 20, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30, "gb": 1 << 30,
+          "t": 1 << 40, "tb": 1 << 40}
+
+
+def parse_size(text: str, what: str = "memory size") -> int:
+    """Bytes of a Spark-style size ("2g", "1536m", "512k"; a bare number is MiB, as Spark's memory settings)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise SparklmError(f"{what} {text!r} is not a size", hint="write it as Spark does, e.g. 2g or 1536m")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def rank_limit(conf: dict[str, str], master: str, *, ranks_per_host: int, setting: str = "") -> tuple[int | None, str]:
+    """Each rank's memory limit in bytes and where it comes from (pure but for local mode's host memory).
+
+    ``setting`` (train.memory_limit) wins; "none" plans nothing. Else spark.executor.pyspark.memory, which Spark
+    divides among an executor's cores and enforces as the Python worker's address-space limit; else, on YARN and
+    Kubernetes, the executor container (memory + overhead) less what its JVM holds, shared by the ranks in it;
+    in local mode this host's available memory shared by the ranks; else (standalone) none known."""
+    if setting.strip().lower() == "none":
+        return None, "train.memory_limit = none"
+    if setting.strip():
+        return parse_size(setting, "train.memory_limit"), "train.memory_limit"
+    cores = max(1, int(conf.get("spark.executor.cores", "1") or 1))
+    if conf.get("spark.executor.pyspark.memory"):
+        total = parse_size(conf["spark.executor.pyspark.memory"], "spark.executor.pyspark.memory")
+        return total // cores, "spark.executor.pyspark.memory" + (f" / {cores} cores" if cores > 1 else "")
+    if master.startswith(("yarn", "k8s://")):
+        heap = parse_size(conf.get("spark.executor.memory", "1g"), "spark.executor.memory")
+        factor = float(conf.get("spark.executor.memoryOverheadFactor", "0.1"))
+        overhead = (parse_size(conf["spark.executor.memoryOverhead"], "spark.executor.memoryOverhead")
+                    if conf.get("spark.executor.memoryOverhead") else max(384 * MB, int(heap * factor)))
+        # the JVM of a training task holds little of its heap; count it at half, at least 512 MB
+        share = heap + overhead - max(512 * MB, heap // 2)
+        tasks = max(1, cores // max(1, int(conf.get("spark.task.cpus", "1") or 1)))
+        return share // tasks, "the executor container: spark.executor.memory + memoryOverhead, less the JVM"
+    if master.startswith("local"):
+        avail = host_available()
+        return (avail // max(1, ranks_per_host), "this host's available memory") if avail else (None, "")
+    return None, ""
+
+
+def host_available() -> int | None:
+    """Bytes this host (or this container's memory cgroup) can still give: MemAvailable, capped by the cgroup."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < (1 << 60):
+            used = _cgroup_used(path)
+            avail = min(avail or int(text), int(text) - used)
+    return avail
+
+
+def _cgroup_used(limit_path: str) -> int:
+    used = limit_path.replace("memory.max", "memory.current").replace("limit_in_bytes", "usage_in_bytes")
+    try:
+        return int(Path(used).read_text().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def out_of_memory(where: str) -> SparklmError:
+    """The one line for a rank that ran out of memory: its peak, its limit, and what would fit."""
+    from .device import peak_rss_mb
+
+    limit = process_limit()
+    held = f"peak resident memory {peak_rss_mb() / 1024:.2f} GB"
+    if limit is not None:
+        held += f", address-space limit {limit / GB:.2f} GB (spark.executor.pyspark.memory)"
+    return SparklmError(f"{where}: out of memory ({held})",
+                        hint="let sparklm plan the micro-batch to each rank's memory (--memory-limit SIZE, not none), "
+                             "or lower train.batch_size, or train LoRA adapters with a bfloat16 base, or "
+                             "--grad-checkpoint on")
+
+
+def process_limit() -> int | None:
+    """This process's own address-space limit (RLIMIT_AS: what spark.executor.pyspark.memory sets), if any."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    except (ImportError, OSError, ValueError):
+        return None
+    return None if soft == resource.RLIM_INFINITY else soft

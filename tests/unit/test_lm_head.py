@@ -1,0 +1,119 @@
+"""The chunked LM-head loss equals the unchunked one, values and gradients, whatever the chunk size."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from sparklm.model import lm_head
+from sparklm.model.task import IGNORE
+
+V = 300
+
+
+def tiny(arch: str, tie: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if arch == "llama":
+        cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                          tie_word_embeddings=tie)
+        return LlamaForCausalLM(cfg)
+    cfg = GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, tie_word_embeddings=tie)
+    return GPT2LMHeadModel(cfg).eval()  # no dropout: both losses see the same network
+
+
+def batch(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (3, 17), generator=g)
+    mask = torch.ones_like(ids)
+    mask[2, 12:] = 0  # right padding
+    labels = ids.masked_fill(mask == 0, IGNORE)
+    labels[1, :6] = IGNORE  # a prompt without loss
+    return ids, mask, labels
+
+
+def reference(model, ids, mask, labels):
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    return F.cross_entropy(logits.reshape(-1, V), labels[:, 1:].reshape(-1), ignore_index=IGNORE, reduction="sum")
+
+
+def chunked(model, ids, mask, labels, chunk):
+    with lm_head.hidden_states(model) as box:
+        out = model(input_ids=ids, attention_mask=mask)
+    assert out.logits.shape[-1] == 0  # the full logits were never computed
+    return lm_head.nll_sum(box["hidden"], lm_head.head_of(model), labels, chunk)
+
+
+def grads(model, loss):
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("arch,tie", [("llama", False), ("llama", True), ("gpt2", True)])
+@pytest.mark.parametrize("chunk", [1, 7, 16, 4096])
+def test_chunked_loss_and_gradients_equal_the_unchunked(arch, tie, chunk):
+    model = tiny(arch, tie)
+    ids, mask, labels = batch()
+    assert lm_head.supports(model)
+    want = reference(model, ids, mask, labels)
+    want_grads = grads(model, want)
+    got = chunked(model, ids, mask, labels, chunk)
+    got_grads = grads(model, got)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert want_grads.keys() == got_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_chunked_loss_under_bf16_autocast_matches_autocast_reference():
+    model = tiny("llama", False)
+    ids, mask, labels = batch(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = reference(model, ids, mask, labels)
+        got = chunked(model, ids, mask, labels, 5)
+    assert abs(got.item() - want.item()) / want.item() < 1e-3
+
+
+def test_frozen_head_gets_no_gradient_and_no_target_gives_zero():
+    model = tiny("llama", True)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(True)
+    ids, mask, _ = batch()
+    labels = torch.full_like(ids, IGNORE)
+    loss = chunked(model, ids, mask, labels, 4)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert model.lm_head.weight.grad is None
+    assert torch.count_nonzero(model.model.layers[0].mlp.up_proj.weight.grad) == 0
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 0])
+def test_score_sums_equal_token_sums(chunk):
+    model = tiny("gpt2", True).eval()
+    ids, mask, labels = batch(3)
+    valid = labels[:, 1:] != IGNORE
+    byte_lengths = torch.arange(V, dtype=torch.float64)
+    want = lm_head.score(model, ids, mask, valid, byte_lengths, chunked=False)
+    got = lm_head.score(model, ids, mask, valid, byte_lengths, chunk=chunk)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-4)
+
+
+def test_models_that_change_logits_after_the_head_keep_the_unchunked_loss():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    assert gemma.config.final_logit_softcapping  # soft-capped logits
+    assert not lm_head.supports(gemma)
+    model = tiny("llama", False)
+    model.lm_head.register_forward_hook(lambda m, a, out: out * 2 + 1)  # a transform no config names
+    assert not lm_head.supports(model)
+
+
+def test_chunk_size_follows_the_vocabulary():
+    assert lm_head.chunk_size(49152) == 512
+    assert lm_head.chunk_size(50) == 4096
+    assert lm_head.chunk_size(10**7) == 32
+    assert lm_head.chunk_size(49152, 100) == 100

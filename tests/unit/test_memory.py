@@ -1,0 +1,112 @@
+"""The memory plan as pure functions: limits → micro-batch, accumulation, checkpointing."""
+
+import pytest
+
+from sparklm.errors import SparklmError
+from sparklm.train import memory
+from sparklm.train.memory import GB, MB, Footprint, Shapes
+
+# a rank that holds 1 GB before activations, 300 MB per sequence (30 MB checkpointed)
+FP = Footprint(runtime=500 * MB, weights=400 * MB, states=100 * MB, per_sequence=300 * MB,
+               per_sequence_checkpointed=30 * MB, head=24 * MB)
+
+
+def test_no_limit_keeps_the_configured_settings():
+    p = memory.plan(FP, None, batch_size=8, grad_accum=2)
+    assert (p.batch_size, p.grad_accum, p.checkpointing) == (8, 2, False)
+    assert p.estimate == FP.peak(8, False)
+
+
+def test_the_largest_micro_batch_that_fits_keeps_the_global_batch():
+    limit = int((FP.peak(2, False) + 10 * MB) / memory.HEADROOM)  # room for 2 sequences, not 4
+    p = memory.plan(FP, limit, batch_size=8, grad_accum=1, source="test")
+    assert (p.batch_size, p.grad_accum, p.checkpointing) == (2, 4, False)
+    p = memory.plan(FP, limit, batch_size=6, grad_accum=3)  # 18 sequences a step: divisors of 18 up to 6
+    assert (p.batch_size * p.grad_accum, p.batch_size) == (18, 2)
+
+
+def test_checkpointing_only_when_nothing_fits_without():
+    limit = int(FP.peak(1, False) / memory.HEADROOM) - MB  # not even one sequence without checkpointing
+    p = memory.plan(FP, limit, batch_size=8, grad_accum=1)
+    assert p.checkpointing and p.batch_size * p.grad_accum == 8
+    assert FP.peak(p.batch_size, True) <= limit * memory.HEADROOM
+    with pytest.raises(SparklmError, match="even a micro-batch of one sequence"):
+        memory.plan(FP, limit, batch_size=8, grad_accum=1, checkpointing="off")
+    on = memory.plan(FP, 100 * GB, batch_size=8, grad_accum=1, checkpointing="on")
+    assert on.checkpointing and on.batch_size == 8
+
+
+def test_nothing_fits_names_the_fixes():
+    with pytest.raises(SparklmError) as e:
+        memory.plan(FP, GB, batch_size=4, grad_accum=1, source="spark.executor.pyspark.memory",
+                    fixes=["train LoRA adapters only (--lora-r 8)", "shorter sequences"])
+    line = e.value.one_line()
+    assert "1.00 GB (spark.executor.pyspark.memory)" in line and "--lora-r 8" in line and "\n" not in line
+
+
+def test_footprint_parts():
+    shapes = Shapes(layers=8, hidden=64, intermediate=256, vocab=1000, params=10**6, weight_bytes=4 * 10**6,
+                    trainable=10**4, head_trains=False)
+    fp = memory.footprint(shapes, seq_len=128, loss_chunk=100)
+    assert fp.states == 10**4 * 4 * 3  # gradient + AdamW's two moments
+    assert fp.head == 3 * 100 * 1000 * 4  # a frozen head: only the chunk's buffers
+    assert fp.per_sequence_checkpointed < fp.per_sequence
+    assert memory.footprint(shapes, seq_len=256).per_sequence == 2 * fp.per_sequence
+    assert memory.footprint(shapes, seq_len=128, activation_bytes=2).per_sequence * 2 == fp.per_sequence
+
+
+@pytest.mark.parametrize("text,want", [("2g", 2 * GB), ("1536m", 1536 * MB), ("512", 512 * MB), ("1.5g", int(1.5 * GB)),
+                                       ("100k", 100 * 1024), ("3GB", 3 * GB)])
+def test_parse_size(text, want):
+    assert memory.parse_size(text) == want
+
+
+def test_parse_size_rejects_nonsense():
+    with pytest.raises(SparklmError, match="not a size"):
+        memory.parse_size("lots")
+
+
+def test_rank_limit_sources():
+    assert memory.rank_limit({}, "spark://h:7077", ranks_per_host=1, setting="3g") == (3 * GB, "train.memory_limit")
+    assert memory.rank_limit({}, "local[2]", ranks_per_host=2, setting="none")[0] is None
+    conf = {"spark.executor.pyspark.memory": "4g", "spark.executor.cores": "2"}
+    limit, source = memory.rank_limit(conf, "spark://h:7077", ranks_per_host=1)
+    assert limit == 2 * GB and source.startswith("spark.executor.pyspark.memory")  # Spark divides it among cores
+    yarn = {"spark.executor.memory": "4g", "spark.executor.cores": "2", "spark.task.cpus": "1"}
+    limit, _ = memory.rank_limit(yarn, "yarn", ranks_per_host=1)
+    assert limit == (4 * GB + int(0.4 * GB) - 2 * GB) // 2  # heap + 10% overhead, less half the heap, 2 tasks
+    explicit = {**yarn, "spark.executor.memoryOverhead": "2g"}
+    assert memory.rank_limit(explicit, "k8s://x", ranks_per_host=1)[0] == (4 * GB + 2 * GB - 2 * GB) // 2
+    assert memory.rank_limit({}, "spark://h:7077", ranks_per_host=1) == (None, "")
+    local, source = memory.rank_limit({}, "local[2]", ranks_per_host=2)
+    assert local is None or (0 < local and source == "this host's available memory")
+
+
+@pytest.mark.parametrize("text", [
+    "org.apache.spark.SparkException: Python worker exited unexpectedly (crashed)",
+    "ExecutorLostFailure (executor 3 exited caused by one of the running tasks) Reason: Container killed by YARN for "
+    "exceeding physical memory limits. 4.5 GB of 4.4 GB physical memory used.",
+    "The executor with id 2 exited with exit code 137(SIGKILL, possible container OOM).",
+])
+def test_a_killed_python_worker_is_named_as_memory(text):
+    from sparklm.errors import killed_note, known_cause
+    from sparklm.train.strategies.ddp import lost_cause
+
+    assert "memory limit" in killed_note(text) and "--memory-limit" in killed_note(text)
+    assert known_cause(text) is None  # the strategies decide: DDP restarts, a round goes on without the worker
+    assert killed_note("ValueError: bad input") is None
+    if "Python worker" in text:
+        assert "memory limit" in lost_cause(RuntimeError(text))  # DDP restarts, and says why it may have died
+
+
+def test_out_of_memory_line_names_peak_and_limit():
+    e = memory.out_of_memory("training rank 0 on h")
+    line = e.one_line()
+    assert line.startswith("error: training rank 0 on h: out of memory (peak resident memory") and "\n" not in line
+
+
+def test_memory_is_handed_back_only_when_the_plan_had_to_shrink():
+    assert not memory.plan(FP, 100 * GB, batch_size=8, grad_accum=1).hand_back
+    limit = int((FP.peak(2, False) + 10 * MB) / memory.HEADROOM)
+    assert memory.plan(FP, limit, batch_size=8, grad_accum=1).hand_back
+    assert not memory.plan(FP, None, batch_size=8, grad_accum=1).hand_back
