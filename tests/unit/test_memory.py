@@ -110,3 +110,18 @@ def test_memory_is_handed_back_only_when_the_plan_had_to_shrink():
     limit = int((FP.peak(2, False) + 10 * MB) / memory.HEADROOM)
     assert memory.plan(FP, limit, batch_size=8, grad_accum=1).hand_back
     assert not memory.plan(FP, None, batch_size=8, grad_accum=1).hand_back
+
+
+@pytest.mark.parametrize("model", [{}, {"arch": "gpt2"}, {"qk_norm": False}, {"tie_embeddings": False, "n_layer": 3}])
+def test_scratch_shapes_count_what_build_model_builds(model):
+    import torch
+
+    from sparklm.config import from_dict
+    from sparklm.model.build import build_model
+
+    cfg = from_dict({"model": model}).model
+    shapes = memory.scratch_shapes(cfg, 640, 128)
+    with torch.device("meta"):
+        net = build_model(cfg, vocab_size=640, context=128, bos_id=1, eos_id=2, pad_id=0)
+    assert shapes.params == sum(p.numel() for p in net.parameters())
+    assert shapes.weight_bytes == 4 * shapes.params and shapes.layers == cfg.n_layer

@@ -126,9 +126,31 @@ def plan(fp: Footprint, limit: int | None, *, batch_size: int, grad_accum: int, 
                        f"one sequence needs about {least / GB:.2f} GB", hint=f"to fit: {hint}")
 
 
+def scratch_shapes(cfg, vocab: int, context: int, *, trainable: bool = True) -> Shapes:
+    """The shapes of a model sparklm builds from ``[model]`` (pure arithmetic: the driver need not import
+    transformers, ~3 s, before a run that trains from scratch)."""
+    from ..model.build import swiglu_hidden
+
+    d, layers = cfg.n_embd, cfg.n_layer
+    if cfg.arch == "llama":
+        f = cfg.intermediate or swiglu_hidden(d)
+        per_layer = 4 * d * d + 3 * d * f + 2 * d + (2 * (d // cfg.n_head) if cfg.qk_norm else 0)
+        params = vocab * d + layers * per_layer + d
+    else:
+        f = cfg.intermediate or 4 * d
+        per_layer = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
+        params = vocab * d + context * d + layers * per_layer + 2 * d
+    if not cfg.tie_embeddings:
+        params += vocab * d
+    return Shapes(layers=layers, hidden=d, intermediate=f, vocab=vocab, params=params, weight_bytes=4 * params,
+                  trainable=params, head_trains=True)
+
+
 def model_shapes(config, spec, context: int) -> Shapes:
     """The shapes of the model ``config`` trains, built on the meta device (no weights are read or allocated):
     a pretrained model from its config.json, or sparklm's own from ``[model]``; LoRA's adapters counted by peft."""
+    if not config.model.init_from and not config.lora.r:
+        return scratch_shapes(config.model, 64 * -(-spec.vocab_size // 64), context)
     import torch
 
     from ..model import lora
