@@ -31,6 +31,12 @@ class SparklmError(Exception):
             line += f" (hint: {self.hint})"
         return redact_text(" ".join(line.split()))
 
+    @classmethod
+    def from_line(cls, line: str) -> SparklmError:
+        """The error a :meth:`one_line` text describes: a child process's stderr line back into an error."""
+        what, sep, hint = line.removeprefix("error: ").strip().partition(" (hint: ")
+        return cls(what, hint=hint[:-1] if sep and hint.endswith(")") else None)
+
     def __str__(self) -> str:
         # Marked so the text survives the trip through a Spark task failure.
         return f"{_MARK}{self.message}|{self.hint or ''}{_END}"

@@ -125,3 +125,10 @@ def test_scratch_shapes_count_what_build_model_builds(model):
         net = build_model(cfg, vocab_size=640, context=128, bos_id=1, eos_id=2, pad_id=0)
     assert shapes.params == sum(p.numel() for p in net.parameters())
     assert shapes.weight_bytes == 4 * shapes.params and shapes.layers == cfg.n_layer
+
+
+def test_an_error_line_reads_back_into_the_error():
+    e = memory.out_of_memory("training rank 0 on h")
+    back = SparklmError.from_line(e.one_line())
+    assert (back.message, back.hint) == (e.message, e.hint)
+    assert SparklmError.from_line("error: plain").hint is None

@@ -19,7 +19,7 @@ checkpointing only the blocks' inputs and one block's activations) and the LM he
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import SparklmError
@@ -126,7 +126,7 @@ def plan(fp: Footprint, limit: int | None, *, batch_size: int, grad_accum: int, 
                        f"one sequence needs about {least / GB:.2f} GB", hint=f"to fit: {hint}")
 
 
-def scratch_shapes(cfg, vocab: int, context: int, *, trainable: bool = True) -> Shapes:
+def scratch_shapes(cfg, vocab: int, context: int) -> Shapes:
     """The shapes of a model sparklm builds from ``[model]`` (pure arithmetic: the driver need not import
     transformers, ~3 s, before a run that trains from scratch)."""
     from ..model.build import swiglu_hidden
@@ -147,30 +147,31 @@ def scratch_shapes(cfg, vocab: int, context: int, *, trainable: bool = True) -> 
 
 
 def model_shapes(config, spec, context: int) -> Shapes:
-    """The shapes of the model ``config`` trains, built on the meta device (no weights are read or allocated):
-    a pretrained model from its config.json, or sparklm's own from ``[model]``; LoRA's adapters counted by peft."""
-    if not config.model.init_from and not config.lora.r:
+    """The shapes of the model ``config`` trains, before Spark starts: sparklm's own from ``[model]`` by arithmetic;
+    a pretrained model built empty on the meta device from its config.json (no weights read), its LoRA targets
+    checked on it and its adapters counted by peft."""
+    if not config.model.init_from:  # LoRA without a base was refused before
         return scratch_shapes(config.model, 64 * -(-spec.vocab_size // 64), context)
     import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..model import lora
-    from ..model.build import ADAPTER_CONFIG, build_model, model_source
+    from ..model.build import ADAPTER_CONFIG, model_source
 
-    with torch.device("meta"):
-        if config.model.init_from:
-            from transformers import AutoConfig, AutoModelForCausalLM
-
-            path = model_source(config.model.init_from, config.storage)
-            if (path / ADAPTER_CONFIG).is_file():  # a LoRA run: its base, with the adapter merged in
-                path = model_source(lora.base_of(path), config.storage)
-            base_bf16 = config.lora.r and config.lora.base_dtype == "bfloat16"
+    name = config.model.init_from
+    path = model_source(name, config.storage)
+    if (path / ADAPTER_CONFIG).is_file():  # a LoRA run: its base, with the adapter merged in
+        path = model_source(lora.base_of(path), config.storage)
+    dtype = torch.bfloat16 if config.lora.r and config.lora.base_dtype == "bfloat16" else torch.float32
+    try:
+        with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path), local_files_only=True),
-                                                     dtype=torch.bfloat16 if base_bf16 else torch.float32)
-        else:
-            vocab = 64 * -(-spec.vocab_size // 64)
-            model = build_model(config.model, vocab_size=vocab, context=context, bos_id=spec.bos_id,
-                                eos_id=spec.eos_id, pad_id=spec.pad_id)
-        if config.lora.r:
+                                                     dtype=dtype)
+    except Exception as e:
+        raise SparklmError(f"cannot read the model config in {name}: {' '.join(str(e).split())[:200]}") from None
+    if config.lora.r:
+        lora.check_targets(model, config.lora)
+        with torch.device("meta"):
             model = lora.wrap(model, config.lora)
     cfg = model.config
     params = list(model.parameters())
@@ -182,17 +183,15 @@ def model_shapes(config, spec, context: int) -> Shapes:
                   trainable=sum(p.numel() for p in params if p.requires_grad), head_trains=head.requires_grad)
 
 
-def plan_for(config, spec, seq_len: int, spark) -> MemoryPlan:
-    """The memory plan of a training job on ``spark`` (driver side, before any task starts)."""
-    from dataclasses import replace
-
+def plan_for(config, shapes: Shapes, seq_len: int, spark) -> MemoryPlan:
+    """The memory plan of a training job on ``spark`` for a model of ``shapes`` (driver side, before any task
+    starts)."""
     from ..model.lm_head import chunk_size
 
     tc = config.train
     sc = spark.sparkContext
     conf = dict(sc.getConf().getAll())
     limit, source = rank_limit(conf, sc.master, ranks_per_host=tc.workers, setting=tc.memory_limit)
-    shapes = model_shapes(config, spec, seq_len)
     bf16_base = bool(config.lora.r) and config.lora.base_dtype == "bfloat16"
     fp = footprint(shapes, seq_len=seq_len, activation_bytes=2 if bf16_base else 4,
                    loss_chunk=chunk_size(shapes.vocab, tc.loss_chunk))
@@ -213,8 +212,6 @@ def plan_for(config, spec, seq_len: int, spark) -> MemoryPlan:
 
 def apply(config, p: MemoryPlan):
     """``config`` with the plan's micro-batch, accumulation and checkpointing."""
-    from dataclasses import replace
-
     tc = config.train
     allocator = tc.allocator if tc.allocator != "auto" else "return" if p.hand_back else "keep"
     return config.replace(train=replace(tc, batch_size=p.batch_size, grad_accum=p.grad_accum,

@@ -64,6 +64,7 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
     dataset = load_prepared(data, storage)
     spec = load_tokenizer(dataset, storage)
     _check_init_from(config, spec)
+    shapes = memory.model_shapes(config, spec, dataset.seq_len)  # (and LoRA's targets checked) before Spark starts
     if dataset.manifest["splits"]["train"]["sequences"] == 0:
         raise SparklmError(f"{data} has no training sequences", hint="prepare more text or a shorter --seq-len")
     t_spark = time.time()
@@ -71,14 +72,14 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
     spark_start = time.time() - t_spark
     check_shared(spark, {"run directory": run_dir, "dataset": data})
     # Before anything is written: a job that cannot fit stops here, and the same --output can be used again.
-    mem = memory.plan_for(config, spec, dataset.seq_len, spark)
+    mem = memory.plan_for(config, shapes, dataset.seq_len, spark)
     progress.info(mem.describe())
     write_text(join(run_dir, "config.json"), json.dumps(
         {"config": config.to_saved(), "data": data, "sparklm_version": __version__}, indent=2), storage)
     tc = config.train
     strategy = get(tc.strategy)
-    job = Job(config=memory.apply(config, mem), data=data, run_dir=run_dir, resume=resume, workers=tc.workers, threads=tc.threads,
-              uid=uuid.uuid4().hex)
+    job = Job(config=memory.apply(config, mem), data=data, run_dir=run_dir, resume=resume, workers=tc.workers,
+              threads=tc.threads, uid=uuid.uuid4().hex)
     sinks = Sinks([CsvSink(join(run_dir, "metrics.csv"), METRIC_COLUMNS, {"train", "eval"}, storage),
                    JsonSink(join(run_dir, "run_info.json"), storage), ConsoleSink()])
     t0 = time.time()
@@ -128,8 +129,8 @@ def _check_resumable(run_dir: str, config: Config) -> None:
 
 
 def _check_init_from(config: Config, spec: TokenizerSpec) -> None:
-    """Before Spark starts: the pretrained model exists and loads (config and safetensors weights), its tokenizer is
-    the dataset's, and LoRA's targets name modules of it (checked on an empty model: no weights are read)."""
+    """Before Spark starts: the pretrained model exists and loads (config and safetensors weights) and its tokenizer
+    is the dataset's (LoRA's targets are checked with the model's shapes, memory.model_shapes)."""
     from ..model import lora
 
     if not config.model.init_from:
@@ -147,16 +148,6 @@ def _check_init_from(config: Config, spec: TokenizerSpec) -> None:
     if (path / "tokenizer.json").is_file() and load(str(path)).sha256 != spec.sha256:
         raise SparklmError(f"the tokenizer of {name} differs from the dataset's",
                            hint=f"prepare the data with --tokenizer {name}")
-    if config.lora.r:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        try:
-            with torch.device("meta"):
-                empty = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path), local_files_only=True))
-        except Exception as e:
-            raise SparklmError(f"cannot read the model config in {name}: {' '.join(str(e).split())[:200]}") from None
-        lora.check_targets(empty, config.lora)
 
 
 def _summary(run_dir: str, config: Config, dataset: PreparedDataset, result: dict, spark, seconds: float,

@@ -192,9 +192,7 @@ def _finish_rank(proc: subprocess.Popen, start: RankStart, log_path: str) -> dic
         return {**result, "rank": start.rank}
     error = _last_error(log_path)
     if error is not None:  # the rank said what went wrong (bad input, disk full, …): running again would not help
-        what, _, hint = error.partition(" (hint: ")
-        hint = f"{hint[:-1]}; see {log_path}" if hint.endswith(")") else f"see {log_path}"
-        raise SparklmError(what, hint=hint)
+        raise SparklmError(error.message, hint="; ".join(filter(None, [error.hint, f"see {log_path}"])))
     how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     cause = known_cause(_tail(log_path))
     why = cause[0] if cause else ("out of memory, or stopped from outside" if code in (-9, 137) else "see its log")
@@ -264,10 +262,10 @@ def _tail(path: str) -> str:
     return "".join(lines[starts[-1] + 1 if starts else 0:][-50:])
 
 
-def _last_error(path: str) -> str | None:
+def _last_error(path: str) -> SparklmError | None:
     for line in reversed(_tail(path).splitlines()):
         if line.startswith("error: "):
-            return line[len("error: "):].strip()
+            return SparklmError.from_line(line)
     return None
 
 

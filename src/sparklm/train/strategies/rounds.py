@@ -214,12 +214,12 @@ class Rounds:
             loss = sum(r.mean_loss * r.tokens for r in done) / max(round_tokens, 1)
             tps = round_tokens / max(wall, 1e-9)
             peak = facts.get("peak_flops") or 1.0
-            peaks = note_peaks(done)
+            peaks, round_peak = note_peaks(done), max(r.peak_rss_mb for r in done)
             out.write({"kind": "train", "step": step, "epoch": tokens_seen / epoch_tokens, "tokens": tokens_seen,
                        "loss": loss, "lr": sum(r.lr for r in done) / len(done),
                        "grad_norm": sum(r.grad_norm for r in done) / len(done), "tokens_per_s": tps,
                        "ms_per_step": 1000 * per_step_s, "mfu": tps * facts.get("flops_per_token", 0) / (peak * workers),
-                       "rss_mb": max(r.rss_mb for r in done), "peak_rss_mb": max(r.peak_rss_mb for r in done),
+                       "rss_mb": max(r.rss_mb for r in done), "peak_rss_mb": round_peak,
                        "rank_peak_rss_mb": rank_mb(peaks), "elapsed": elapsed})
             left = (total_steps - step) * per_step_s if total_steps else max(tc.time_budget - elapsed, 0)
             out.write({
@@ -233,7 +233,7 @@ class Rounds:
                 "delta_norm": outer.norm(avg), "elapsed": elapsed,
                 # for the progress line only
                 "total_steps": total_steps, "tokens_per_s": tps, "eta_s": left,
-                "sent_mb": (comm["broadcast"] + comm["returned"]) / 1e6, "peak_rss_mb": max(r.peak_rss_mb for r in done)})
+                "sent_mb": (comm["broadcast"] + comm["returned"]) / 1e6, "peak_rss_mb": round_peak})
             if rnd_index == 1:  # the first round's pace projects a time budget
                 planned = total_steps or (tc.time_budget / max(per_step_s, 1e-9))
                 note = core.epochs_note(planned * plan.tokens_per_step / epoch_tokens, epoch_tokens)
