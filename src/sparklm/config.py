@@ -145,9 +145,9 @@ class LoraConfig:
     targets: str = _f("all-linear", "comma-separated module names to adapt (e.g. q_proj,v_proj); all-linear: every "
                                     "linear layer of the blocks (attention and MLP, any architecture), not the LM head",
                       flag="--lora-targets")
-    base_dtype: Literal["float32", "bfloat16"] = _f(
-        "float32", "dtype of the frozen base weights; bfloat16 halves their memory (adapters and optimizer state stay "
-                   "float32)")
+    base_dtype: Literal["auto", "float32", "bfloat16"] = _f(
+        "auto", "dtype of the frozen base weights; bfloat16 halves their memory (adapters and optimizer state stay "
+                "float32); auto: bfloat16 where training computes in bfloat16 (train.dtype), else float32")
 
 
 @dataclass(kw_only=True)
@@ -211,7 +211,8 @@ class TrainConfig:
                                "spark.executor.pyspark.memory, else on YARN/Kubernetes the executor container, in "
                                "local mode this host's available memory; none: no plan", flag="--memory-limit")
     loss_chunk: int = _f(0, "positions per chunk of the LM-head loss: the logits of a whole micro-batch never exist at "
-                            "once (same loss and gradients); 0: ~128 MB of float32 logits per chunk", min=0)
+                            "once (same loss and gradients); 0: ~128 MB of float32 logits per chunk; -1: off (the "
+                            "model's own logits and loss)", min=-1)
     seed: int = _f(1337, "seed of weights, data order and dropout")
     eval_every: int = _f(100, "evaluate every N steps (and at the end); 0: only at the end", min=0, flag="--eval-every")
     eval_batches: int = _f(20, "validation micro-batches per evaluation per worker; 0: the whole split", min=0)

@@ -101,6 +101,21 @@ def session_conf(defaults: dict[str, str], preset: dict[str, str], user: dict[st
     return confs
 
 
+def planned_master(config: SparkConfig | None = None, spark=None) -> str:
+    """The master a run will use, known before its session starts: ``spark``'s or the active session's, else the
+    one :func:`get_session` would choose (sparklm's setting, spark-submit's or spark-defaults.conf's, local[*])."""
+    if spark is not None:
+        return spark.sparkContext.master
+    if "pyspark" in sys.modules:  # a session can only be active where pyspark was imported
+        from pyspark.sql import SparkSession
+
+        active = SparkSession.getActiveSession()
+        if active is not None:
+            return active.sparkContext.master
+    config = config or SparkConfig()
+    return config.master or preset_conf().get("spark.master") or "local[*]"
+
+
 def preset_conf() -> dict[str, str]:
     """Spark settings made before sparklm runs: under spark-submit (the JVM is already up), its whole
     configuration; otherwise ``spark-defaults.conf`` (``$SPARK_CONF_DIR`` or ``$SPARK_HOME/conf``)."""

@@ -63,6 +63,33 @@ def test_two_workers_equal_one_process_on_the_same_global_batch(spark, dataset, 
     assert min(s2["rank_peak_rss_mb"]) > 0 and s2["peak_rss_mb"] == max(s2["rank_peak_rss_mb"])
 
 
+def test_warm_rank_processes_are_taken_once_and_report_how_their_rank_ended(tmp_path):
+    """Local mode: ranks' processes start before Spark (ddp.DDP.prestart); a task takes one over (the rank is
+    forked for it, its exit status comes back), a second attempt finds none and starts a fresh process, and
+    the unused ones are stopped."""
+    import os
+    import signal
+
+    from sparklm.config import Config, TrainConfig
+    from sparklm.train.strategies.ddp import DDP, WarmRank
+
+    with DDP().prestart(Config(train=TrainConfig(workers=2, threads=1)), "local[2]") as warm:
+        assert len(warm) == 2
+        log = tmp_path / "rank-0.log"
+        rank = WarmRank.take(warm[0], str(log))
+        assert rank is not None and rank.poll() is None
+        rank.stdin.write(b"not a start message")
+        rank.stdin.close()
+        assert list(rank.stdout) == [] and rank.wait() == 1  # the rank's own exit status
+        assert "JSONDecodeError" in log.read_text()  # its stderr went to the task's log
+        assert WarmRank.take(warm[0], str(log), wait=5) is None  # taken once: a restart starts a fresh process
+        other = WarmRank.take(warm[1], str(tmp_path / "rank-1.log"))
+        other.kill()
+        assert other.wait() == -signal.SIGKILL
+        assert not os.path.exists(f"/proc/{other.pid}")  # reaped by its warm process
+    assert not any(os.path.exists(p) for p in warm)  # the unused ones stopped, their sockets removed
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_resume_ends_with_the_same_weights(spark, dataset, tmp_path, optimizer):
     full = tmp_path / "full"

@@ -282,6 +282,29 @@ def test_micro_batches_weigh_by_their_targets_and_an_empty_one_is_a_zero():
     assert all(p.grad is not None and not p.grad.isnan().any() for p in model.parameters())
 
 
+def test_the_tasks_loss_chunked_or_not_is_the_same():
+    """train.loss_chunk -1 keeps the model's own logits and loss: the same value and gradients as the chunked
+    loss (benchmarks compare the two end to end)."""
+    import numpy as np
+
+    from sparklm.config import ModelConfig
+    from sparklm.model.build import build_model
+    from sparklm.model.task import CausalLM, make_batch
+
+    model = build_model(ModelConfig(n_layer=1, n_head=2, n_embd=16), vocab_size=64, context=16, bos_id=1, eos_id=2,
+                        pad_id=0)
+    batch = make_batch(np.random.default_rng(1).integers(3, 64, (2, 12)), None, None)
+    task, grads = CausalLM(), []
+    for chunked in (False, True):
+        task.chunked, task.chunk = chunked, 5
+        model.zero_grad()
+        loss = task.loss(model, batch)
+        loss.backward()
+        grads.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads[0][1], grads[1][1]))
+
+
 def test_flops_per_token_counts_frozen_weights_at_four_not_six():
     from sparklm.config import ModelConfig
     from sparklm.model import flops_per_token

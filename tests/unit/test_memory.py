@@ -53,6 +53,8 @@ def test_footprint_parts():
     assert fp.per_sequence_checkpointed < fp.per_sequence
     assert memory.footprint(shapes, seq_len=256).per_sequence == 2 * fp.per_sequence
     assert memory.footprint(shapes, seq_len=128, activation_bytes=2).per_sequence * 2 == fp.per_sequence
+    whole = memory.footprint(shapes, seq_len=128, loss_chunk=None)  # unchunked: every position's logits
+    assert whole.head == 0 and whole.per_sequence - fp.per_sequence == 3 * 128 * 1000 * 4
 
 
 @pytest.mark.parametrize("text,want", [("2g", 2 * GB), ("1536m", 1536 * MB), ("512", 512 * MB), ("1.5g", int(1.5 * GB)),
@@ -132,3 +134,25 @@ def test_an_error_line_reads_back_into_the_error():
     back = SparklmError.from_line(e.one_line())
     assert (back.message, back.hint) == (e.message, e.hint)
     assert SparklmError.from_line("error: plain").hint is None
+
+
+def test_a_bf16_base_where_training_computes_in_bf16():
+    """lora.base_dtype "auto": the rank holds the base in bf16 when it computes in bf16; the driver's plan counts
+    it so where it can know (explicit settings, local mode) and assumes float32 (the larger) elsewhere."""
+    import torch
+
+    from sparklm.config import Config, LoraConfig, TrainConfig
+    from sparklm.model import lora
+
+    assert lora.base_dtype(LoraConfig(r=8), torch.bfloat16) == "bfloat16"
+    assert lora.base_dtype(LoraConfig(r=8), torch.float32) == "float32"
+    assert lora.base_dtype(LoraConfig(r=8, base_dtype="float32"), torch.bfloat16) == "float32"
+
+    def cfg(base="auto", dtype="auto", r=8):
+        return Config(lora=LoraConfig(r=r, base_dtype=base), train=TrainConfig(dtype=dtype))
+
+    assert memory.base_in_bf16(cfg(dtype="bfloat16"), "spark://h:7077")
+    assert not memory.base_in_bf16(cfg(dtype="float32"), "local[2]")
+    assert not memory.base_in_bf16(cfg(), "spark://h:7077")  # unknown executors: the larger estimate
+    assert memory.base_in_bf16(cfg(base="bfloat16", dtype="float32"), "yarn")
+    assert not memory.base_in_bf16(cfg(r=0, dtype="bfloat16"), "local[2]")

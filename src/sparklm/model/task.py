@@ -112,7 +112,7 @@ class CausalLM:
             model = lora.wrap(model, config.lora)
             self.base = config.model.init_from
         self.chunk = config.train.loss_chunk
-        self.chunked = not config.train.compile and lm_head.supports(model)
+        self.chunked = self.chunk >= 0 and not config.train.compile and lm_head.supports(model)
         return model
 
     def loss(self, net: torch.nn.Module, batch: Batch, total: int | None = None) -> torch.Tensor:

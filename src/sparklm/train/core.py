@@ -24,7 +24,7 @@ from ..data.stream import TokenStream, validation_rows
 from ..data.tokenizer import TokenizerSpec, token_byte_lengths
 from ..errors import SparklmError
 from ..fs import delete, exists, join
-from ..model import flops_per_token, param_count
+from ..model import flops_per_token, lora, param_count
 from ..model.task import Batch, Task, lm_figures, make_batch, targets, task_for
 from . import checkpoint, device, optim
 from .report import write_samples
@@ -196,10 +196,13 @@ class Trainer:
 
     def __init__(self, config: Config, dataset: PreparedDataset, spec: TokenizerSpec, *, rank: Rank = Rank(),
                  task: Task | None = None, dev: device.Device | None = None, workers: int | None = None):
+        self.device = dev or device.select(config.train.dtype, rank.threads)
+        if config.lora.r and config.lora.base_dtype == "auto":  # by the dtype this rank computes in
+            config = config.replace(lora=replace(config.lora, base_dtype=lora.base_dtype(config.lora,
+                                                                                         self.device.dtype)))
         self.config, self.dataset, self.spec, self.rank = config, dataset, spec, rank
         self.tc = replace(config.train, lr=optim.peak_lr(config))  # train.lr = 0: the peak for what trains
         self.task = task or task_for(config)
-        self.device = dev or device.select(config.train.dtype, rank.threads)
         self.seq_len = dataset.seq_len
         self.model = self.task.build(config, spec, self.seq_len)
         self.net: torch.nn.Module = self.model

@@ -18,6 +18,7 @@ checkpointing only the blocks' inputs and one block's activations) and the LM he
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -67,16 +68,22 @@ class Footprint:
 
 
 def footprint(shapes: Shapes, *, seq_len: int, optimizer_slots: int = 2, activation_bytes: int = 4,
-              loss_chunk: int = 512) -> Footprint:
+              loss_chunk: int | None = 512) -> Footprint:
     """The estimate's parts for a model of ``shapes`` trained on sequences of ``seq_len`` tokens (pure).
 
     ``optimizer_slots``: float32 values of optimizer state per trainable parameter (AdamW 2);
-    ``activation_bytes``: 4 in float32, 2 when the model computes in bfloat16 (bf16 base weights)."""
+    ``activation_bytes``: 4 in float32, 2 when the model computes in bfloat16 (bf16 base weights);
+    ``loss_chunk``: positions per chunk of the LM-head loss, None: unchunked (logits of every position)."""
     per_token_layer = HIDDEN_UNITS * shapes.hidden + MLP_UNITS * shapes.intermediate
     per_sequence = seq_len * shapes.layers * per_token_layer * activation_bytes
     # checkpointing keeps each block's input, and recomputes one block at a time in the backward pass
     checkpointed = seq_len * (shapes.layers * shapes.hidden + 2 * per_token_layer) * activation_bytes
-    head = 3 * loss_chunk * shapes.vocab * 4 + (shapes.vocab * shapes.hidden * 4 if shapes.head_trains else 0)
+    head = shapes.vocab * shapes.hidden * 4 if shapes.head_trains else 0
+    if loss_chunk is None:  # the logits, their softmax and its gradient for every position of a sequence
+        per_sequence += 3 * seq_len * shapes.vocab * 4
+        checkpointed += 3 * seq_len * shapes.vocab * 4
+    else:
+        head += 3 * loss_chunk * shapes.vocab * 4
     return Footprint(runtime=RUNTIME, weights=shapes.weight_bytes, states=shapes.trainable * 4 * (1 + optimizer_slots),
                      per_sequence=per_sequence, per_sequence_checkpointed=checkpointed, head=head)
 
@@ -162,11 +169,10 @@ def model_shapes(config, spec, context: int) -> Shapes:
     path = model_source(name, config.storage)
     if (path / ADAPTER_CONFIG).is_file():  # a LoRA run: its base, with the adapter merged in
         path = model_source(lora.base_of(path), config.storage)
-    dtype = torch.bfloat16 if config.lora.r and config.lora.base_dtype == "bfloat16" else torch.float32
-    try:
+    try:  # float32: a bfloat16 base's bytes are counted by plan_for, which knows the dtype training computes in
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path), local_files_only=True),
-                                                     dtype=dtype)
+                                                     dtype=torch.float32)
     except Exception as e:
         raise SparklmError(f"cannot read the model config in {name}: {' '.join(str(e).split())[:200]}") from None
     if config.lora.r:
@@ -183,6 +189,24 @@ def model_shapes(config, spec, context: int) -> Shapes:
                   trainable=sum(p.numel() for p in params if p.requires_grad), head_trains=head.requires_grad)
 
 
+def base_in_bf16(config, master: str) -> bool:
+    """Whether LoRA's frozen base will be held in bfloat16 (lora.base_dtype, "auto" resolved as a rank resolves
+    it: by the dtype it computes in). With train.dtype "auto" the driver knows it only in local mode (the ranks
+    run here and measure the same: device.bf16_fast); on a cluster the estimate assumes float32, the larger."""
+    if not config.lora.r:
+        return False
+    if config.lora.base_dtype != "auto":
+        return config.lora.base_dtype == "bfloat16"
+    if config.train.dtype != "auto":
+        return config.train.dtype == "bfloat16"
+    if not master.startswith("local"):
+        return False
+    from .device import bf16_fast
+
+    tc = config.train
+    return bf16_fast(tc.threads or max(1, (os.cpu_count() or 1) // tc.workers))
+
+
 def plan_for(config, shapes: Shapes, seq_len: int, spark) -> MemoryPlan:
     """The memory plan of a training job on ``spark`` for a model of ``shapes`` (driver side, before any task
     starts)."""
@@ -192,9 +216,11 @@ def plan_for(config, shapes: Shapes, seq_len: int, spark) -> MemoryPlan:
     sc = spark.sparkContext
     conf = dict(sc.getConf().getAll())
     limit, source = rank_limit(conf, sc.master, ranks_per_host=tc.workers, setting=tc.memory_limit)
-    bf16_base = bool(config.lora.r) and config.lora.base_dtype == "bfloat16"
+    bf16_base = base_in_bf16(config, sc.master)
+    if bf16_base:  # the frozen weights at 2 bytes instead of 4
+        shapes = replace(shapes, weight_bytes=shapes.weight_bytes - 2 * (shapes.params - shapes.trainable))
     fp = footprint(shapes, seq_len=seq_len, activation_bytes=2 if bf16_base else 4,
-                   loss_chunk=chunk_size(shapes.vocab, tc.loss_chunk))
+                   loss_chunk=chunk_size(shapes.vocab, tc.loss_chunk) if tc.loss_chunk >= 0 else None)
     if source.startswith("spark.executor.pyspark.memory"):
         fp = replace(fp, address_space=ADDRESS_SPACE)
     fixes = []

@@ -35,7 +35,7 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
     On ``resume``, the run's saved configuration is used, with ``changes`` (nested settings, as the CLI
     collects what the user set) or else the settings where ``config`` differs from the defaults applied on top.
     """
-    from ..spark import check_shared, get_session
+    from ..spark import check_shared, get_session, planned_master
     from .strategies import Job, get
 
     storage = effective((config or Config()).storage)
@@ -61,33 +61,35 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
     storage = config.storage
     if not data:
         raise SparklmError("no prepared dataset given", hint="pass --data DIR (made by `sparklm prepare`)")
-    dataset = load_prepared(data, storage)
-    spec = load_tokenizer(dataset, storage)
-    _check_init_from(config, spec)
-    shapes = memory.model_shapes(config, spec, dataset.seq_len)  # (and LoRA's targets checked) before Spark starts
-    if dataset.manifest["splits"]["train"]["sequences"] == 0:
-        raise SparklmError(f"{data} has no training sequences", hint="prepare more text or a shorter --seq-len")
-    t_spark = time.time()
-    spark = spark() if callable(spark) else get_session(config.spark, spark=spark)
-    spark_start = time.time() - t_spark
-    check_shared(spark, {"run directory": run_dir, "dataset": data})
-    # Before anything is written: a job that cannot fit stops here, and the same --output can be used again.
-    mem = memory.plan_for(config, shapes, dataset.seq_len, spark)
-    progress.info(mem.describe())
-    write_text(join(run_dir, "config.json"), json.dumps(
-        {"config": config.to_saved(), "data": data, "sparklm_version": __version__}, indent=2), storage)
-    tc = config.train
-    strategy = get(tc.strategy)
-    job = Job(config=memory.apply(config, mem), data=data, run_dir=run_dir, resume=resume, workers=tc.workers,
-              threads=tc.threads, uid=uuid.uuid4().hex)
-    sinks = Sinks([CsvSink(join(run_dir, "metrics.csv"), METRIC_COLUMNS, {"train", "eval"}, storage),
-                   JsonSink(join(run_dir, "run_info.json"), storage), ConsoleSink()])
-    t0 = time.time()
-    try:
-        with progress.stage(spark, f"train: {strategy.describe(config)}", quiet=True):
-            result = strategy.run(spark, job, sinks).to_dict()
-    finally:
-        sinks.close()
+    strategy = get(config.train.strategy)
+    # Processes the strategy starts now (local mode), so that their imports overlap Spark's start.
+    with strategy.prestart(config, planned_master(config.spark, None if callable(spark) else spark)) as warm:
+        dataset = load_prepared(data, storage)
+        spec = load_tokenizer(dataset, storage)
+        _check_init_from(config, spec)
+        shapes = memory.model_shapes(config, spec, dataset.seq_len)  # and LoRA's targets checked, before Spark
+        if dataset.manifest["splits"]["train"]["sequences"] == 0:
+            raise SparklmError(f"{data} has no training sequences", hint="prepare more text or a shorter --seq-len")
+        t_spark = time.time()
+        spark = spark() if callable(spark) else get_session(config.spark, spark=spark)
+        spark_start = time.time() - t_spark
+        check_shared(spark, {"run directory": run_dir, "dataset": data})
+        # Before anything is written: a job that cannot fit stops here, and the same --output can be used again.
+        mem = memory.plan_for(config, shapes, dataset.seq_len, spark)
+        progress.info(mem.describe())
+        write_text(join(run_dir, "config.json"), json.dumps(
+            {"config": config.to_saved(), "data": data, "sparklm_version": __version__}, indent=2), storage)
+        tc = config.train
+        job = Job(config=memory.apply(config, mem), data=data, run_dir=run_dir, resume=resume, workers=tc.workers,
+                  threads=tc.threads, uid=uuid.uuid4().hex, warm=warm)
+        sinks = Sinks([CsvSink(join(run_dir, "metrics.csv"), METRIC_COLUMNS, {"train", "eval"}, storage),
+                       JsonSink(join(run_dir, "run_info.json"), storage), ConsoleSink()])
+        t0 = time.time()
+        try:
+            with progress.stage(spark, f"train: {strategy.describe(config)}", quiet=True):
+                result = strategy.run(spark, job, sinks).to_dict()
+        finally:
+            sinks.close()
     summary = _summary(run_dir, config, dataset, result, spark, time.time() - t0, spark_start)
     plot_loss(run_dir, storage)
     final, best = summary["final"], summary["best"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
@@ -30,6 +31,7 @@ class Job:
     workers: int
     threads: int  # torch threads per worker; 0: decided where the worker runs
     uid: str  # unique per launch: keys per-process caches and executor-side state
+    warm: tuple[str, ...] = ()  # processes the strategy started before Spark (local mode), one per worker
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "config": self.config.to_dict()})
@@ -37,7 +39,7 @@ class Job:
     @classmethod
     def from_json(cls, text: str) -> Job:
         raw = json.loads(text)
-        return cls(**{**raw, "config": from_dict(raw["config"])})
+        return cls(**{**raw, "config": from_dict(raw["config"]), "warm": tuple(raw.get("warm", ()))})
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,11 @@ class Strategy(Protocol):
 
     def describe(self, config: Config) -> str:
         """A few words for the progress line, e.g. ``ddp, 2 workers``."""
+        ...
+
+    def prestart(self, config: Config, master: str) -> AbstractContextManager[tuple[str, ...]]:
+        """Worker processes started before Spark starts (where ``master`` allows: local mode), so that their
+        imports overlap Spark's start; yields what ``Job.warm`` carries to them, and stops the unused ones."""
         ...
 
     def run(self, spark, job: Job, sink: Sink) -> RunResult: ...

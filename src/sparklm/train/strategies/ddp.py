@@ -7,6 +7,11 @@ shared with ``BarrierTaskContext.allGather``; rank 0 streams its metrics rows to
 socket (sinks.Channel). Launching 2 ranks this way took 3.6 s against 5.8 s / 12.9 s for
 ``TorchDistributor`` (local_mode True / False; benchmarks/launch_overhead.py), and rank 0's result
 comes back directly.
+
+In local mode the ranks' processes start before Spark does (``DDP.prestart``): they import torch and
+transformers (~3 s) while the JVM starts, then wait on a Unix socket; each barrier task takes one
+over (the warm process forks the rank for it, with the task's socket as stdin and stdout, and sends
+back its exit status), or starts a fresh one when none is left (a restart).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +28,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 from ... import progress
@@ -56,6 +63,35 @@ class DDP:
     def describe(self, config: Config) -> str:
         n = config.train.workers
         return f"ddp, {n} worker{'s' * (n > 1)}"
+
+    @contextmanager
+    def prestart(self, config: Config, master: str):
+        """Local mode: one warm rank process per worker, started now (see the module docstring)."""
+        tc = config.train
+        if not master.startswith("local") or not WARM_RANKS:
+            yield ()
+            return
+        threads = tc.threads or max(1, (os.cpu_count() or 1) // tc.workers)
+        where = tempfile.mkdtemp(prefix="sparklm-warm-")
+        procs, paths = [], []
+        try:
+            for r in range(tc.workers):
+                path = os.path.join(where, f"rank-{r}.sock")
+                with socket.socket(socket.AF_UNIX) as listener:
+                    listener.bind(path)
+                    listener.listen(1)
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-m", "sparklm.train.strategies.ddp_rank", "--warm", str(listener.fileno())],
+                        pass_fds=(listener.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL, env=_rank_env(threads), preexec_fn=die_with_parent))
+                paths.append(path)
+            yield tuple(paths)
+        finally:
+            for proc in procs:  # a warm process exits by itself once its rank has; an unused one waits
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+            shutil.rmtree(where, ignore_errors=True)
 
     def run(self, spark, job: Job, sink: Sink) -> RunResult:
         check_slots(spark, job.workers)
@@ -110,8 +146,8 @@ def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> dict:
 
         ctx = BarrierTaskContext.get()
         rank = ctx.partitionId()
-        # Start the rank first: it imports torch and transformers (~4 s) while the ranks find each other.
-        proc, log_path = _start_rank(log_dir, rank, threads)
+        # Start the rank first: it imports torch and transformers (~3 s) while the ranks find each other.
+        proc, log_path = _start_rank(log_dir, rank, threads, job.warm[rank] if len(job.warm) > rank else "")
         try:
             host = ctx.getTaskInfos()[rank].address.rsplit(":", 1)[0] or "127.0.0.1"
             port = _free_port(host) if rank == 0 else 0
@@ -159,20 +195,92 @@ def _driver_host(spark) -> str:
         return host
 
 
-def _start_rank(log_dir: str, rank: int, threads: int) -> tuple[subprocess.Popen, str]:
+def _rank_env(threads: int) -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if process_limit() is not None:  # this task's address-space limit binds the rank too
-        env.update(LEAN_ADDRESS_SPACE)
     if threads:  # otherwise the rank sets its thread count once it knows how many ranks share the host
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return env
+
+
+def _start_rank(log_dir: str, rank: int, threads: int, warm: str = "") -> tuple[subprocess.Popen | WarmRank, str]:
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"rank-{rank}.log")
     with open(log_path, "ab") as log:
         log.write(f"{START_MARK} {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())  # a restart appends to the log
         log.flush()
+        limited = process_limit() is not None  # this task's address-space limit binds the rank too
+        if warm and not limited and (taken := WarmRank.take(warm, log_path)) is not None:
+            return taken, log_path
+        env = _rank_env(threads)
+        if limited:
+            env.update(LEAN_ADDRESS_SPACE)
         proc = subprocess.Popen([sys.executable, "-m", "sparklm.train.strategies.ddp_rank"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=log, env=env, preexec_fn=_die_with_parent)
+                                stdout=subprocess.PIPE, stderr=log, env=env, preexec_fn=die_with_parent)
     return proc, log_path
+
+
+WARM_RANKS = os.environ.get("SPARKLM_WARM_RANKS", "1") != "0"  # off: every task starts a fresh rank process
+WARM_PID, WARM_EXIT = b"SPARKLM-WARM-PID ", b"SPARKLM-WARM-EXIT "
+
+
+class WarmRank:
+    """A rank forked for this task by a warm process (``ddp_rank --warm``), with the parts of ``Popen``'s interface
+    the task uses: ``stdin`` (the start message), ``stdout`` (the rank's lines), ``wait``, ``poll``, ``kill``."""
+
+    def __init__(self, sock: socket.socket, pid: int, lines):
+        self.sock, self.pid, self.lines, self.returncode = sock, pid, lines, None
+        self.stdin = self
+
+    @classmethod
+    def take(cls, path: str, log_path: str, wait: float = 120.0) -> WarmRank | None:
+        """The warm process at ``path`` forks a rank logging to ``log_path``; None when it is gone (taken by an
+        earlier attempt, or dead): the task then starts a fresh process."""
+        sock = socket.socket(socket.AF_UNIX)
+        try:
+            sock.settimeout(wait)  # the warm process answers once its imports are done
+            sock.connect(path)
+            sock.sendall(json.dumps({"log": log_path}).encode() + b"\n")
+            lines = sock.makefile("rb")
+            first = lines.readline()
+            sock.settimeout(None)
+        except OSError:
+            sock.close()
+            return None
+        if not first.startswith(WARM_PID):
+            sock.close()
+            return None
+        return cls(sock, int(first[len(WARM_PID):]), lines)
+
+    def write(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def close(self) -> None:  # the end of the start message: the rank reads its stdin to the end
+        self.sock.shutdown(socket.SHUT_WR)
+
+    @property
+    def stdout(self):
+        for line in self.lines:
+            if line.startswith(WARM_EXIT):
+                self.returncode = int(line[len(WARM_EXIT):])
+            else:
+                yield line
+
+    def wait(self) -> int:
+        for _ in self.stdout:
+            pass
+        if self.returncode is None:  # the warm process itself died: its rank with it
+            self.returncode = -signal.SIGKILL
+        self.sock.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _finish_rank(proc: subprocess.Popen, start: RankStart, log_path: str) -> dict:
@@ -180,7 +288,7 @@ def _finish_rank(proc: subprocess.Popen, start: RankStart, log_path: str) -> dic
     try:
         proc.stdin.write(json.dumps(asdict(start)).encode())
         proc.stdin.close()
-    except BrokenPipeError:  # the rank died while importing; its log says why
+    except (BrokenPipeError, ConnectionResetError):  # the rank died while importing; its log says why
         pass
     result = None
     for line in proc.stdout:
@@ -275,7 +383,7 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: the rank gets SIGKILL when its Spark task's process dies (a cancelled job leaves no orphans)."""
     try:
         import ctypes

@@ -22,6 +22,8 @@ def main() -> None:
     from ..sinks import ChannelSink
     from .base import Job
 
+    if sys.argv[1:2] == ["--warm"]:  # started before Spark (ddp.DDP.prestart): wait for the task that takes it
+        _serve_once(int(sys.argv[2]))
     start = json.loads(sys.stdin.read())
     job = Job.from_json(start["job"])
     rank = Rank(rank=start["rank"], world=start["world"], threads=start["threads"])
@@ -65,6 +67,41 @@ def main() -> None:
         dist.barrier()
     # Skip interpreter teardown: gloo's threads can deadlock process-group destruction at exit.
     sys.stderr.flush()
+    os._exit(0)
+
+
+def _serve_once(fd: int) -> None:
+    """Wait on the listening socket ``fd`` for the one Spark task that takes this process, then fork the rank for
+    it. The child returns, with the task's connection as stdin and stdout and the task's log as stderr, to run as
+    any rank; this process waits for it, sends the task its exit status (ddp.WarmRank) and exits."""
+    from .ddp import WARM_EXIT, WARM_PID, die_with_parent
+
+    listener = socket.socket(fileno=fd)
+    conn, _ = listener.accept()
+    listener.close()  # one task only: a later attempt finds nobody listening and starts a fresh process
+    header = b""
+    while not header.endswith(b"\n"):  # byte by byte: what follows is the rank's own stdin
+        byte = conn.recv(1)
+        if not byte:
+            os._exit(0)  # the task went away before asking
+        header += byte
+    log = os.open(json.loads(header)["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    pid = os.fork()
+    if pid == 0:
+        die_with_parent()
+        os.dup2(log, 2)
+        os.dup2(conn.fileno(), 0)
+        os.dup2(conn.fileno(), 1)
+        os.close(log)
+        conn.close()
+        os.write(1, WARM_PID + f"{os.getpid()}\n".encode())
+        return
+    os.close(log)
+    _, status = os.waitpid(pid, 0)
+    try:
+        conn.sendall(WARM_EXIT + f"{os.waitstatus_to_exitcode(status)}\n".encode())
+    except OSError:
+        pass
     os._exit(0)
 
 

@@ -21,6 +21,7 @@ import re
 import shutil
 import tempfile
 import time
+from contextlib import nullcontext
 
 from ... import progress
 from ...config import Config
@@ -48,6 +49,9 @@ class Rounds:
     def describe(self, config: Config) -> str:
         n = config.train.workers
         return f"{self.name}, {n} worker{'s' * (n > 1)}, sync every {config.train.rounds.sync_every} steps"
+
+    def prestart(self, config: Config, master: str):
+        return nullcontext(())  # a round's worker trains inside its Spark task: no process of its own
 
     def run(self, spark, job: Job, sink: Sink, shards: list[tuple[int, int]] | None = None) -> RunResult:
         """Train ``job`` in rounds; ``shards`` (tests) overrides which slice of the data each worker streams."""
