@@ -210,9 +210,10 @@ class TrainConfig:
                                "planned to fit it, keeping batch_size x grad_accum. Empty: from Spark — "
                                "spark.executor.pyspark.memory, else on YARN/Kubernetes the executor container, in "
                                "local mode this host's available memory; none: no plan", flag="--memory-limit")
-    loss_chunk: int = _f(0, "positions per chunk of the LM-head loss: the logits of a whole micro-batch never exist at "
-                            "once (same loss and gradients); 0: ~128 MB of float32 logits per chunk; -1: off (the "
-                            "model's own logits and loss)", min=-1)
+    loss_chunk: int = _f(0, "positions per chunk of the LM-head loss, so that the logits of a whole micro-batch never "
+                            "exist at once (same loss and gradients); 0: chunks of ~128 MB of float32 logits where "
+                            "the memory plan needs them or no memory limit is known; -1: off (the model's own "
+                            "logits and loss)", min=-1)
     seed: int = _f(1337, "seed of weights, data order and dropout")
     eval_every: int = _f(100, "evaluate every N steps (and at the end); 0: only at the end", min=0, flag="--eval-every")
     eval_batches: int = _f(20, "validation micro-batches per evaluation per worker; 0: the whole split", min=0)

@@ -156,3 +156,18 @@ def test_a_bf16_base_where_training_computes_in_bf16():
     assert not memory.base_in_bf16(cfg(), "spark://h:7077")  # unknown executors: the larger estimate
     assert memory.base_in_bf16(cfg(base="bfloat16", dtype="float32"), "yarn")
     assert not memory.base_in_bf16(cfg(r=0, dtype="bfloat16"), "local[2]")
+
+
+def test_the_whole_logits_when_they_fit_else_chunks_before_any_shrinking():
+    whole = Footprint(runtime=500 * MB, weights=400 * MB, states=100 * MB, per_sequence=400 * MB,
+                      per_sequence_checkpointed=130 * MB, head=0)  # FP plus each sequence's logits
+    roomy = memory.plan(FP, 100 * GB, batch_size=8, grad_accum=1, whole=whole)
+    assert not roomy.chunked and roomy.batch_size == 8 and roomy.estimate == whole.peak(8, False)
+    limit = int(FP.peak(8, False) / memory.HEADROOM) + MB  # the chunked loss fits the micro-batch, the logits do not
+    tight = memory.plan(FP, limit, batch_size=8, grad_accum=1, whole=whole)
+    assert tight.chunked and (tight.batch_size, tight.checkpointing, tight.hand_back) == (8, False, False)
+    assert "LM-head loss in chunks" in tight.describe()
+    from sparklm.config import Config
+
+    assert memory.apply(Config(), roomy).train.loss_chunk == -1  # off: the model's own logits and loss
+    assert memory.apply(Config(), tight).train.loss_chunk == 0

@@ -97,23 +97,27 @@ class MemoryPlan:
     limit: int | None  # bytes; None: no limit known
     source: str  # where the limit comes from
     hand_back: bool = False  # freed memory goes back to the OS (device.hand_back_memory): the plan had to shrink
+    chunked: bool = True  # the LM-head loss in chunks (model/lm_head.py); False: the whole micro-batch's logits fit
 
     def describe(self) -> str:
         est = f"estimated peak {self.estimate / GB:.2f} GB"
         where = f"of {self.limit / GB:.2f} GB ({self.source})" if self.limit else "(no memory limit known)"
-        ckpt = ", gradient checkpointing" if self.checkpointing else ""
+        ckpt = ", LM-head loss in chunks" if self.chunked and self.limit else ""
+        ckpt += ", gradient checkpointing" if self.checkpointing else ""
         ckpt += ", freed memory handed back" if self.hand_back else ""
         return (f"memory: micro-batch {self.batch_size} x {self.grad_accum} accumulation{ckpt}, "
                 f"{est} {where}")
 
 
 def plan(fp: Footprint, limit: int | None, *, batch_size: int, grad_accum: int, checkpointing: str = "auto",
-         source: str = "", fixes: list[str] | None = None) -> MemoryPlan:
+         source: str = "", fixes: list[str] | None = None, whole: Footprint | None = None) -> MemoryPlan:
     """The micro-batch, accumulation and checkpointing that fit ``limit`` bytes per rank (pure).
 
     The sequences a rank takes per step (``batch_size × grad_accum``) stay the same: the micro-batch is their
     largest divisor, up to ``batch_size``, whose estimate fits. ``checkpointing``: "on", "off", or "auto" (only
     when no micro-batch fits without). With no limit, or the configured settings fitting, they are kept.
+    ``whole``: the footprint with the unchunked LM-head loss, chosen when the configured settings fit with it
+    (the chunked loss, ``fp``, is then not needed; otherwise it comes first, before any shrinking).
     ``fixes``: what would lower the estimate, named in the error when nothing fits."""
     per_step = batch_size * grad_accum
     sizes = [m for m in range(batch_size, 0, -1) if per_step % m == 0]
@@ -122,6 +126,9 @@ def plan(fp: Footprint, limit: int | None, *, batch_size: int, grad_accum: int, 
         ckpt = checkpointing == "on"
         return MemoryPlan(batch_size, grad_accum, ckpt, fp.peak(batch_size, ckpt), None, source or "none")
     budget = limit * HEADROOM
+    ckpt = checkpointing == "on"
+    if whole is not None and whole.peak(batch_size, ckpt) <= budget:
+        return MemoryPlan(batch_size, grad_accum, ckpt, whole.peak(batch_size, ckpt), limit, source, chunked=False)
     for ckpt in options:
         for m in sizes:
             if fp.peak(m, ckpt) <= budget:
@@ -219,10 +226,15 @@ def plan_for(config, shapes: Shapes, seq_len: int, spark) -> MemoryPlan:
     bf16_base = base_in_bf16(config, sc.master)
     if bf16_base:  # the frozen weights at 2 bytes instead of 4
         shapes = replace(shapes, weight_bytes=shapes.weight_bytes - 2 * (shapes.params - shapes.trainable))
-    fp = footprint(shapes, seq_len=seq_len, activation_bytes=2 if bf16_base else 4,
+    act = 2 if bf16_base else 4
+    fp = footprint(shapes, seq_len=seq_len, activation_bytes=act,
                    loss_chunk=chunk_size(shapes.vocab, tc.loss_chunk) if tc.loss_chunk >= 0 else None)
+    # loss_chunk 0: the whole micro-batch's logits when they fit (the same step time or a little less than the
+    # chunked loss, BENCHMARKS.md), the chunked loss when they do not
+    whole = footprint(shapes, seq_len=seq_len, activation_bytes=act, loss_chunk=None) if tc.loss_chunk == 0 else None
     if source.startswith("spark.executor.pyspark.memory"):
         fp = replace(fp, address_space=ADDRESS_SPACE)
+        whole = whole and replace(whole, address_space=ADDRESS_SPACE)
     fixes = []
     if config.model.init_from and not config.lora.r:
         fixes.append("train LoRA adapters only (--lora-r 8)")
@@ -233,15 +245,16 @@ def plan_for(config, shapes: Shapes, seq_len: int, spark) -> MemoryPlan:
     fixes += ["shorter sequences (prepare --seq-len)", "more memory per rank (--memory-limit, "
               "spark.executor.pyspark.memory, or a larger executor)"]
     return plan(fp, limit, batch_size=tc.batch_size, grad_accum=tc.grad_accum, checkpointing=tc.grad_checkpoint,
-                source=source, fixes=fixes)
+                source=source, fixes=fixes, whole=whole)
 
 
 def apply(config, p: MemoryPlan):
-    """``config`` with the plan's micro-batch, accumulation and checkpointing."""
+    """``config`` with the plan's micro-batch, accumulation, checkpointing and LM-head loss."""
     tc = config.train
     allocator = tc.allocator if tc.allocator != "auto" else "return" if p.hand_back else "keep"
     return config.replace(train=replace(tc, batch_size=p.batch_size, grad_accum=p.grad_accum,
-                                        grad_checkpoint="on" if p.checkpointing else "off", allocator=allocator))
+                                        grad_checkpoint="on" if p.checkpointing else "off", allocator=allocator,
+                                        loss_chunk=tc.loss_chunk if p.chunked else -1))
 
 
 # -- the limit --

@@ -283,7 +283,7 @@ class WarmRank:
             pass
 
 
-def _finish_rank(proc: subprocess.Popen, start: RankStart, log_path: str) -> dict:
+def _finish_rank(proc: subprocess.Popen | WarmRank, start: RankStart, log_path: str) -> dict:
     """Send the rank its start message, wait for it, and return its result (or raise its error)."""
     try:
         proc.stdin.write(json.dumps(asdict(start)).encode())
@@ -384,7 +384,9 @@ def _free_port(host: str) -> int:
 
 
 def die_with_parent() -> None:
-    """Linux: the rank gets SIGKILL when its Spark task's process dies (a cancelled job leaves no orphans)."""
+    """Linux: this process gets SIGKILL when its parent dies — a rank when its Spark task's process does (a
+    cancelled job leaves no orphans), a warm rank process when the driver does, a rank forked by a warm
+    process when that one does."""
     try:
         import ctypes
 
