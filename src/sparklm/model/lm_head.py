@@ -8,10 +8,11 @@ head's weight are computed in the forward pass and only scaled in the backward: 
 nothing recomputed (the FLOPs of the unchunked loss). Only positions with a target are computed:
 on instruction data the prompt tokens cost no head matmul at all.
 
-Written by hand because torch 2.13's own chunked ``F.linear_cross_entropy`` measured 1.7x slower than the
-unchunked loss on CPU in float32 with its default chunking and 5.6x in bfloat16, where it also returns the
-summed loss in bfloat16 (1% off over 2,048 positions); this function is 13% faster than the unchunked loss in
-float32 and level in bfloat16, at 2.2-2.4x less peak memory (benchmarks/lm_head_loss.py, BENCHMARKS.md).
+Written by hand because torch 2.13's own chunked ``F.linear_cross_entropy`` measured 2.4-5.5x slower than the
+unchunked loss on CPU with its default chunking, and in bfloat16 returns the summed loss in bfloat16 (1% off
+over 2,048 positions); this function is 2-4% faster than the unchunked loss (23% with a frozen head under bf16
+autocast), at 2.2-2.8x less peak memory (benchmarks/lm_head_loss.py, BENCHMARKS.md). In a whole training step
+it measured 1-3% slower, so training uses it where the memory plan needs it (train/memory.py).
 
 The hidden states come from the model's own forward pass: a forward pre-hook on its output embedding
 (the LM head) keeps the head's input and hands the head zero positions of it, so the head computes

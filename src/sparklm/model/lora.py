@@ -36,7 +36,7 @@ def targets(cfg: LoraConfig) -> str | list[str]:
 def base_dtype(cfg: LoraConfig, compute: torch.dtype) -> str:
     """lora.base_dtype resolved for a rank computing in ``compute``: "auto" holds the frozen base in bfloat16 where
     training computes in bfloat16 (under autocast its matmuls run in bf16 anyway; measured on SmolLM2: the same
-    held-out loss, 1.7 GB less memory, faster steps: BENCHMARKS.md), else float32."""
+    held-out loss, 0.4-1.5 GB less memory, faster steps: BENCHMARKS.md), else float32."""
     if cfg.base_dtype != "auto":
         return cfg.base_dtype
     return "bfloat16" if compute == torch.bfloat16 else "float32"

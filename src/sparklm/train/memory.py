@@ -5,20 +5,20 @@ container killed (exit 137) and the task retried into the same wall. Before trai
 learns each rank's limit from Spark's settings (or ``train.memory_limit``), estimates a rank's peak
 from the model's shapes, and picks the largest micro-batch that fits while keeping the global batch
 (micro-batch × accumulation); gradient checkpointing only when nothing fits without it (it costs
-compute). When even one sequence per micro-batch cannot fit, training does not start: one line says
-what would make it fit.
+compute), and before shrinking, the chunked LM-head loss instead of the whole micro-batch's logits (it
+costs a little step time). When even one sequence per micro-batch cannot fit, training does not start:
+one line says what would make it fit.
 
 The estimate is a sum of parts (bytes): the runtime (Python, torch, transformers, the data reader),
 the weights at their dtype, gradients and optimizer state of what trains, the activations kept for
 the backward pass (per sequence, from hidden and MLP widths, layers and sequence length; with
 checkpointing only the blocks' inputs and one block's activations) and the LM head's loss buffers
-(chunked: a constant). Its coefficients were fitted to peak RSS measured on SmolLM2-135M
-(benchmarks/finetune.py memory); it errs high.
+(chunked: a constant; unchunked: the logits, per sequence). Its coefficients were fitted to peak RSS
+measured on SmolLM2-135M (benchmarks/finetune.py speed); it errs high.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -45,7 +45,7 @@ class Shapes:
     intermediate: int
     vocab: int
     params: int  # every parameter
-    weight_bytes: int  # every parameter at its dtype
+    weight_bytes: int  # every parameter in float32 (plan_for counts a bfloat16 base)
     trainable: int  # parameters that train (all, or LoRA's adapters)
     head_trains: bool  # the LM head's weight gets a gradient (not under LoRA)
 
@@ -197,21 +197,24 @@ def model_shapes(config, spec, context: int) -> Shapes:
 
 
 def base_in_bf16(config, master: str) -> bool:
-    """Whether LoRA's frozen base will be held in bfloat16 (lora.base_dtype, "auto" resolved as a rank resolves
-    it: by the dtype it computes in). With train.dtype "auto" the driver knows it only in local mode (the ranks
-    run here and measure the same: device.bf16_fast); on a cluster the estimate assumes float32, the larger."""
+    """Whether LoRA's frozen base will be held in bfloat16: ``lora.base_dtype`` resolved by the rank's own rule
+    (``lora.base_dtype``) on the dtype the rank will compute in (``device.select``). With train.dtype "auto" the
+    driver knows that dtype only in local mode (the ranks run here and measure the same); on a cluster the
+    estimate assumes float32, the larger."""
     if not config.lora.r:
         return False
-    if config.lora.base_dtype != "auto":
-        return config.lora.base_dtype == "bfloat16"
-    if config.train.dtype != "auto":
-        return config.train.dtype == "bfloat16"
-    if not master.startswith("local"):
-        return False
-    from .device import bf16_fast
+    import torch
 
-    tc = config.train
-    return bf16_fast(tc.threads or max(1, (os.cpu_count() or 1) // tc.workers))
+    compute = torch.float32
+    if config.lora.base_dtype == "auto" and (config.train.dtype != "auto" or master.startswith("local")):
+        from .device import select
+        from .strategies.base import local_threads
+
+        tc = config.train
+        compute = select(tc.dtype, tc.threads or local_threads(tc.workers)).dtype
+    from ..model.lora import base_dtype
+
+    return base_dtype(config.lora, compute) == "bfloat16"
 
 
 def plan_for(config, shapes: Shapes, seq_len: int, spark) -> MemoryPlan:

@@ -133,9 +133,14 @@ class Strategy(Protocol):
     def run(self, spark, job: Job, sink: Sink) -> RunResult: ...
 
 
+def local_threads(ranks: int) -> int:
+    """Torch threads per worker process when ``ranks`` of them share this host's cores."""
+    return max(1, (os.cpu_count() or 1) // ranks)
+
+
 def default_threads(spark, workers: int) -> int:
     """Torch threads per worker when --threads is 0: local mode shares the machine's cores; on a cluster a
     task owns spark.task.cpus cores, not its host's (YARN and Kubernetes containers share their host)."""
     if spark.sparkContext.master.startswith("local"):
-        return max(1, (os.cpu_count() or 1) // workers)
+        return local_threads(workers)
     return int(spark.sparkContext.getConf().get("spark.task.cpus", "1"))

@@ -39,7 +39,7 @@ from .. import checkpoint
 from ..device import LEAN_ADDRESS_SPACE
 from ..memory import process_limit
 from ..sinks import Channel, Sink
-from .base import Job, RunResult, default_threads
+from .base import Job, RunResult, default_threads, local_threads
 
 RESULT = "SPARKLM-RESULT "
 
@@ -71,7 +71,7 @@ class DDP:
         if not master.startswith("local") or not WARM_RANKS:
             yield ()
             return
-        threads = tc.threads or max(1, (os.cpu_count() or 1) // tc.workers)
+        threads = tc.threads or local_threads(tc.workers)
         where = tempfile.mkdtemp(prefix="sparklm-warm-")
         procs, paths = [], []
         try:
@@ -153,7 +153,7 @@ def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> dict:
             port = _free_port(host) if rank == 0 else 0
             peers = [json.loads(m) for m in ctx.allGather(json.dumps({"host": host, "port": port}))]
             same_host = sum(p["host"] == host for p in peers)
-            n_threads = threads or max(1, (os.cpu_count() or 1) // same_host)
+            n_threads = threads or local_threads(same_host)
             start = RankStart(job=job_json, rank=rank, world=workers, threads=n_threads,
                               master_addr=peers[0]["host"], master_port=peers[0]["port"], channel=channel)
             yield json.dumps(_finish_rank(proc, start, log_path))

@@ -218,7 +218,8 @@ class Rounds:
             loss = sum(r.mean_loss * r.tokens for r in done) / max(round_tokens, 1)
             tps = round_tokens / max(wall, 1e-9)
             peak = facts.get("peak_flops") or 1.0
-            peaks, round_peak = note_peaks(done), max(r.peak_rss_mb for r in done)
+            peaks = note_peaks(done)
+            round_peak = max(p for p in peaks if p is not None)
             out.write({"kind": "train", "step": step, "epoch": tokens_seen / epoch_tokens, "tokens": tokens_seen,
                        "loss": loss, "lr": sum(r.lr for r in done) / len(done),
                        "grad_norm": sum(r.grad_norm for r in done) / len(done), "tokens_per_s": tps,
