@@ -134,6 +134,14 @@ class ModelConfig:
                             "on an object store; safetensors weights), a sparklm run, or a .gguf file (converted once "
                             "into sparklm's cache)", flag="--init-from")
 
+    @property
+    def mlp_hidden(self) -> int:
+        """The MLP's hidden size: ``intermediate``, else Llama's rule (8/3 of the width, rounded up to a multiple
+        of 64: 256 -> 704) or GPT-2's (4 times the width)."""
+        if self.intermediate:
+            return self.intermediate
+        return 64 * ((int(8 * self.n_embd / 3) + 63) // 64) if self.arch == "llama" else 4 * self.n_embd
+
 
 @dataclass(kw_only=True)
 class LoraConfig:
@@ -163,6 +171,20 @@ class RoundsConfig:
         "keep", "average/diloco: a worker's optimizer state across rounds: keep (on the executor's disk, per worker, "
                 "and in the run directory when that is on an object store) or reset every round"
     )
+
+
+# train.loss_chunk 0: about this many bytes of float32 logits per chunk, a power of two in [32, 4096] positions
+# (SmolLM2: 512 positions, 100 MB; on CPU chunks of 512 ran faster than 256 and than one chunk). Here, not in
+# model.lm_head, because the driver's memory plan needs it before Spark starts, without importing torch (~1 s).
+CHUNK_BYTES = 128 << 20
+
+
+def chunk_size(vocab: int, chunk: int = 0) -> int:
+    """Positions per chunk of the LM-head loss: ``chunk`` when set, else about ``CHUNK_BYTES`` of float32 logits."""
+    if chunk > 0:
+        return chunk
+    n = max(1, CHUNK_BYTES // (4 * vocab))
+    return min(4096, max(32, 1 << (n.bit_length() - 1)))
 
 
 @dataclass(kw_only=True)

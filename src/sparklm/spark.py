@@ -77,6 +77,8 @@ def get_session(config: SparkConfig | None = None, *, spark=None, jvm_log: str |
         "spark.barrier.sync.timeout": "600s",
         "spark.driver.extraJavaOptions": " ".join([f"-Dlog4j2.configurationFile=file:{log4j}", *cds]),
     }
+    if master.startswith("local") and not user_python:  # the workers run this environment: see sparklm.daemon
+        defaults["spark.python.daemon.module"] = "sparklm.daemon"
     confs = session_conf(defaults, preset, {**config.conf, **({"spark.app.name": config.app_name} if config.app_name
                                                                 else {})})
     ship = config.ship_env == "on" and not master.startswith("local")
@@ -248,7 +250,7 @@ def _start(master: str, confs: dict[str, str], pending, config: SparkConfig, jvm
         confs["spark.files"] = ",".join([*listed, *(f"file://{f}" for f in files)])
         os.environ["PYSPARK_PYTHON"] = python
     if confs.get("spark.executor.pyspark.memory"):  # an address-space limit on the Python workers: reserve less
-        from .train.device import LEAN_ADDRESS_SPACE
+        from .train.memory import LEAN_ADDRESS_SPACE
 
         for key, value in LEAN_ADDRESS_SPACE.items():
             confs.setdefault(f"spark.executorEnv.{key}", value)

@@ -59,3 +59,20 @@ def test_default_toml_matches_the_code():
     """configs/default.toml is the generated description of every key; it must not drift."""
     assert (ROOT / "configs" / "default.toml").read_text() == describe()
     assert load_config(ROOT / "configs" / "default.toml") == Config()
+
+
+def test_chunk_size_follows_the_vocabulary():
+    from sparklm.config import chunk_size
+
+    assert chunk_size(49152) == 512
+    assert chunk_size(50) == 4096
+    assert chunk_size(10**7) == 32
+    assert chunk_size(49152, 100) == 100
+
+
+def test_mlp_hidden_resolves_zero_by_the_architectures_rule():
+    from sparklm.config import ModelConfig
+
+    assert ModelConfig(n_embd=256).mlp_hidden == 704  # llama: 8/3 of the width, rounded up to 64
+    assert ModelConfig(arch="gpt2", n_embd=256).mlp_hidden == 1024
+    assert ModelConfig(n_embd=256, intermediate=300).mlp_hidden == 300

@@ -83,6 +83,26 @@ def parquet_rows(tmp_path):
     return row_groups(files), seq
 
 
+def test_arrow_values_convert_as_numpy_would_and_reading_rows_imports_no_pandas(parquet_rows):
+    import subprocess
+    import sys
+
+    from sparklm.data.stream import to_numpy
+
+    for values in (pa.array(range(-5, 20), pa.int32()).slice(3, 12), pa.array([1, 0, 1], pa.int8()),
+                   pa.array([70000, 3], pa.uint32()), pa.array([True, False])):
+        got = to_numpy(values, np.int64)
+        assert got.dtype == np.int64 and got.flags.writeable
+        assert np.array_equal(got, np.asarray(values, dtype=np.int64))
+    groups, seq = parquet_rows
+    code = ("import sys\n"
+            "from sparklm.data.stream import read_rows, row_groups\n"
+            f"rows = read_rows(row_groups([{groups[0].path!r}])[0], {seq})\n"
+            "print(rows.input_ids.shape, 'pandas' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == f"(10, {seq}) False", out.stdout + out.stderr
+
+
 def test_stream_started_at_a_position_is_the_tail_of_the_stream_from_zero(parquet_rows):
     groups, seq = parquet_rows
     def take(start, n, rank=0, world=1):

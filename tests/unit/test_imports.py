@@ -75,3 +75,23 @@ def test_the_import_graph_has_no_cycle():
     for n in sorted(graph):
         if n not in state:
             visit(n)
+
+
+def test_the_driver_and_the_barrier_task_do_not_import_torch_for_a_run_from_scratch():
+    """torch takes ~1 s to import. The driver's checks and memory plan before Spark starts, and the modules a
+    Python worker imports to unpickle DDP's barrier task, need none of it (the rank process imports it)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from sparklm.config import Config\n"
+        "from sparklm.train import memory, run\n"
+        "from sparklm.train.strategies import ddp, rounds\n"
+        "cfg = Config()\n"
+        "memory.scratch_shapes(cfg.model, 4096, 256)\n"
+        "run._check_init_from(cfg, None)\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -132,10 +132,3 @@ def test_models_that_change_logits_after_the_head_keep_the_unchunked_loss():
     model = tiny("llama", False)
     model.lm_head.register_forward_hook(lambda m, a, out: out * 2 + 1)  # a transform no config names
     assert not lm_head.supports(model)
-
-
-def test_chunk_size_follows_the_vocabulary():
-    assert lm_head.chunk_size(49152) == 512
-    assert lm_head.chunk_size(50) == 4096
-    assert lm_head.chunk_size(10**7) == 32
-    assert lm_head.chunk_size(49152, 100) == 100

@@ -240,3 +240,29 @@ def test_the_bundled_corpus_is_the_books_its_provenance_names():
     recorded = set(re.findall(r"`([0-9a-f]{64})`", source))
     for book in books:
         assert hashlib.sha256(Path(book).read_bytes()).hexdigest() in recorded, book
+
+
+def _zip_with_version(path: Path, version: str) -> str:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("pyspark/__init__.py", "")
+        z.writestr("pyspark/version.py", f'__version__: str = "{version}"\n')
+    return str(path)
+
+
+def test_the_daemon_path_puts_the_installed_pyspark_first_only_at_the_zips_version(tmp_path):
+    import pyspark
+
+    from sparklm.daemon import installed_first
+
+    site = str(Path(pyspark.__file__).parents[1])
+    same = _zip_with_version(tmp_path / "pyspark.zip", pyspark.__version__)
+    py4j = _zip_with_version(tmp_path / "py4j-0.10.9.9-src.zip", "0")
+    path = ["/cwd", same, py4j, site]
+    assert installed_first(path) == ["/cwd", site, same, py4j]
+    (tmp_path / "other").mkdir()
+    other = _zip_with_version(tmp_path / "other" / "pyspark.zip", "0.0.1")
+    assert installed_first(["/cwd", other, py4j, site]) == ["/cwd", other, py4j, site]  # another Spark's zip
+    assert installed_first(["/cwd", same, py4j, str(tmp_path)]) == ["/cwd", same, py4j, str(tmp_path)]  # none
+    assert installed_first(["/cwd", site]) == ["/cwd", site]  # no zip: nothing to move

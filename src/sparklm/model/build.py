@@ -22,7 +22,7 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, context: int, bos_id: int,
     common = dict(vocab_size=vocab_size, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id,
                   tie_word_embeddings=cfg.tie_embeddings)
     if cfg.arch == "llama":
-        llama = dict(hidden_size=cfg.n_embd, intermediate_size=cfg.intermediate or swiglu_hidden(cfg.n_embd),
+        llama = dict(hidden_size=cfg.n_embd, intermediate_size=cfg.mlp_hidden,
                      num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head,
                      max_position_embeddings=context, attention_dropout=cfg.dropout, rope_theta=cfg.rope_theta,
                      rms_norm_eps=1e-5, attn_implementation="sdpa", **common)
@@ -32,7 +32,7 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, context: int, bos_id: int,
             model = LlamaForCausalLM(LlamaConfig(**llama))
     else:
         config = GPT2Config(n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head, n_positions=context,
-                            n_inner=cfg.intermediate or 4 * cfg.n_embd, resid_pdrop=cfg.dropout,
+                            n_inner=cfg.mlp_hidden, resid_pdrop=cfg.dropout,
                             embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, attn_implementation="sdpa",
                             # GPT-2's tanh GELU as one fused kernel (its default "gelu_new" is 8 elementwise ops)
                             activation_function="gelu_pytorch_tanh", **common)
@@ -96,11 +96,6 @@ def check_model_dir(path: Path, name: str) -> None:
         why = f" (only {', '.join(pickled)}: sparklm never unpickles weights)" if pickled else ""
         raise SparklmError(f"{name} has no safetensors weights{why}",
                            hint="save the model with save_pretrained(..., safe_serialization=True)")
-
-
-def swiglu_hidden(d: int) -> int:
-    # Llama's rule: 2/3 of 4d, rounded up to a multiple of 64 (so 256 -> 704).
-    return 64 * ((int(8 * d / 3) + 63) // 64)
 
 
 def param_count(model: torch.nn.Module, *, non_embedding: bool = False) -> int:

@@ -28,20 +28,9 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from ..config import chunk_size
+
 IGNORE = -100
-
-# Positions per chunk: about this many bytes of float32 logits at a time, a power of two in [32, 4096]
-# (SmolLM2: 512 positions, 100 MB; on CPU chunks of 512 ran faster than 256 and than one chunk).
-CHUNK_BYTES = 128 << 20
-
-
-def chunk_size(vocab: int, chunk: int = 0) -> int:
-    """Positions per chunk: ``chunk`` when set, else about ``CHUNK_BYTES`` of float32 logits."""
-    if chunk > 0:
-        return chunk
-    n = max(1, CHUNK_BYTES // (4 * vocab))
-    return min(4096, max(32, 1 << (n.bit_length() - 1)))
-
 
 def head_of(model: torch.nn.Module) -> torch.nn.Module:
     """The LM head (output embedding) of an HF model, under DDP and peft wrappers."""

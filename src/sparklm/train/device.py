@@ -127,14 +127,6 @@ def keep_freed_memory() -> None:
         libc.mallopt(-1, (1 << 31) - 1)  # M_TRIM_THRESHOLD: 2 GiB
 
 
-# Under an address-space limit (RLIMIT_AS, which spark.executor.pyspark.memory sets on Python workers) a process
-# must reserve less: measured here, a training process held 1.9 GB more address space than resident memory, mostly
-# pyarrow's jemalloc pool and glibc's per-thread arenas; with Arrow on the system allocator and two arenas, 0.6 GB
-# (same speed, same resident memory). Both are read at process start: set for the Python workers (executorEnv)
-# and the DDP ranks' processes.
-LEAN_ADDRESS_SPACE = {"ARROW_DEFAULT_MEMORY_POOL": "system", "MALLOC_ARENA_MAX": "2"}
-
-
 def set_allocator(policy: str) -> None:
     """train.allocator: "return" hands freed memory back (:func:`hand_back_memory`), else keep it (auto: the memory
     plan resolved it on the driver; a core run without a plan keeps it)."""

@@ -133,10 +133,10 @@ def _check_resumable(run_dir: str, config: Config) -> None:
 def _check_init_from(config: Config, spec: TokenizerSpec) -> None:
     """Before Spark starts: the pretrained model exists and loads (config and safetensors weights) and its tokenizer
     is the dataset's (LoRA's targets are checked with the model's shapes, memory.model_shapes)."""
-    from ..model import lora
-
     if not config.model.init_from:
         if config.lora.r:
+            from ..model import lora  # imports torch (~1 s): only on the error's path
+
             raise lora.no_base()
         return
     from ..data.tokenizer import load

@@ -36,8 +36,7 @@ from ...config import Config
 from ...errors import SparklmError, killed_note, known_cause, spark_errors
 from ...fs import join, local_path, write_bytes
 from .. import checkpoint
-from ..device import LEAN_ADDRESS_SPACE
-from ..memory import process_limit
+from ..memory import LEAN_ADDRESS_SPACE, process_limit
 from ..sinks import Channel, Sink
 from .base import Job, RunResult, default_threads, local_threads
 
@@ -150,8 +149,10 @@ def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> dict:
         proc, log_path = _start_rank(log_dir, rank, threads, job.warm[rank] if len(job.warm) > rank else "")
         try:
             host = ctx.getTaskInfos()[rank].address.rsplit(":", 1)[0] or "127.0.0.1"
-            port = _free_port(host) if rank == 0 else 0
-            peers = [json.loads(m) for m in ctx.allGather(json.dumps({"host": host, "port": port}))]
+            port = _free_port(host) if rank == 0 and workers > 1 else 0
+            # One rank has no peers to find (and a barrier call costs Spark 4 about a second: it polls once a second).
+            peers = ([json.loads(m) for m in ctx.allGather(json.dumps({"host": host, "port": port}))] if workers > 1
+                     else [{"host": host, "port": port}])
             same_host = sum(p["host"] == host for p in peers)
             n_threads = threads or local_threads(same_host)
             start = RankStart(job=job_json, rank=rank, world=workers, threads=n_threads,
