@@ -32,6 +32,7 @@ from ..config import chunk_size
 
 IGNORE = -100
 
+
 def head_of(model: torch.nn.Module) -> torch.nn.Module:
     """The LM head (output embedding) of an HF model, under DDP and peft wrappers."""
     inner = getattr(model, "module", model)  # DistributedDataParallel
