@@ -36,7 +36,7 @@ SHARED = ROOT.parent / "shared" / "data"
 
 from nanogpt_ref import GPT, GPTConfig, train_steps  # noqa: E402
 from sparklm.config import from_dict  # noqa: E402
-from sparklm.train.device import matmul_peak  # noqa: E402
+from sparklm.train.peak import matmul_peak  # noqa: E402
 from sparklm.train.sinks import read_metrics  # noqa: E402
 
 SIZES = {"4L/128": {"n_layer": 4, "n_head": 4, "n_embd": 128}, "~10M 8L/320": {"n_layer": 8, "n_head": 8, "n_embd": 320}}
@@ -176,7 +176,7 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(exist_ok=True)
     data = prepared(work)
-    peaks = {d: matmul_peak(THREADS, getattr(torch, d)) for d in ("float32", "bfloat16")}
+    peaks = {d: matmul_peak(THREADS, d) for d in ("float32", "bfloat16")}
     print(f"matmul peak on {THREADS} threads: fp32 {peaks['float32'] / 1e9:.0f} GFLOP/s, "
           f"bf16 {peaks['bfloat16'] / 1e9:.0f} GFLOP/s", flush=True)
     kinds = ["plain", "sparklm-gpt2", "sparklm-llama", "plain+allocator"]

@@ -130,6 +130,10 @@ class ModelConfig:
     rope_theta: float = _f(10000.0, "RoPE base (llama)", min=1.0)
     qk_norm: bool = _f(True, "RMSNorm on each head's queries and keys (llama; the model is saved as a Qwen3 "
                              "architecture, which is Llama with that norm)")
+    fit_budget: bool = _f(True, "with a time budget (local mode): this shape, else half its width, else half its "
+                                "layers too: the first that the budget trains on >= 0.45 tokens per non-embedding "
+                                "parameter at this machine's measured speed (BENCHMARKS.md), written to the run's "
+                                "config.json. false: exactly n_layer x n_embd")
     init_from: str = _f("", "start from a pretrained model instead of a fresh one: an HF causal-LM directory (local or "
                             "on an object store; safetensors weights), a sparklm run, or a .gguf file (converted once "
                             "into sparklm's cache)", flag="--init-from")

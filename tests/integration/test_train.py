@@ -39,6 +39,20 @@ def test_loss_falls_and_the_run_directory_is_complete(spark, dataset, tmp_path):
         assert torch.equal(model(x).logits, ref(x).logits)
 
 
+def test_a_short_time_budget_trains_a_smaller_model_and_says_so(spark, dataset, tmp_path, capsys):
+    import dataclasses
+
+    run = tmp_path / "run"
+    config = cfg(time_budget=1.0, samples=0)
+    config = config.replace(model=dataclasses.replace(config.model, n_layer=4, n_embd=256))
+    train(dataset, output=str(run), config=config, spark=spark)
+    model = json.loads((run / "config.json").read_text())["config"]["model"]
+    built = json.loads((run / "model" / "config.json").read_text())
+    assert (model["n_layer"], model["n_embd"]) != (4, 256) and model["fit_budget"] is False  # a resume keeps it
+    assert (built["num_hidden_layers"], built["hidden_size"]) == (model["n_layer"], model["n_embd"])
+    assert f"model: {model['n_layer']} layers × {model['n_embd']} for the 1 s budget" in capsys.readouterr().err
+
+
 def test_two_workers_equal_one_process_on_the_same_global_batch(spark, dataset, tmp_path):
     one = tmp_path / "one"
     two = tmp_path / "two"

@@ -252,7 +252,7 @@ def test_muon_with_adamw_checkpoints_as_one_optimizer():
 
 def test_auto_optimizer_is_muon_only_where_bf16_is_fast():
     from sparklm.train import optim
-    from sparklm.train.device import bf16_fast
+    from sparklm.train.peak import bf16_fast
 
     assert optim.choose(TrainConfig(optimizer="adamw"), 1) == "adamw"
     assert optim.choose(TrainConfig(optimizer="muon"), 1) == "muon"

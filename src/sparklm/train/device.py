@@ -1,5 +1,5 @@
 """The device seam: where tensors live, the autocast dtype and the process-group backend, chosen in one
-place; and the host's memory settings and figures (matmul peak for MFU, RSS, the glibc allocator).
+place; and the host's memory settings and figures (RSS, the glibc allocator; the matmul peak is peak.py's).
 
 Only the CPU with gloo exists today; a CUDA device (NCCL, Spark's GPU resources) plugs in here.
 """
@@ -7,16 +7,14 @@ Only the CPU with gloo exists today; a CUDA device (NCCL, Spark's GPU resources)
 from __future__ import annotations
 
 import ctypes
-import json
 import platform
-import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..cache import cache_dir
+from .peak import bf16_fast, matmul_peak
 
 
 @dataclass(frozen=True)
@@ -37,7 +35,7 @@ class Device:
         return torch.autocast(self.kind, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
     def peak_flops(self, threads: int) -> float:
-        return matmul_peak(threads, self.dtype)
+        return matmul_peak(threads, self.dtype_name)
 
 
 def select(dtype: str, threads: int) -> Device:
@@ -52,45 +50,6 @@ def select(dtype: str, threads: int) -> Device:
     if dtype == "bfloat16":
         return Device(dtype=torch.bfloat16)
     return Device(dtype=torch.bfloat16 if bf16_fast(threads) else torch.float32)
-
-
-def bf16_fast(threads: int) -> bool:
-    """Whether bf16 matmuls measure clearly (>1.3x) faster than fp32 here (cached, like the peaks)."""
-    return matmul_peak(threads, torch.bfloat16) > 1.3 * matmul_peak(threads, torch.float32)
-
-
-def matmul_peak(threads: int, dtype: torch.dtype, *, size: int = 1024, seconds: float = 1.0) -> float:
-    """FLOP/s of a square matmul on ``threads`` threads in ``dtype``: the ceiling MFU is measured against.
-
-    Cached per machine, thread count and dtype in ~/.cache/sparklm/peak.json (it costs ~1-2 s).
-    """
-    cache = cache_dir("peak.json")
-    key = f"{_cpu_model()}|{threads}|{dtype}"
-    try:
-        known = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if key in known:
-        return float(known[key])
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ b
-        n += 1
-    peak = 2 * size**3 * n / (time.perf_counter() - t0)
-    torch.set_num_threads(before)
-    known[key] = peak
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(known, indent=2))
-    except OSError:
-        pass
-    return peak
 
 
 def rss_mb() -> float:
@@ -158,11 +117,3 @@ def _glibc():
         return None
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"

@@ -22,7 +22,7 @@ def choose(tc: TrainConfig, threads: int, *, pretrained: bool = False) -> str:
         return tc.optimizer
     if pretrained:
         return "adamw"
-    from .device import bf16_fast
+    from .peak import bf16_fast
 
     return "muon" if bf16_fast(threads) else "adamw"
 

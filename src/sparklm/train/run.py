@@ -20,7 +20,7 @@ from ..data.tokenizer import TokenizerSpec
 from ..errors import SparklmError
 from ..fs import effective, exists, join, read_text, write_text
 from ..version import __version__
-from . import checkpoint, memory
+from . import checkpoint, fit, memory
 from .report import plot_loss
 from .sinks import METRIC_COLUMNS, ConsoleSink, CsvSink, JsonSink, Sinks, read_metrics
 
@@ -62,10 +62,16 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
     if not data:
         raise SparklmError("no prepared dataset given", hint="pass --data DIR (made by `sparklm prepare`)")
     strategy = get(config.train.strategy)
+    master = planned_master(config.spark, None if callable(spark) else spark)
+    dataset = load_prepared(data, storage)
+    spec = load_tokenizer(dataset, storage)
+    if not resume:  # a resumed run builds the model its checkpoints hold, as its config.json says
+        config, note = fit.apply(config, vocab=spec.vocab_size, context=dataset.seq_len,
+                                 train_tokens=dataset.manifest["splits"]["train"]["tokens"], master=master)
+        if note:
+            progress.info(note)
     # Processes the strategy starts now (local mode), so that their imports overlap Spark's start.
-    with strategy.prestart(config, planned_master(config.spark, None if callable(spark) else spark)) as warm:
-        dataset = load_prepared(data, storage)
-        spec = load_tokenizer(dataset, storage)
+    with strategy.prestart(config, master) as warm:
         _check_init_from(config, spec)
         shapes = memory.model_shapes(config, spec, dataset.seq_len)  # and LoRA's targets checked, before Spark
         if dataset.manifest["splits"]["train"]["sequences"] == 0:

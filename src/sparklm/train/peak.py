@@ -1,0 +1,65 @@
+"""The host's measured matmul peak per thread count and dtype: the ceiling MFU is measured against, the test of
+whether bf16 is fast here, and the speed the model's fit to a time budget assumes (``train.fit``).
+
+Measured once per machine and cached in ~/.cache/sparklm/peak.json; torch is imported only to measure, so the
+driver can read a cached peak without it (importing torch costs ~1 s before a run starts).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from ..cache import cache_dir
+
+BF16_FAST = 1.3  # bf16 counts as fast where its matmuls measure this much faster than fp32
+
+
+def matmul_peak(threads: int, dtype: str, *, size: int = 1024, seconds: float = 1.0) -> float:
+    """FLOP/s of a square matmul on ``threads`` threads in ``dtype`` ("float32", "bfloat16"), cached (~1-2 s to
+    measure)."""
+    cache = cache_dir("peak.json")
+    key = f"{_cpu_model()}|{threads}|torch.{dtype}"
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return float(known[key])
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    a = torch.randn(size, size, dtype=getattr(torch, dtype))
+    b = torch.randn(size, size, dtype=getattr(torch, dtype))
+    for _ in range(3):
+        a @ b
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        n += 1
+    peak = 2 * size**3 * n / (time.perf_counter() - t0)
+    torch.set_num_threads(before)
+    known[key] = peak
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(known, indent=2))
+    except OSError:
+        pass
+    return peak
+
+
+def bf16_fast(threads: int) -> bool:
+    """Whether bf16 matmuls measure clearly faster than fp32 here (cached, like the peaks)."""
+    return matmul_peak(threads, "bfloat16") > BF16_FAST * matmul_peak(threads, "float32")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
