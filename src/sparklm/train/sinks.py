@@ -237,9 +237,13 @@ class Channel:
                 continue
             except OSError:
                 return
-            t = threading.Thread(target=self._read, args=(conn,), daemon=True)
-            t.start()
-            self._threads.append(t)
+            self._start_reading(conn)
+
+    def _start_reading(self, conn: socket.socket) -> None:
+        conn.settimeout(None)
+        t = threading.Thread(target=self._read, args=(conn,), daemon=True)
+        t.start()
+        self._threads.append(t)
 
     def _read(self, conn: socket.socket) -> None:
         with conn, conn.makefile("r", encoding="utf-8") as lines:
@@ -262,6 +266,15 @@ class Channel:
         """Stop listening, after every connected rank has closed its end (its rows are all in)."""
         self._stop.set()
         self._accept.join()
+        # A rank that connected while the loop above was between two accepts waits in the backlog: take it too
+        # (a fast rank can connect, send everything and close before the loop accepts it).
+        self.server.setblocking(False)
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:  # BlockingIOError: the backlog is empty
+                break
+            self._start_reading(conn)
         self.server.close()
         for t in self._threads:
             t.join(timeout=30)
