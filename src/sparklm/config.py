@@ -177,6 +177,12 @@ class RoundsConfig:
     )
 
 
+def embedding_rows(vocab: int) -> int:
+    """Rows of a fresh model's embedding table for a tokenizer of ``vocab`` tokens: rounded up to a multiple of 64
+    (faster matmuls; the extra rows are never targets)."""
+    return 64 * -(-vocab // 64)
+
+
 # train.loss_chunk 0: about this many bytes of float32 logits per chunk, a power of two in [32, 4096] positions
 # (SmolLM2: 512 positions, 100 MB; on CPU chunks of 512 ran faster than 256 and than one chunk). Here, not in
 # model.lm_head, because the driver's memory plan needs it before Spark starts, without importing torch (~1 s).

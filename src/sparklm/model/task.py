@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ..config import Config, StorageConfig
+from ..config import Config, StorageConfig, embedding_rows
 from ..data.tokenizer import TokenizerSpec
 from ..errors import SparklmError
 from . import lm_head, lora
@@ -97,8 +97,7 @@ class CausalLM:
         elif config.lora.r:
             raise lora.no_base()
         else:
-            # Round the embedding table up to a multiple of 64: faster matmuls, unused rows are never targets.
-            model = build_model(config.model, vocab_size=64 * math.ceil(vocab / 64), context=context,
+            model = build_model(config.model, vocab_size=embedding_rows(vocab), context=context,
                                 bos_id=spec.bos_id, eos_id=spec.eos_id, pad_id=spec.pad_id, seed=config.train.seed)
         if config.train.grad_checkpoint == "on":  # "auto" was resolved by the memory plan (train/memory.py)
             # non-reentrant: works with frozen inputs (LoRA) and needs no inputs that require grad

@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from ..config import Config, ModelConfig
+from ..config import Config, ModelConfig, embedding_rows
 from .memory import scratch_shapes
+from .peak import bf16_fast, matmul_peak
 
 # Share of the matmul peak (peak.py) a training step reaches, measured here for these shapes: bf16 autocast
 # 25-36% (its square-matmul peak is far above what small layers get), float32 54-65%.
@@ -80,8 +81,6 @@ def apply(config: Config, *, vocab: int, context: int, train_tokens: int, master
     if not (mc.fit_budget and tc.time_budget and not mc.init_from and master.startswith("local")):
         return config, None
     threads = tc.threads or local_threads(tc.workers)
-    from .peak import bf16_fast, matmul_peak
-
     dtype = tc.dtype if tc.dtype != "auto" else "bfloat16" if bf16_fast(threads) else "float32"
     speed = ASSUMED_MFU[dtype] * matmul_peak(threads, dtype) * tc.workers  # FLOP/s of all the ranks
     per_step = tc.batch_size * tc.grad_accum * tc.workers * context
@@ -90,7 +89,7 @@ def apply(config: Config, *, vocab: int, context: int, train_tokens: int, master
     def tokens_for(flops: float) -> float:
         return min([speed * tc.time_budget / flops, *(x for x in limits if x > 0)])
 
-    vocab = 64 * -(-vocab // 64)  # as the model's table is rounded
+    vocab = embedding_rows(vocab)
     chosen = fit(mc, vocab=vocab, context=context, tokens_for=tokens_for)
     fitted = config.replace(model=replace(chosen.model, fit_budget=False))
     if chosen.model == mc:

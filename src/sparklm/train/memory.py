@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..config import chunk_size
+from ..config import chunk_size, embedding_rows
 from ..errors import SparklmError
 
 MB = 1 << 20
@@ -162,7 +162,7 @@ def model_shapes(config, spec, context: int) -> Shapes:
     a pretrained model built empty on the meta device from its config.json (no weights read), its LoRA targets
     checked on it and its adapters counted by peft."""
     if not config.model.init_from:  # LoRA without a base was refused before
-        return scratch_shapes(config.model, 64 * -(-spec.vocab_size // 64), context)
+        return scratch_shapes(config.model, embedding_rows(spec.vocab_size), context)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
