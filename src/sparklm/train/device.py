@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .peak import bf16_fast, matmul_peak
+from .peak import compute_dtype, matmul_peak
 
 
 @dataclass(frozen=True)
@@ -45,11 +45,7 @@ def select(dtype: str, threads: int) -> Device:
     not enough: on this project's 2-core AVX-512-BF16 machines bf16 matmuls ran at ~0.6x fp32 and
     training slowed down, so the choice follows a (cached) measurement.
     """
-    if dtype == "float32":
-        return Device(dtype=torch.float32)
-    if dtype == "bfloat16":
-        return Device(dtype=torch.bfloat16)
-    return Device(dtype=torch.bfloat16 if bf16_fast(threads) else torch.float32)
+    return Device(dtype=getattr(torch, compute_dtype(dtype, threads)))
 
 
 def rss_mb() -> float:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from ..config import Config, ModelConfig, embedding_rows
 from .memory import scratch_shapes
-from .peak import bf16_fast, matmul_peak
+from .peak import compute_dtype, matmul_peak
 
 # Share of the matmul peak (peak.py) a training step reaches, measured here for these shapes: bf16 autocast
 # 25-36% (its square-matmul peak is far above what small layers get), float32 54-65%.
@@ -63,13 +63,22 @@ def shapes(cfg: ModelConfig) -> list[ModelConfig]:
     return out
 
 
-def fit(cfg: ModelConfig, *, vocab: int, context: int, tokens_for: Callable[[float], float]) -> Fit:
-    """The first of :func:`shapes` that trains on at least ``TOKENS_PER_PARAM`` tokens per non-embedding
-    parameter, else the last; ``tokens_for(flops_per_token)`` estimates the tokens a model trains on."""
+def estimates(cfg: ModelConfig, *, vocab: int, context: int, tokens_for: Callable[[float], float]) -> list[Fit]:
+    """Each of :func:`shapes` with its estimated tokens; ``tokens_for(flops_per_token)`` estimates them."""
     fits = []
     for c in shapes(cfg):
         tokens = tokens_for(flops_per_token(c, vocab, context))
         fits.append(Fit(c, tokens, tokens / max(non_embedding(c, vocab, context), 1)))
+    return fits
+
+
+def fit(cfg: ModelConfig, *, vocab: int, context: int, tokens_for: Callable[[float], float]) -> Fit:
+    """The first of :func:`shapes` that trains on at least ``TOKENS_PER_PARAM`` tokens per non-embedding
+    parameter, else the last (the smallest)."""
+    return choose(estimates(cfg, vocab=vocab, context=context, tokens_for=tokens_for))
+
+
+def choose(fits: list[Fit]) -> Fit:
     return next((f for f in fits if f.per_param >= TOKENS_PER_PARAM), fits[-1])
 
 
@@ -81,7 +90,7 @@ def apply(config: Config, *, vocab: int, context: int, train_tokens: int, master
     if not (mc.fit_budget and tc.time_budget and not mc.init_from and master.startswith("local")):
         return config, None
     threads = tc.threads or local_threads(tc.workers)
-    dtype = tc.dtype if tc.dtype != "auto" else "bfloat16" if bf16_fast(threads) else "float32"
+    dtype = compute_dtype(tc.dtype, threads)
     speed = ASSUMED_MFU[dtype] * matmul_peak(threads, dtype) * tc.workers  # FLOP/s of all the ranks
     per_step = tc.batch_size * tc.grad_accum * tc.workers * context
     limits = [tc.max_steps * per_step, tc.max_tokens, tc.epochs * train_tokens]  # 0: unset
@@ -90,11 +99,12 @@ def apply(config: Config, *, vocab: int, context: int, train_tokens: int, master
         return min([speed * tc.time_budget / flops, *(x for x in limits if x > 0)])
 
     vocab = embedding_rows(vocab)
-    chosen = fit(mc, vocab=vocab, context=context, tokens_for=tokens_for)
+    fits = estimates(mc, vocab=vocab, context=context, tokens_for=tokens_for)
+    chosen = choose(fits)
     fitted = config.replace(model=replace(chosen.model, fit_budget=False))
     if chosen.model == mc:
         return fitted, None
-    full = tokens_for(flops_per_token(mc, vocab, context)) / max(non_embedding(mc, vocab, context), 1)
+    full = fits[0].per_param
     return fitted, (f"model: {chosen.model.n_layer} layers × {chosen.model.n_embd} for the {tc.time_budget:g} s budget "
                     f"(~{chosen.tokens / 1e6:.2f} M tokens at this machine's measured speed; "
                     f"{mc.n_layer} × {mc.n_embd} would train on {full:.2f} tokens per parameter); "

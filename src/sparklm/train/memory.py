@@ -195,23 +195,23 @@ def model_shapes(config, spec, context: int) -> Shapes:
 
 def base_in_bf16(config, master: str) -> bool:
     """Whether LoRA's frozen base will be held in bfloat16: ``lora.base_dtype`` resolved by the rank's own rule
-    (``lora.base_dtype``) on the dtype the rank will compute in (``device.select``). With train.dtype "auto" the
+    (``lora.base_dtype``) on the dtype the rank will compute in (``peak.compute_dtype``). With train.dtype "auto" the
     driver knows that dtype only in local mode (the ranks run here and measure the same); on a cluster the
     estimate assumes float32, the larger."""
     if not config.lora.r:
         return False
     import torch
 
-    compute = torch.float32
+    from ..model.lora import base_dtype
+
+    compute = "float32"
     if config.lora.base_dtype == "auto" and (config.train.dtype != "auto" or master.startswith("local")):
-        from .device import select
+        from .peak import compute_dtype
         from .strategies.base import local_threads
 
         tc = config.train
-        compute = select(tc.dtype, tc.threads or local_threads(tc.workers)).dtype
-    from ..model.lora import base_dtype
-
-    return base_dtype(config.lora, compute) == "bfloat16"
+        compute = compute_dtype(tc.dtype, tc.threads or local_threads(tc.workers))
+    return base_dtype(config.lora, getattr(torch, compute)) == "bfloat16"
 
 
 def plan_for(config, shapes: Shapes, seq_len: int, spark) -> MemoryPlan:

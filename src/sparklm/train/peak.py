@@ -7,6 +7,7 @@ driver can read a cached peak without it (importing torch costs ~1 s before a ru
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from ..cache import cache_dir
 BF16_FAST = 1.3  # bf16 counts as fast where its matmuls measure this much faster than fp32
 
 
+@functools.cache  # once per process: the driver and a rank ask several times
 def matmul_peak(threads: int, dtype: str, *, size: int = 1024, seconds: float = 1.0) -> float:
     """FLOP/s of a square matmul on ``threads`` threads in ``dtype`` ("float32", "bfloat16"), cached (~1-2 s to
     measure)."""
@@ -48,6 +50,13 @@ def matmul_peak(threads: int, dtype: str, *, size: int = 1024, seconds: float = 
     except OSError:
         pass
     return peak
+
+
+def compute_dtype(setting: str, threads: int) -> str:
+    """``train.dtype`` resolved: "auto" is "bfloat16" where bf16 matmuls measure fast here, else "float32"."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if bf16_fast(threads) else "float32"
 
 
 def bf16_fast(threads: int) -> bool:

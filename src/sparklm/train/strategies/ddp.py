@@ -3,8 +3,8 @@
 Each barrier task starts its rank as a child process (``python -m sparklm.train.strategies.ddp_rank``):
 the rank's threads, memory and gloo teardown stay out of Spark's Python worker, and a rank that dies
 takes its task down with it (and the barrier stage with it) instead of hanging. Rank 0's address is
-shared with ``BarrierTaskContext.allGather`` (with peers to tell); rank 0 streams its metrics rows to the driver over a
-socket (sinks.Channel). Launching 2 ranks this way took 3.6 s against 5.8 s / 12.9 s for
+shared with ``BarrierTaskContext.allGather`` (with peers to tell); rank 0 streams its metrics rows to
+the driver over a socket (sinks.Channel). Launching 2 ranks this way took 3.6 s against 5.8 s / 12.9 s for
 ``TorchDistributor`` (local_mode True / False; benchmarks/launch_overhead.py), and rank 0's result
 comes back directly.
 
@@ -149,10 +149,11 @@ def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> dict:
         proc, log_path = _start_rank(log_dir, rank, threads, job.warm[rank] if len(job.warm) > rank else "")
         try:
             host = ctx.getTaskInfos()[rank].address.rsplit(":", 1)[0] or "127.0.0.1"
-            port = _free_port(host) if rank == 0 and workers > 1 else 0
-            # One rank has no peers to find (and a barrier call costs Spark 4 about a second: it polls once a second).
-            peers = ([json.loads(m) for m in ctx.allGather(json.dumps({"host": host, "port": port}))] if workers > 1
-                     else [{"host": host, "port": port}])
+            if workers > 1:
+                port = _free_port(host) if rank == 0 else 0
+                peers = [json.loads(m) for m in ctx.allGather(json.dumps({"host": host, "port": port}))]
+            else:  # no peers to find (and a barrier call costs about a second: Spark 4 polls once a second)
+                peers = [{"host": host, "port": 0}]
             same_host = sum(p["host"] == host for p in peers)
             n_threads = threads or local_threads(same_host)
             start = RankStart(job=job_json, rank=rank, world=workers, threads=n_threads,
