@@ -45,7 +45,7 @@ CONTENDERS = {
 
 
 def prepared(work: Path) -> Path:
-    data = work / "tts" / "prepared"
+    data = work / "tts" / "prepared-4096"  # the vocabulary its recorded figures used (the default is now 8192)
     if (data / "manifest.json").is_file():
         return data
     text = (SHARED / "tinyshakespeare.txt").read_text()
@@ -55,7 +55,8 @@ def prepared(work: Path) -> Path:
     (work / "tts" / "val.txt").write_text(text[n:])
     subprocess.run([sys.executable, "-m", "sparklm", "prepare", str(work / "tts" / "train.txt"), "--validation-input",
                     str(work / "tts" / "val.txt"), "-o", str(data), "--overwrite", "--doc-mode", "file",
-                    "--master", "local[2]", "--set", "spark.ui=false"], check=True, capture_output=True)
+                    "--vocab-size", "4096", "--master", "local[2]", "--set", "spark.ui=false"], check=True,
+                   capture_output=True)
     return data
 
 

@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default 0.8)")
     g.add_argument("--top-k", type=int, metavar="K", help="0 = off (default 50)")
     g.add_argument("--top-p", type=float, metavar="P", help="1 = off (default 1)")
+    g.add_argument("--min-p", type=float, metavar="P",
+                   help="drop tokens less likely than P × the likeliest; 0 = off (default 0.1)")
     g.add_argument("--repetition-penalty", type=float, metavar="R", help="1 = off (default 1)")
     g.add_argument("--num-samples", type=int, metavar="S", help="samples per prompt (default 1)")
     g.add_argument("--seed", type=int, metavar="X", help="sampling seed (default 0)")
@@ -266,8 +268,8 @@ def _run(args: argparse.Namespace) -> int:
 def _sampling(args: argparse.Namespace):
     from .infer.sampling import Sampling
 
-    names = ("max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "num_samples",
-             "seed")
+    names = ("max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+             "num_samples", "seed")
     return Sampling(**{n: getattr(args, n) for n in names if getattr(args, n) is not None})
 
 

@@ -74,7 +74,7 @@ class TokenizerConfig:
 
     path: str = _f("", "an existing tokenizer: a tokenizer.json, an HF tokenizer or model directory (the model's "
                        "tokenizer and its BOS/EOS convention), or a .gguf model; empty: train one", flag="--tokenizer")
-    vocab_size: int = _f(4096, "vocabulary size of a trained tokenizer", min=260, max=1_000_000, flag="--vocab-size")
+    vocab_size: int = _f(8192, "vocabulary size of a trained tokenizer", min=260, max=1_000_000, flag="--vocab-size")
     min_frequency: int = _f(2, "minimum pair frequency for a BPE merge", min=1)
     sample_mb: int = _f(16, "megabytes of training text sampled to train the tokenizer", min=1)
     bos_token: str = _f("<|bos|>", "beginning-of-document token of a trained tokenizer")

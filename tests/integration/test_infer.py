@@ -17,7 +17,15 @@ from hypothesis import strategies as st
 from conftest import make_text
 from sparklm.errors import SparklmError
 from sparklm.infer.evaluate import windows
-from sparklm.infer.sampling import Sampling, next_tokens, repetition_penalty, row_generator, top_k_filter, top_p_filter
+from sparklm.infer.sampling import (
+    Sampling,
+    min_p_filter,
+    next_tokens,
+    repetition_penalty,
+    row_generator,
+    top_k_filter,
+    top_p_filter,
+)
 
 # -- sampling (pure) ---------------------------------------------------------------------------
 
@@ -51,6 +59,18 @@ def test_top_p_property(values, p):
         assert probs[kept].min() >= probs[~kept].max() - 1e-7
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-5, 5), min_size=2, max_size=30), st.floats(0.01, 1.0))
+def test_min_p_keeps_what_is_at_least_p_times_the_likeliest(values, p):
+    logits = torch.tensor([values])
+    probs = logits.softmax(-1)[0]
+    kept = torch.isfinite(min_p_filter(logits, p))[0]
+    assert kept[probs.argmax()]  # never empty
+    threshold = p * probs.max()  # a token within rounding of it may fall either way
+    assert kept[probs > threshold * (1 + 1e-5)].all() and not kept[probs < threshold * (1 - 1e-5)].any()
+    assert torch.equal(min_p_filter(logits, 0.0), logits)
+
+
 def test_repetition_penalty_as_ctrl_defines_it():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     previous = torch.tensor([[0, 1, 1, -1]])  # -1: padding, ignored
@@ -68,6 +88,7 @@ def test_greedy_and_seeded_sampling():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1),
+                                 dict(min_p=-0.1), dict(min_p=1.5),
                                  dict(max_new_tokens=0), dict(repetition_penalty=0), dict(num_samples=0)])
 def test_invalid_sampling_settings_are_rejected(bad):
     with pytest.raises(SparklmError, match="invalid sampling setting"):

@@ -48,17 +48,18 @@ def write_samples(model, spec, run_dir: str, dataset, config) -> None:
     if not tc.samples or new_tokens < 1:
         return
     tok = spec.hf()
-    prompts = [p if p.strip() else "The" for p in _prompts(dataset, tok, tc.samples, config)]
+    prompts = [p if p.strip() else "The" for p in sample_prompts(dataset, tok, tc.samples, config)]
     lm = LoadedModel(model.eval(), tok, join(run_dir, "model"), context, add_bos=spec.add_bos)
     sampling = Sampling(max_new_tokens=new_tokens, seed=tc.seed)
     lines = [f"# {len(prompts)} samples: temperature {sampling.temperature}, top-k {sampling.top_k}, "
+             f"min-p {sampling.min_p}, "
              f"{new_tokens} new tokens (seed {tc.seed})\n"]
     for g in generate(lm, prompts, sampling=sampling, warn=False):
         lines.append(f"--- prompt: {g.prompt!r}\n{g.prompt}{g.text}\n")
     write_text(join(run_dir, "samples.txt"), "\n".join(lines), config.storage)
 
 
-def _prompts(dataset, tok, n: int, config) -> list[str]:
+def sample_prompts(dataset, tok, n: int, config) -> list[str]:
     """The first words of the first validation documents of some length (or training ones): prompts in the
     corpus's voice, not title-page fragments."""
     from ..data.stream import read_rows, row_groups
