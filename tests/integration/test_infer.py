@@ -71,6 +71,25 @@ def test_min_p_keeps_what_is_at_least_p_times_the_likeliest(values, p):
     assert torch.equal(min_p_filter(logits, 0.0), logits)
 
 
+@pytest.mark.parametrize("k,top_p,min_p", [(50, 1.0, 0.1), (0, 0.9, 0.05), (20, 0.8, 0.3), (0, 1.0, 0.0)])
+def test_filters_keep_what_transformers_keeps(k, top_p, min_p):
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    g = torch.Generator().manual_seed(k + int(100 * top_p) + int(1000 * min_p))
+    logits = torch.randn(16, 300, generator=g) * 3
+    hf = [TemperatureLogitsWarper(0.8)] + ([TopKLogitsWarper(k)] if k else []) + \
+        ([TopPLogitsWarper(top_p)] if top_p < 1 else []) + ([MinPLogitsWarper(min_p)] if min_p else [])
+    theirs = LogitsProcessorList(hf)(torch.zeros(16, 1, dtype=torch.long), logits.clone())
+    ours = min_p_filter(top_p_filter(top_k_filter(logits / 0.8, k), top_p), min_p)
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs))
+
+
 def test_repetition_penalty_as_ctrl_defines_it():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     previous = torch.tensor([[0, 1, 1, -1]])  # -1: padding, ignored

@@ -23,8 +23,8 @@ class Sampling:
     temperature: float = 0.8
     top_k: int = 50  # 0: off (the CLI's and samples.txt's default too: one place)
     top_p: float = 1.0  # 1.0: off
-    # 0.0: off. 0.1 by default: the main job's samples coined a word (absent from its four books) in 10 of 192 first
-    # sentences without it and 4 with it (BENCHMARKS.md, the main job); HF's default is off.
+    # 0.0: off (HF's default). 0.1 here: the main job's samples coined a word (absent from its four books) in 5-10
+    # of 192 first sentences without it, 3-4 with it (benchmarks/invented_words.py, BENCHMARKS.md).
     min_p: float = 0.1
     repetition_penalty: float = 1.0  # 1.0: off
     num_samples: int = 1

@@ -24,7 +24,8 @@ from .peak import compute_dtype, matmul_peak
 ASSUMED_MFU = {"bfloat16": 0.33, "float32": 0.6}
 # Calibrated on measured runs (BENCHMARKS.md), in estimated tokens: 4 × 128 at ~0.34 tokens per parameter (fp32,
 # 26 s of Tiny Shakespeare) ended above 2 × 128 at ~1.0; the main job's 4 × 256 at ~0.54 (bf16, 360 s) ended
-# level with 4 × 128 (~1.5) and below 2 × 256 (~0.9).
+# level with 4 × 128 (~1.5) and below 2 × 256 (~0.9); with BPE 8192, its 4 × 256 at 0.44 ended 0.01 bits/byte
+# above 4 × 128.
 TOKENS_PER_PARAM = 0.45
 MIN_WIDTH = 64
 
