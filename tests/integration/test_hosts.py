@@ -55,7 +55,8 @@ mkdir -p /mnt/spark/bin /mnt/spark/jars /mnt/java /mnt/work
 mount --bind "$PYSPARK_DIR/bin" /mnt/spark/bin
 mount --bind "$PYSPARK_DIR/jars" /mnt/spark/jars
 mount --bind "$HOST_JAVA" /mnt/java
-for hidden in /tmp "$HOME" "$VENV" "$SRC"; do mount -t tmpfs none "$hidden"; done
+# deepest first: a checkout under /tmp or $HOME would be out of reach once its parent is hidden
+for hidden in "$VENV" "$SRC" "$HOME" /tmp; do mount -t tmpfs none "$hidden"; done
 exec /mnt/spark/bin/spark-class org.apache.spark.deploy.worker.Worker --host 127.0.0.1 --cores 1 \
   --memory 4g --work-dir /mnt/work --webui-port 0 "$MASTER"
 """
