@@ -42,8 +42,7 @@ def score(run: Path, known: set[str], *, n_prompts: int, seeds: int, new_tokens:
     from sparklm.train.report import sample_prompts
 
     lm = load(str(run / "model"), threads=2)
-    prompts = [p if p.strip() else "The" for p in
-               sample_prompts(load_prepared(str(run / "data")), lm.tokenizer, n_prompts, Config())]
+    prompts = sample_prompts(load_prepared(str(run / "data")), lm.tokenizer, n_prompts, Config())
     bad, examples = 0, []
     for seed in range(1, seeds + 1):
         sampling = Sampling(max_new_tokens=new_tokens, seed=seed, temperature=0.8, top_k=50, min_p=min_p)

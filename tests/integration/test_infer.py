@@ -44,12 +44,19 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert torch.isfinite(top_p_filter(logits, 0.01)).tolist() == [[True, False, False, False]]  # never empty
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.floats(-5, 5), min_size=2, max_size=30), st.floats(0.05, 0.99))
-def test_top_p_property(values, p):
+ROW = st.lists(st.floats(-5, 5), min_size=2, max_size=30)  # one row of logits
+
+
+def _filtered(keep, values: list[float], p: float):
+    """One row of logits, its probabilities, and which tokens the filter ``keep(logits, p)`` keeps."""
     logits = torch.tensor([values])
-    probs = logits.softmax(-1)[0]
-    kept = torch.isfinite(top_p_filter(logits, p))[0]
+    return logits, logits.softmax(-1)[0], torch.isfinite(keep(logits, p))[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(ROW, st.floats(0.05, 0.99))
+def test_top_p_property(values, p):
+    _, probs, kept = _filtered(top_p_filter, values, p)
     assert kept.any()
     # What is kept reaches p; without its least likely member it would not.
     assert probs[kept].sum() >= p - 1e-6 or kept.all()
@@ -60,11 +67,9 @@ def test_top_p_property(values, p):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.floats(-5, 5), min_size=2, max_size=30), st.floats(0.01, 1.0))
+@given(ROW, st.floats(0.01, 1.0))
 def test_min_p_keeps_what_is_at_least_p_times_the_likeliest(values, p):
-    logits = torch.tensor([values])
-    probs = logits.softmax(-1)[0]
-    kept = torch.isfinite(min_p_filter(logits, p))[0]
+    logits, probs, kept = _filtered(min_p_filter, values, p)
     assert kept[probs.argmax()]  # never empty
     threshold = p * probs.max()  # a token within rounding of it may fall either way
     assert kept[probs > threshold * (1 + 1e-5)].all() and not kept[probs < threshold * (1 - 1e-5)].any()

@@ -36,7 +36,7 @@ def test_the_first_shape_with_enough_tokens_per_parameter_else_the_smallest():
     cfg, v, t = ModelConfig(), 4096, 256
 
     def at(tokens_per_flop):  # the estimate: tokens ∝ 1 / FLOPs per token
-        return fit.fit(cfg, vocab=v, context=t, tokens_for=lambda flops: tokens_per_flop / flops)
+        return fit.choose(fit.estimates(cfg, vocab=v, context=t, tokens_for=lambda flops: tokens_per_flop / flops))
 
     big = fit.non_embedding(cfg, v, t) * fit.flops_per_token(cfg, v, t) * fit.TOKENS_PER_PARAM
     assert _shape(at(big).model) == (4, 256)  # exactly enough for the configured shape

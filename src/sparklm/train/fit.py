@@ -73,13 +73,9 @@ def estimates(cfg: ModelConfig, *, vocab: int, context: int, tokens_for: Callabl
     return fits
 
 
-def fit(cfg: ModelConfig, *, vocab: int, context: int, tokens_for: Callable[[float], float]) -> Fit:
-    """The first of :func:`shapes` that trains on at least ``TOKENS_PER_PARAM`` tokens per non-embedding
-    parameter, else the last (the smallest)."""
-    return choose(estimates(cfg, vocab=vocab, context=context, tokens_for=tokens_for))
-
-
 def choose(fits: list[Fit]) -> Fit:
+    """The first of ``fits`` that trains on at least ``TOKENS_PER_PARAM`` tokens per non-embedding parameter, else
+    the last (the smallest)."""
     return next((f for f in fits if f.per_param >= TOKENS_PER_PARAM), fits[-1])
 
 

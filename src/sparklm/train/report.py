@@ -48,7 +48,7 @@ def write_samples(model, spec, run_dir: str, dataset, config) -> None:
     if not tc.samples or new_tokens < 1:
         return
     tok = spec.hf()
-    prompts = [p if p.strip() else "The" for p in sample_prompts(dataset, tok, tc.samples, config)]
+    prompts = sample_prompts(dataset, tok, tc.samples, config)
     lm = LoadedModel(model.eval(), tok, join(run_dir, "model"), context, add_bos=spec.add_bos)
     sampling = Sampling(max_new_tokens=new_tokens, seed=tc.seed)
     lines = [f"# {len(prompts)} samples: temperature {sampling.temperature}, top-k {sampling.top_k}, "
@@ -61,7 +61,7 @@ def write_samples(model, spec, run_dir: str, dataset, config) -> None:
 
 def sample_prompts(dataset, tok, n: int, config) -> list[str]:
     """The first words of the first validation documents of some length (or training ones): prompts in the
-    corpus's voice, not title-page fragments."""
+    corpus's voice, not title-page fragments; "The" where too few documents qualify."""
     from ..data.stream import read_rows, row_groups
 
     # a document starts after its BOS, or (a tokenizer without one) after the previous document's EOS
@@ -79,4 +79,4 @@ def sample_prompts(dataset, tok, n: int, config) -> list[str]:
                             prompts.append(" ".join(words[:4]))
                 if len(prompts) >= n:
                     return prompts[:n]
-    return (prompts + [""] * n)[:n]
+    return (prompts + ["The"] * n)[:n]
