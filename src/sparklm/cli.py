@@ -158,7 +158,8 @@ def _config_flags(group, sections: tuple[str, ...]) -> None:
     for key, f, tp in fields_with_flags():
         if key.split(".")[0] not in sections:
             continue
-        flag, help_text = f.metadata["flag"], f.metadata["help"]
+        flag = f.metadata["flag"]
+        help_text = f.metadata["help"].replace("%", "%%")  # argparse %-formats help: a literal % must be doubled
         if tp is bool:
             group.add_argument(flag, dest=key, action="store_false" if flag.startswith("--no-") else "store_true",
                                default=None, help=help_text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -11,7 +12,7 @@ import time
 import pytest
 
 from conftest import make_text
-from sparklm.cli import main
+from sparklm.cli import build_parser, main
 
 
 def run_cli(*args, cwd=None, timeout=300):
@@ -68,3 +69,18 @@ def test_prepare_cli_end_to_end_and_kill_midway(tmp_path):
 def test_main_returns_exit_code_in_process(tmp_path, capsys):
     assert main(["prepare", str(tmp_path / "missing"), "-o", str(tmp_path / "o")]) == 2
     assert "input not found" in capsys.readouterr().err
+
+
+def _subcommands() -> dict:
+    """Every subcommand's parser (argparse keeps them on its subparsers action)."""
+    parser = build_parser()
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("command", sorted(_subcommands()))
+def test_every_subcommand_help_works_and_names_every_flag(command):
+    r = run_cli(command, "--help", timeout=60)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    flags = {s for a in _subcommands()[command]._actions for s in a.option_strings}
+    assert flags and not [f for f in flags if f not in r.stdout], r.stdout

@@ -251,3 +251,203 @@ def test_output_is_replaced_only_when_asked_and_only_an_import(tiny, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert gguf_import.convert(str(path), str(empty))["path"] == str(empty)
+
+
+# -- every file transformers loads, sparklm imports ------------------------------------------------------------
+# Files written with gguf's own writer, named by gguf's tensor-name maps (as llama.cpp's converter names them),
+# quantized with gguf's own quantizers; transformers' loader on the same file is the reference.
+
+def _quantizable() -> list[str]:
+    """The tensor types gguf's writer can produce from float weights (its quantizers; F16 and BF16 by cast)."""
+    names = []
+    for qtype in gguf.GGMLQuantizationType:
+        if qtype.name == "F32" or qtype not in gguf.GGML_QUANT_SIZES:
+            continue
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        try:
+            gguf.quants.quantize(np.ones((1, 256 * block), np.float32), qtype)
+        except (NotImplementedError, ValueError, TypeError, KeyError, AssertionError):
+            continue
+        names.append(qtype.name)
+    return names
+
+
+QUANTIZABLE = _quantizable()
+# llama.cpp's Q4_K_M mixes these; gguf can only read K-quants, so their blocks are crafted (every byte below 0x3C
+# keeps each block's float16 scales finite and under 1).
+Q4_K_M = ["Q4_K", "Q5_0", "Q6_K", "Q8_0"]
+DIMS = dict(hidden=256, inter=512, layers=2, heads=2, kv=1, context=1024)  # rows of 256: every block fits; heads of
+# 128 and a context of 1024, which transformers assumes for Qwen3 and GPT-2 GGUF files
+
+
+def _arch_model(arch: str, vocab: int):
+    import transformers as tf
+
+    torch.manual_seed(1)
+    d = DIMS
+    if arch == "gpt2":
+        config = tf.GPT2Config(vocab_size=vocab, n_embd=d["hidden"], n_layer=d["layers"], n_head=d["heads"],
+                               n_positions=d["context"], bos_token_id=0, eos_token_id=0)
+        return tf.GPT2LMHeadModel(config).eval()
+    cls = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[arch]
+    extra = {"head_dim": d["hidden"] // d["heads"]} if arch == "qwen3" else {}
+    config = getattr(tf, f"{cls}Config")(vocab_size=vocab, hidden_size=d["hidden"], intermediate_size=d["inter"],
+                                         num_hidden_layers=d["layers"], num_attention_heads=d["heads"],
+                                         num_key_value_heads=d["kv"], max_position_embeddings=d["context"],
+                                         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0,
+                                         eos_token_id=0, pad_token_id=1, **extra)
+    model = getattr(tf, f"{cls}ForCausalLM")(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05)
+    return model
+
+
+def _blocks(qtype, a: np.ndarray, rng) -> tuple[np.ndarray, object]:
+    """``a`` in ``qtype``: gguf's quantizer where it has one, crafted blocks where gguf only reads the type."""
+    qtype = gguf.GGMLQuantizationType[qtype]
+    if qtype == gguf.GGMLQuantizationType.F16:
+        return a.astype(np.float16), None
+    if qtype.name in QUANTIZABLE:
+        return gguf.quants.quantize(a, qtype), qtype
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    return rng.integers(0, 0x3C, (a.shape[0], a.shape[1] // block * size), dtype=np.uint8), qtype
+
+
+def _write_arch(path: Path, model, tok, arch: str, types: list[str]) -> None:
+    """``model`` as a GGUF file of ``arch``; 2-D weights take ``types`` in turn (1-D ones stay F32)."""
+    cfg, d = model.config, DIMS
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(d["context"])
+    w.add_embedding_length(d["hidden"])
+    w.add_block_count(d["layers"])
+    w.add_head_count(d["heads"])
+    if arch == "gpt2":
+        w.add_feed_forward_length(4 * d["hidden"])
+        w.add_layer_norm_eps(cfg.layer_norm_epsilon)
+    else:
+        w.add_feed_forward_length(d["inter"])
+        w.add_head_count_kv(d["kv"])
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        w.add_rope_freq_base(10000.0)
+        w.add_key_length(d["hidden"] // d["heads"])
+        w.add_value_length(d["hidden"] // d["heads"])
+    w.add_vocab_size(cfg.vocab_size)
+    vocab = tok.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], d["layers"])
+    rng, turn = np.random.default_rng(0), 0
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # tied: the loader ties it back
+        base, suffix = name.rsplit(".", 1)
+        a = t.numpy().astype(np.float32)
+        if arch == "llama" and base.endswith(("q_proj", "k_proj")):
+            a = _permute(a, d["heads"] if base.endswith("q_proj") else d["kv"])
+        if arch == "gpt2" and base.endswith(("c_attn", "c_proj", "c_fc")) and suffix == "weight":
+            a = np.ascontiguousarray(a.T)  # HF's Conv1D stores (in, out); GGUF holds (out, in)
+        out = f"{names.get_name(base)}.{suffix}"
+        if a.ndim == 2:
+            data, qtype = _blocks(types[turn % len(types)], a, rng)
+            turn += 1
+            if qtype is not None:
+                w.add_tensor(out, data, raw_shape=data.shape, raw_dtype=qtype)
+                continue
+            a = data
+        w.add_tensor(out, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _transformers_load(path: Path):
+    """What transformers' own GGUF loader makes of the file, dequantized as sparklm asks for it."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {}
+    try:
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:
+        pass
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True,
+                                                dtype=torch.float32, **kwargs)
+
+
+def _imports_as_transformers_loads(path: Path, out: Path):
+    """sparklm imports ``path`` exactly when transformers loads it, into the same weights."""
+    try:
+        reference = _transformers_load(path)
+    except Exception as e:  # the loader refuses: sparklm says so in one line, and never calls the file damaged
+        with pytest.raises(SparklmError) as err:
+            gguf_import.convert(str(path), str(out))
+        assert "damaged" not in _one_line(err) and "transformers cannot load" in _one_line(err), e
+        return None
+    info = gguf_import.convert(str(path), str(out))
+    got, want = load_model(str(out)).state_dict(), reference.state_dict()
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    return info
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return _tokenizer()
+
+
+@pytest.mark.parametrize("qtype", QUANTIZABLE)
+def test_every_type_gguf_writes_imports_as_transformers_loads_it(qtype, bpe, tmp_path):
+    model = _arch_model("llama", bpe.get_vocab_size())
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    _write_arch(path, model, bpe, "llama", [qtype])
+    info = _imports_as_transformers_loads(path, tmp_path / "hf")
+    assert {"Q4_0", "Q5_0", "Q8_0", "F16", "BF16"} <= set(QUANTIZABLE)  # gguf's quantizers did run
+    if info is not None:
+        assert info["gguf_types"] == sorted({"F32", qtype})
+        if qtype in ("F16", "BF16", "Q8_0"):  # fine enough to keep the model's outputs
+            ids = torch.tensor([[5, 17, 42, 99, 3, 250]])
+            with torch.no_grad():
+                got, want = load_model(str(tmp_path / "hf"))(ids).logits, model(ids).logits
+            assert torch.allclose(got, want, atol=0.05 * float(want.abs().max())), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gpt2"])
+def test_a_q4_k_m_mix_imports_for_several_architectures(arch, bpe, tmp_path):
+    model = _arch_model(arch, bpe.get_vocab_size())
+    path = tmp_path / f"tiny-{arch}.Q4_K_M.gguf"
+    _write_arch(path, model, bpe, arch, Q4_K_M)
+    info = _imports_as_transformers_loads(path, tmp_path / "hf")
+    assert info is not None and info["architecture"] == arch
+    assert info["gguf_types"] == sorted({"F32", *Q4_K_M})
+
+
+def test_sparklm_import_takes_a_q4_k_m_file(bpe, tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "tiny.Q4_K_M.gguf"
+    _write_arch(path, _arch_model("llama", bpe.get_vocab_size()), bpe, "llama", Q4_K_M)
+    r = subprocess.run([sys.executable, "-m", "sparklm", "import", str(path), "--output", str(tmp_path / "hf")],
+                       capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
+                                                                          "XDG_CACHE_HOME": str(tmp_path / "c")})
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_a_header_cut_short_is_left_to_the_loader(tiny, tmp_path):
+    head = tmp_path / "head.gguf"
+    head.write_bytes(tiny[0].read_bytes()[:300])  # inside the metadata: nothing can be sized
+    with pytest.raises(SparklmError) as e:
+        gguf_import.convert(str(head), str(tmp_path / "out"))
+    line = _one_line(e)
+    assert "transformers cannot load" in line and "may be damaged" in line and not (tmp_path / "out").exists()

@@ -7,7 +7,11 @@ int4: onnxruntime's block-wise 4-bit weight-only MatMulNBits. The graph has no K
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -57,19 +61,21 @@ def export(model: str, output: str, *, quantize: str = "none", overwrite: bool =
         mask = torch.ones((2, 8), dtype=torch.long)
         fp32 = tmp / ("model-fp32.onnx" if quantize != "none" else ONNX_FILE)
         batch, seq = torch.export.Dim("batch", min=1), torch.export.Dim("sequence", min=1, max=lm.context)
-        with torch.no_grad():
+        with torch.no_grad(), _quiet_toolchain():
             torch.onnx.export(graph, (ids, mask), str(fp32), input_names=["input_ids", "attention_mask"],
                               output_names=["logits"], dynamo=True, external_data=False,
                               dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}})
         if quantize == "int8":
             from onnxruntime.quantization import QuantType, quantize_dynamic
 
-            quantize_dynamic(str(fp32), str(tmp / ONNX_FILE), weight_type=QuantType.QInt8, per_channel=True)
+            with _quiet_toolchain():
+                quantize_dynamic(str(fp32), str(tmp / ONNX_FILE), weight_type=QuantType.QInt8, per_channel=True)
         elif quantize == "int4":
             from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
             q = MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=32, is_symmetric=True)
-            q.process()
+            with _quiet_toolchain():
+                q.process()
             q.model.save_model_to_file(str(tmp / ONNX_FILE), use_external_data_format=False)
         if fp32.name != ONNX_FILE:
             fp32.unlink()
@@ -83,6 +89,24 @@ def export(model: str, output: str, *, quantize: str = "none", overwrite: bool =
                 "add_bos": lm.add_bos, "inputs": ["input_ids", "attention_mask"], "outputs": ["logits"]}
         (tmp / "sparklm_export.json").write_text(json.dumps(info, indent=2))
     return {**info, "path": str(out), "bytes": (out / ONNX_FILE).stat().st_size}
+
+
+@contextlib.contextmanager
+def _quiet_toolchain() -> Iterator[None]:
+    """Keep the exporters' notes about their own internals off the user's console: torch.onnx logs every
+    torchvision op it skips and warns about its own pytree use and axis names, onnxruntime's quantizer suggests a
+    pre-processing step through the root logger. None of them is about what sparklm asked for; errors still raise."""
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "torch.export", "")]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels):
+                lg.setLevel(level)
 
 
 class OnnxModel:
@@ -100,7 +124,7 @@ class OnnxModel:
     def __call__(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, **_ignored) -> SimpleNamespace:
         (logits,) = self.session.run(["logits"], {"input_ids": input_ids.numpy().astype("int64"),
                                                   "attention_mask": attention_mask.numpy().astype("int64")})
-        return SimpleNamespace(logits=torch.from_numpy(logits), past_key_values=None)
+        return SimpleNamespace(logits=torch.from_numpy(logits))
 
 
 def load_onnx(path: str, *, threads: int = 0):

@@ -202,9 +202,21 @@ def _generate_batch(lm: LoadedModel, prompts: list[list[int]], sampling: Samplin
         if getattr(model, "recomputes", False):  # a backend without a KV cache (ONNX): run it all again
             out = model(input_ids=ids, attention_mask=attn)
         else:
-            out = model(input_ids=chosen[:, None], attention_mask=attn, position_ids=positions,
-                        past_key_values=out.past_key_values, use_cache=True)
+            out = model(input_ids=chosen[:, None], attention_mask=attn, position_ids=positions, use_cache=True,
+                        **_reuse_cache(out))
     return new, tops
+
+
+def _reuse_cache(out) -> dict:
+    """The keyword that hands a forward pass's KV cache to the next one, under the name the model returned it.
+
+    transformers 5.x renamed ``past_key_values`` to ``cache`` (the old name warns, then goes); older versions
+    know only ``past_key_values``. The output's own field says which one this model speaks.
+    """
+    for name in ("cache", "past_key_values"):
+        if name in getattr(out, "keys", lambda: ())():
+            return {name: out[name]}
+    return {}
 
 
 def _accepts(model, name: str) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import struct
 import time
@@ -130,32 +131,99 @@ def _source(gguf_path: str) -> Path:
 
 
 def _inspect(path: Path) -> dict:
-    """Architecture and tensor types, from the header alone; a truncated or corrupt file fails here in one
-    line rather than deep inside the loader."""
-    try:
-        from transformers.integrations.gguf import GgufHeader
-    except ImportError:  # an older transformers: its loader reports problems itself
+    """Architecture and tensor types from the header, and the one fault the loader cannot name itself: a file
+    cut short. Stricter than nothing, never stricter than the loader: a header this cannot read, or a tensor
+    type it does not know, is left to transformers to accept or refuse."""
+    read = _header(path)
+    if read is None:
         return {"architecture": None, "types": []}
-    try:
-        header = GgufHeader.from_file(str(path))
-    except KeyError:
-        raise SparklmError(f"{path} is damaged: its metadata has no general.architecture",
-                           hint="download or convert the file again") from None
-    except (ValueError, struct.error, IndexError, UnicodeDecodeError) as e:
-        raise SparklmError(f"{path} is damaged or of an unsupported kind: {_short(e)}",
-                           hint="download or convert the file again") from None
-    end = max((header.data_start + t.offset + t.nbytes for t in header.tensors), default=0)
-    if end > path.stat().st_size:
-        raise SparklmError(f"{path} is damaged: it is truncated ({path.stat().st_size} bytes, its tensors "
-                           f"need {end})", hint="download or convert the file again")
-    arch = header.architecture  # whether transformers supports it, its loader says (it renames some first)
-    try:
-        from gguf import GGMLQuantizationType
+    arch, tensors, data_start = read
+    if not arch:
+        raise SparklmError(f"{path} does not say which model it holds (no general.architecture in its metadata)",
+                           hint="convert the model again with llama.cpp's convert_hf_to_gguf.py")
+    sizes = {int(t): s for t, s in _quant_sizes().items()}
+    ends = [data_start + offset + elements // sizes[kind][0] * sizes[kind][1]
+            for kind, elements, offset in tensors if kind in sizes]
+    size = path.stat().st_size
+    if ends and max(ends) > size:
+        raise SparklmError(f"{path} is truncated ({size} bytes, its tensors need {max(ends)})",
+                           hint="download or convert the file again")
+    names = {int(t): t.name for t in _quant_sizes()}
+    return {"architecture": arch, "types": sorted({names.get(kind, f"type {kind}") for kind, _, _ in tensors})}
 
-        types = sorted({GGMLQuantizationType(t.ggml_type).name for t in header.tensors})
-    except (ImportError, ValueError):
-        types = sorted({str(t.ggml_type) for t in header.tensors})
-    return {"architecture": arch, "types": types}
+
+def _quant_sizes() -> dict:
+    """ggml type → (elements per block, bytes per block), as the ``gguf`` package knows them."""
+    try:
+        from gguf import GGML_QUANT_SIZES
+    except ImportError:  # the loader needs gguf too, and says so
+        return {}
+    return GGML_QUANT_SIZES
+
+
+# GGUF metadata value types (the format's numbering) with a fixed size; 8 is a string, 9 an array.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def _header(path: Path) -> tuple[str | None, list[tuple[int, int, int]], int] | None:
+    """``(architecture, [(ggml type, elements, offset)], data start)`` from a GGUF v2/v3 header; None where it
+    cannot be read. Written here because both readers at hand refuse more than the loader does: transformers'
+    header rejects tensor types its fast path lacks (Q5_0 in every Q4_K_M file), and gguf's reader fails on a
+    truncated file while mapping tensors, before anything can say it is truncated."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
+            return _parse_header(blob)
+    except (OSError, ValueError, struct.error, UnicodeDecodeError, OverflowError):
+        return None
+
+
+def _parse_header(blob) -> tuple[str | None, list[tuple[int, int, int]], int] | None:
+    """The walk behind :func:`_header`: metadata (arrays skipped), then the tensor table; raises where it is cut."""
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", blob, 4)
+    if version < 2:
+        return None
+    pos, arch, alignment = 24, None, 32
+    for _ in range(n_kv):
+        key, pos = _string(blob, pos)
+        (kind,), pos = struct.unpack_from("<I", blob, pos), pos + 4
+        value, pos = _value(blob, pos, kind)
+        if key == "general.architecture":
+            arch = value
+        elif key == "general.alignment" and isinstance(value, int) and value > 0:
+            alignment = value
+    tensors = []
+    for _ in range(n_tensors):
+        _, pos = _string(blob, pos)
+        (n_dims,) = struct.unpack_from("<I", blob, pos)
+        dims = struct.unpack_from(f"<{n_dims}Q", blob, pos + 4)
+        kind, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        tensors.append((kind, int(np.prod(dims, dtype=np.uint64)), offset))
+    return (arch if isinstance(arch, str) else None), tensors, -(-pos // alignment) * alignment
+
+
+def _string(blob: bytes, pos: int) -> tuple[str, int]:
+    (n,) = struct.unpack_from("<Q", blob, pos)
+    if pos + 8 + n > len(blob):
+        raise ValueError("string past the end")
+    return blob[pos + 8:pos + 8 + n].decode("utf-8"), pos + 8 + n
+
+
+def _value(blob: bytes, pos: int, kind: int) -> tuple[Any, int]:
+    if kind in _SCALARS:
+        fmt = "<" + _SCALARS[kind]
+        return struct.unpack_from(fmt, blob, pos)[0], pos + struct.calcsize(fmt)
+    if kind == 8:
+        return _string(blob, pos)
+    if kind == 9:  # an array: only skipped (token lists are long; nothing here needs their values)
+        item, count = struct.unpack_from("<IQ", blob, pos)
+        pos += 12
+        if item in _SCALARS:
+            return None, pos + count * struct.calcsize("<" + _SCALARS[item])
+        for _ in range(count):
+            _, pos = _value(blob, pos, item)
+        return None, pos
+    raise ValueError(f"metadata value type {kind}")
 
 
 def _supported() -> list[str]:
@@ -198,11 +266,18 @@ def _load(path: Path, arch: str | None) -> tuple[Any, Any]:
         with _quiet_loader():
             model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     except (ValueError, NotImplementedError, KeyError, OSError, RuntimeError, struct.error, IndexError) as e:
+        import transformers
+
         supported = _supported()
         known = {_canonical(a) for a in supported}
-        hint = (f"transformers converts these GGUF architectures: {', '.join(supported)}"
-                if supported and arch and _canonical(arch) not in known else
-                "the file may be damaged (download it again), or this transformers is too old for it")
+        if supported and arch and _canonical(arch) not in known:
+            hint = f"transformers converts these GGUF architectures: {', '.join(supported)}"
+        elif arch:  # its header read cleanly and it is whole: the file is fine, this loader is not enough for it
+            hint = (f"transformers {transformers.__version__} does not read this file: upgrade it "
+                    "(pip install -U transformers gguf), or use the original checkpoint with --init-from")
+        else:
+            hint = ("its header could not be read: the file may be damaged (download it again), or newer than "
+                    "this transformers reads (pip install -U transformers gguf)")
         raise SparklmError(f"transformers cannot load {what} from {path}: {_short(e)}", hint=hint) from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
