@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -21,6 +22,7 @@ from .version import __version__
 # Which config sections give each command its flags (the flags come from the fields' metadata).
 _FLAG_SECTIONS = {"prepare": ("data", "tokenizer"), "train": ("train", "model", "lora"),
                   "run": ("data", "tokenizer", "train", "model", "lora")}
+_FLAG_KEYS = {"eval": ("data.doc_mode", "data.text_field", "data.encoding")}  # single fields a command reads
 _COMMON_SECTIONS = ("spark", "storage")
 _STARTED: list = []  # sessions this command started, stopped when it ends
 RUN_TIME_BUDGET = 360  # seconds of training when `sparklm run` is given no budget: the whole job fits in 10 minutes
@@ -95,17 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--input", metavar="FILE", help="prompts.{txt,jsonl,parquet}: batch generation on Spark")
     g.add_argument("--output", "-o", metavar="FILE", help="write results to .jsonl or .parquet")
     g.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
-    # sampling: defaults come from infer.sampling.Sampling (one place for them)
-    g.add_argument("--max-new-tokens", type=int, metavar="N", help="tokens to generate (default 64)")
-    g.add_argument("--min-new-tokens", type=int, metavar="N", help="no end-of-text before N tokens (default 0)")
-    g.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default 0.8)")
-    g.add_argument("--top-k", type=int, metavar="K", help="0 = off (default 50)")
-    g.add_argument("--top-p", type=float, metavar="P", help="1 = off (default 1)")
-    g.add_argument("--min-p", type=float, metavar="P",
-                   help="drop tokens less likely than P × the likeliest; 0 = off (default 0.1)")
-    g.add_argument("--repetition-penalty", type=float, metavar="R", help="1 = off (default 1)")
-    g.add_argument("--num-samples", type=int, metavar="S", help="samples per prompt (default 1)")
-    g.add_argument("--seed", type=int, metavar="X", help="sampling seed (default 0)")
+    _sampling_flags(g.add_argument_group("sampling"))
     g.add_argument("--show-top", type=int, default=0, metavar="N", help="show the N most likely tokens at each step")
     g.add_argument("--backend", choices=["torch", "onnx"], default="torch")
     g.add_argument("--quantize", choices=["none", "int8"], default="none",
@@ -121,8 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text inputs as for prepare (repeatable)")
     e.add_argument("--max-length", type=int, default=0, metavar="N", help="window length (default: the context)")
     e.add_argument("--stride", type=int, default=0, metavar="N", help="window stride (default: --max-length)")
-    e.add_argument("--doc-mode", choices=["file", "paragraph", "line"], help="how plain text splits into documents")
-    e.add_argument("--text-field", metavar="NAME", help="text column/field of JSONL, CSV and Parquet inputs")
+    _config_flags(e.add_argument_group("reading the inputs"), keys=_FLAG_KEYS["eval"])
     e.add_argument("--batch-size", type=int, default=8, metavar="N")
     e.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads per task (default: all)")
     e.add_argument("--output", "-o", metavar="FILE", help="also write the figures as JSON")
@@ -153,10 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config_flags(group, sections: tuple[str, ...]) -> None:
-    """Add the flags of the config fields in ``sections`` (their metadata names the flag; dest = the dotted key)."""
+def _config_flags(group, sections: tuple[str, ...] = (), keys: tuple[str, ...] = ()) -> None:
+    """Add the flags of the config fields in ``sections``, and of the fields ``keys`` names (their metadata names
+    the flag; dest = the dotted key, which is how :func:`_config` finds them)."""
     for key, f, tp in fields_with_flags():
-        if key.split(".")[0] not in sections:
+        if key.split(".")[0] not in sections and key not in keys:
             continue
         flag = f.metadata["flag"]
         help_text = f.metadata["help"].replace("%", "%%")  # argparse %-formats help: a literal % must be doubled
@@ -266,11 +258,19 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sampling_flags(group) -> None:
+    """One flag per :class:`Sampling` field (``top_k`` → ``--top-k``), its help and default from the field."""
+    from .infer.sampling import Sampling
+
+    for f in dataclasses.fields(Sampling):
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default),
+                           metavar=f.metadata["metavar"], help=f"{f.metadata['help']} (default {f.default})")
+
+
 def _sampling(args: argparse.Namespace):
     from .infer.sampling import Sampling
 
-    names = ("max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-             "num_samples", "seed")
+    names = [f.name for f in dataclasses.fields(Sampling)]
     return Sampling(**{n: getattr(args, n) for n in names if getattr(args, n) is not None})
 
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-
-import tomllib
 
 from .errors import SparklmError
 

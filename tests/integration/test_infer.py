@@ -370,6 +370,16 @@ def test_cli_batch_generation_eval_and_export(run_dir, tmp_path):
     assert ev.returncode == 0 and no_deprecation(ev), ev.stderr
     figures = json.loads((tmp_path / "ev.json").read_text())
     assert figures["documents"] == 20 and figures["perplexity"] == pytest.approx(math.exp(figures["loss"]))
+    # --doc-mode and --text-field reach the reader (they were accepted and ignored)
+    (tmp_path / "lines.txt").write_text("".join(f"line one of {i}\nline two of {i}\n\n" for i in range(6)))
+    (tmp_path / "body.jsonl").write_text("".join(json.dumps({"body": f"record {i} says hello"}) + "\n" for i in range(3)))
+    for args, documents in ((["--input", str(tmp_path / "lines.txt"), "--doc-mode", "line"], 12),
+                            (["--input", str(tmp_path / "lines.txt")], 6),
+                            (["--input", str(tmp_path / "body.jsonl"), "--text-field", "body"], 3)):
+        got = sparklm("eval", str(run_dir), *args, "--output", str(tmp_path / "docs.json"), "--overwrite",
+                      "--master", "local[2]", "--set", "spark.ui=false")
+        assert got.returncode == 0, got.stderr
+        assert json.loads((tmp_path / "docs.json").read_text())["documents"] == documents, args
     missing = sparklm("eval", str(run_dir), "--input", str(tmp_path / "nope.txt"))
     assert missing.returncode == 2 and "input not found" in missing.stderr
 

@@ -7,28 +7,36 @@ temperature, top-k, top-p, min-p), so a sparklm sample and an HF ``generate`` sa
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import SparklmError
 
 
+def _option(default, help: str, metavar: str):
+    """A sampling setting with the help text and metavar its ``generate`` flag is made from (one place for both)."""
+    return field(default=default, metadata={"help": help, "metavar": metavar})
+
+
 @dataclass(frozen=True, kw_only=True)
 class Sampling:
-    """How to pick tokens. ``temperature = 0`` is greedy (the filters then do nothing)."""
+    """How to pick tokens. ``temperature = 0`` is greedy (the filters then do nothing).
 
-    max_new_tokens: int = 64
-    min_new_tokens: int = 0  # EOS is masked until this many tokens are generated (as in HF)
-    temperature: float = 0.8
-    top_k: int = 50  # 0: off (the CLI's and samples.txt's default too: one place)
-    top_p: float = 1.0  # 1.0: off
+    Each field is a ``sparklm generate`` flag (``top_k`` → ``--top-k``), generated from this metadata."""
+
+    max_new_tokens: int = _option(64, "tokens to generate", "N")
+    # EOS is masked until this many tokens are generated (as in HF)
+    min_new_tokens: int = _option(0, "no end-of-text before N tokens", "N")
+    temperature: float = _option(0.8, "0 = greedy", "T")
+    top_k: int = _option(50, "0 = off", "K")  # the CLI's and samples.txt's default too: one place
+    top_p: float = _option(1.0, "nucleus sampling; 1 = off", "P")
     # 0.0: off (HF's default). 0.1 here: the main job's samples coined a word (absent from its four books) in 5-10
     # of 192 first sentences without it, 3-4 with it (benchmarks/invented_words.py, BENCHMARKS.md).
-    min_p: float = 0.1
-    repetition_penalty: float = 1.0  # 1.0: off
-    num_samples: int = 1
-    seed: int = 0
+    min_p: float = _option(0.1, "drop tokens less likely than P × the likeliest; 0 = off", "P")
+    repetition_penalty: float = _option(1.0, "1 = off", "R")
+    num_samples: int = _option(1, "samples per prompt", "S")
+    seed: int = _option(0, "sampling seed", "X")
 
     def __post_init__(self):
         checks = [

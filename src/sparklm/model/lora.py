@@ -9,6 +9,7 @@ writes (``adapter_config.json`` naming the base, ``adapter_model.safetensors``) 
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,8 +54,6 @@ def peft_config(cfg: LoraConfig, model: torch.nn.Module):
 
 def wrap(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     """``model`` with LoRA adapters (float32, whatever the base's dtype); every base weight frozen."""
-    import warnings
-
     from peft import get_peft_model
 
     check_targets(model, cfg)
@@ -109,7 +108,9 @@ def load_adapter(directory: Path, load_base: Callable[[str], torch.nn.Module], *
                            hint="keep the base model where the adapter's adapter_config.json says, or edit "
                                 "base_model_name_or_path there") from None
     try:
-        model = PeftModel.from_pretrained(base, str(directory), is_trainable=False)
+        with warnings.catch_warnings():  # peft reads transformers' is_gradient_checkpointing, which now warns
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+            model = PeftModel.from_pretrained(base, str(directory), is_trainable=False)
     except Exception as e:
         raise SparklmError(f"cannot load the adapter in {directory}: {' '.join(str(e).split())[:200]}") from None
     return model.merge_and_unload() if merge else model
