@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -27,6 +28,13 @@ MULTILINGUAL = [
     "Ελληνικά: Γνῶθι σεαυτόν.",
     "한국어 문장입니다. 감사합니다.",
 ]
+
+
+def run_sparklm(*args: str, cwd=None, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``sparklm ARGS...`` in a fresh process, as a user runs it (Spark bound to loopback); output captured."""
+    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "sparklm", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout, env=env)
 
 
 def make_text(n_paragraphs: int = 40, seed: int = 0) -> str:

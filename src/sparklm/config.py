@@ -162,6 +162,16 @@ class LoraConfig:
 
 
 @dataclass(kw_only=True)
+class DdpConfig:
+    """Strategy ``ddp``: synchronous data parallelism on Spark barrier tasks (``[train.ddp]``)."""
+
+    collective_timeout: float = _f(300.0, "seconds a collective (all-reduce, barrier) may wait for the other ranks "
+                                          "before the run fails naming the rank and host", min=10.0)
+    max_restarts: int = _f(2, "times the ranks restart from the last checkpoint after a rank is lost (a crash, "
+                              "an out-of-memory kill, a lost executor)", min=0)
+
+
+@dataclass(kw_only=True)
 class RoundsConfig:
     """Strategies ``average`` and ``diloco``: rounds of plain Spark tasks (``[train.rounds]``)."""
 
@@ -259,10 +269,7 @@ class TrainConfig:
     window_row_groups: int = _f(8, "row groups shuffled together (the shuffle buffer, in row groups)", min=1)
     samples: int = _f(3, "temperature-sampled continuations written to samples.txt", min=0)
     sample_tokens: int = _f(80, "tokens per sample", min=1)
-    collective_timeout: float = _f(300.0, "ddp: seconds a collective (all-reduce, barrier) may wait for the other ranks "
-                                         "before the run fails naming the rank and host", min=10.0)
-    max_restarts: int = _f(2, "ddp: times the ranks restart from the last checkpoint after a rank is lost (a crash, "
-                              "an out-of-memory kill, a lost executor)", min=0)
+    ddp: DdpConfig = _section(DdpConfig, "settings of the strategy ddp")
     rounds: RoundsConfig = _section(RoundsConfig, "settings of the strategies average and diloco")
 
 

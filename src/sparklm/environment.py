@@ -27,7 +27,6 @@ import sys
 import sysconfig
 import tarfile
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,10 +92,11 @@ def ship(*, log=None) -> tuple[list[Path], str]:
     name = packed.name.removesuffix(_SUFFIX)
     launcher = packed.with_name(f"{name}.sh")
     if not launcher.is_file():
-        tmp = launcher.with_name(f".{launcher.name}.{uuid.uuid4().hex[:8]}")
-        tmp.write_text(_SHIP % {"name": name, "archive": packed.name})
-        tmp.chmod(0o755)
-        os.replace(tmp, launcher)
+        from .fs import staged_file  # pyarrow's import, only when something is written
+
+        with staged_file(launcher) as tmp:
+            tmp.write_text(_SHIP % {"name": name, "archive": packed.name})
+            tmp.chmod(0o755)
     return [packed, launcher], f"./{launcher.name}"
 
 
@@ -115,20 +115,20 @@ def archive(*, log=None) -> tuple[Path, bool]:
     target = cache_dir("env", f"{PREFIX}{_fingerprint(layout)}{_SUFFIX}")
     if target.is_file():
         return target, False
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
     t0 = time.time()
     if log:
         log("packing the Python environment for the executors (once; cached by what is installed)")
     try:
-        with tarfile.open(tmp, "w:gz", compresslevel=1) as tar:  # level 1: 3x faster than 6, 10% larger here
+        from .fs import staged_file  # pyarrow's import, only when something is written
+
+        # compresslevel 1: 3x faster than 6, 10% larger here
+        with staged_file(target) as tmp, tarfile.open(tmp, "w:gz", compresslevel=1) as tar:
             for source, name in _members(layout):
                 tar.add(source, arcname=name, recursive=False)
             script = (_LAUNCHER % layout["binary"]).encode()
             info = tarfile.TarInfo("bin/python")
             info.size, info.mode, info.mtime = len(script), 0o755, int(time.time())
             tar.addfile(info, io.BytesIO(script))
-        os.replace(tmp, target)
         # keep this archive and the newest other one (another environment on this host may still use it)
         others = sorted((p for p in target.parent.glob(f"{PREFIX}*{_SUFFIX}") if p != target),
                         key=lambda p: p.stat().st_mtime)
@@ -139,9 +139,6 @@ def archive(*, log=None) -> tuple[Path, bool]:
         raise SparklmError(f"cannot pack the Python environment into {target}: {e}",
                            hint="free disk space in ~/.cache, or install sparklm on the cluster's hosts and set "
                                 "spark.ship_env = 'off'") from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     if log:
         log(f"packed {target.stat().st_size / 1e6:,.0f} MB in {time.time() - t0:.0f}s: {target}")
     return target, True

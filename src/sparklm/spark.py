@@ -118,6 +118,18 @@ def planned_master(config: SparkConfig | None = None, spark=None) -> str:
     return config.master or preset_conf().get("spark.master") or "local[*]"
 
 
+def planned_conf(config: SparkConfig | None, key: str, spark=None) -> str | None:
+    """The value Spark setting ``key`` will have, known before the session starts (as :func:`planned_master`):
+    ``spark``'s or the active session's, else sparklm's own setting over spark-submit's or spark-defaults.conf's."""
+    if spark is None and "pyspark" in sys.modules:
+        from pyspark.sql import SparkSession
+
+        spark = SparkSession.getActiveSession()
+    if spark is not None:
+        return spark.sparkContext.getConf().get(key)
+    return (config or SparkConfig()).conf.get(key) or preset_conf().get(key)
+
+
 def preset_conf() -> dict[str, str]:
     """Spark settings made before sparklm runs: under spark-submit (the JVM is already up), its whole
     configuration; otherwise ``spark-defaults.conf`` (``$SPARK_CONF_DIR`` or ``$SPARK_HOME/conf``)."""

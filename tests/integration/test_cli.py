@@ -11,13 +11,8 @@ import time
 
 import pytest
 
-from conftest import make_text
+from conftest import make_text, run_sparklm
 from sparklm.cli import build_parser, main
-
-
-def run_cli(*args, cwd=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "sparklm", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout, env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
 
 
 @pytest.mark.parametrize(
@@ -31,7 +26,7 @@ def run_cli(*args, cwd=None, timeout=300):
     ],
 )
 def test_bad_input_is_one_line_without_traceback(tmp_path, args, message):
-    r = run_cli(*args, cwd=tmp_path)
+    r = run_sparklm(*args, cwd=tmp_path)
     assert r.returncode == 2
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert lines == [lines[0]] and lines[0].startswith(message), r.stderr
@@ -39,7 +34,7 @@ def test_bad_input_is_one_line_without_traceback(tmp_path, args, message):
 
 
 def test_debug_shows_the_traceback(tmp_path):
-    r = run_cli("prepare", "no/such/file.txt", "--debug", cwd=tmp_path)
+    r = run_sparklm("prepare", "no/such/file.txt", "--debug", cwd=tmp_path)
     assert r.returncode != 0 and "Traceback" in r.stderr
 
 
@@ -48,7 +43,7 @@ def test_prepare_cli_end_to_end_and_kill_midway(tmp_path):
     src.write_text(make_text(300, seed=6))
     out = tmp_path / "out"
     common = ["--set", "tokenizer.vocab_size=300", "--seq-len", "32", "--master", "local[2]", "--set", "spark.ui=false"]
-    r = run_cli("prepare", str(src), "-o", str(out), *common)
+    r = run_sparklm("prepare", str(src), "-o", str(out), *common)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(out) and "prepare summary" in r.stderr
     manifest = (out / "manifest.json").read_text()
@@ -80,7 +75,7 @@ def _subcommands() -> dict:
 
 @pytest.mark.parametrize("command", sorted(_subcommands()))
 def test_every_subcommand_help_works_and_names_every_flag(command):
-    r = run_cli(command, "--help", timeout=60)
+    r = run_sparklm(command, "--help", timeout=60)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     flags = {s for a in _subcommands()[command]._actions for s in a.option_strings}
     assert flags and not [f for f in flags if f not in r.stdout], r.stdout

@@ -130,7 +130,7 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_bitwise_equal(
 def test_a_stuck_rank_fails_within_the_collective_timeout_naming_rank_and_host(dataset, tmp_path):
     t0 = time.time()
     r = cli("train", "--data", dataset, "-o", str(tmp_path / "hang"), "--max-steps", "8", "--workers", "2",
-            "--set", "train.collective_timeout=10", "--set", "train.max_restarts=0", *TINY_FLAGS,
+            "--set", "train.ddp.collective_timeout=10", "--set", "train.ddp.max_restarts=0", *TINY_FLAGS,
             env={"SPARKLM_INJECT_RANK_FAULT": "rank=1,step=2,at=hang"})
     line = one_error_line(r)
     assert "training rank 0 on " in line and "a peer rank stopped answering" in line, line

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import make_text
+from conftest import make_text, run_sparklm
 from sparklm.errors import SparklmError
 from sparklm.infer.evaluate import windows
 from sparklm.infer.sampling import (
@@ -306,25 +305,21 @@ def test_onnx_export_matches_torch_and_generates_the_same(run_dir, tmp_path):
 # -- the CLI ---------------------------------------------------------------------------------------
 
 
-def sparklm(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sparklm", *args], capture_output=True, text=True, timeout=600, **kw)
-
-
 def no_deprecation(out: subprocess.CompletedProcess) -> bool:
     """Nothing the libraries print about APIs sparklm still uses (today's transformers renamed past_key_values)."""
     return not any(word in out.stderr for word in ("deprecated", "FutureWarning", "DeprecationWarning"))
 
 
 def test_cli_generate_streams_and_writes(run_dir, tmp_path):
-    out = sparklm("generate", str(run_dir), "--prompt", "The quick", "--temperature", "0", "--max-new-tokens", "5")
+    out = run_sparklm("generate", str(run_dir), "--prompt", "The quick", "--temperature", "0", "--max-new-tokens", "5")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("The quick") and no_deprecation(out), out.stderr
-    again = sparklm("generate", str(run_dir), "--prompt", "The quick", "--temperature", "0", "--max-new-tokens", "5")
+    again = run_sparklm("generate", str(run_dir), "--prompt", "The quick", "--temperature", "0", "--max-new-tokens", "5")
     assert again.stdout == out.stdout
-    q = sparklm("generate", str(run_dir), "--prompt", "The quick", "--max-new-tokens", "5", "--quantize", "int8")
+    q = run_sparklm("generate", str(run_dir), "--prompt", "The quick", "--max-new-tokens", "5", "--quantize", "int8")
     assert q.returncode == 0 and q.stdout.startswith("The quick") and "Warning" not in q.stderr, q.stderr
     (tmp_path / "p.txt").write_text("The quick\nMoskva\n")
-    res = sparklm("generate", str(run_dir), "--prompt-file", str(tmp_path / "p.txt"), "--num-samples", "2",
+    res = run_sparklm("generate", str(run_dir), "--prompt-file", str(tmp_path / "p.txt"), "--num-samples", "2",
                   "--max-new-tokens", "8", "--output", str(tmp_path / "o.jsonl"))
     assert res.returncode == 0, res.stderr
     rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
@@ -338,20 +333,20 @@ def test_cli_generate_streams_and_writes(run_dir, tmp_path):
     (["--prompt", "a", "--max-new-tokens", "500"], "does not fit"),
 ])
 def test_cli_generate_bad_input_is_one_line(run_dir, args, message):
-    out = sparklm("generate", str(run_dir), *args)
+    out = run_sparklm("generate", str(run_dir), *args)
     assert out.returncode == 2 and message in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
 
 
 def test_cli_missing_model_is_one_line(tmp_path):
-    out = sparklm("generate", str(tmp_path / "nope"), "--prompt", "a")
+    out = run_sparklm("generate", str(tmp_path / "nope"), "--prompt", "a")
     assert out.returncode == 2 and "not found" in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
 def test_cli_batch_generation_eval_and_export(run_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"id": 7, "prompt": "The quick"}\n{"id": 3, "prompt": "Москва"}\n\n{"id": 5, "text": "東京"}\n')
-    out = sparklm("generate", str(run_dir), "--input", str(prompts), "--output", str(tmp_path / "out.parquet"),
+    out = run_sparklm("generate", str(run_dir), "--input", str(prompts), "--output", str(tmp_path / "out.parquet"),
                   "--max-new-tokens", "6", "--temperature", "0", "--master", "local[2]", "--set", "spark.ui=false")
     assert out.returncode == 0 and no_deprecation(out), out.stderr
     import pyarrow.parquet as pq
@@ -359,13 +354,13 @@ def test_cli_batch_generation_eval_and_export(run_dir, tmp_path):
     table = pq.read_table(tmp_path / "out.parquet").to_pylist()
     assert [r["id"] for r in table] == [3, 5, 7] and all(0 < r["new_tokens"] <= 6 for r in table)
     (tmp_path / "bad.jsonl").write_text('{"id": 1, "prompt": "ok"}\nnot json\n')
-    bad = sparklm("generate", str(run_dir), "--input", str(tmp_path / "bad.jsonl"), "--output",
+    bad = run_sparklm("generate", str(run_dir), "--input", str(tmp_path / "bad.jsonl"), "--output",
                   str(tmp_path / "bad.parquet"))
     assert bad.returncode == 2 and "line 2" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "bad.parquet").exists()
 
     (tmp_path / "text.txt").write_text(make_text(20))
-    ev = sparklm("eval", str(run_dir), "--input", str(tmp_path / "text.txt"), "--output", str(tmp_path / "ev.json"),
+    ev = run_sparklm("eval", str(run_dir), "--input", str(tmp_path / "text.txt"), "--output", str(tmp_path / "ev.json"),
                  "--master", "local[2]", "--set", "spark.ui=false")
     assert ev.returncode == 0 and no_deprecation(ev), ev.stderr
     figures = json.loads((tmp_path / "ev.json").read_text())
@@ -376,17 +371,17 @@ def test_cli_batch_generation_eval_and_export(run_dir, tmp_path):
     for args, documents in ((["--input", str(tmp_path / "lines.txt"), "--doc-mode", "line"], 12),
                             (["--input", str(tmp_path / "lines.txt")], 6),
                             (["--input", str(tmp_path / "body.jsonl"), "--text-field", "body"], 3)):
-        got = sparklm("eval", str(run_dir), *args, "--output", str(tmp_path / "docs.json"), "--overwrite",
+        got = run_sparklm("eval", str(run_dir), *args, "--output", str(tmp_path / "docs.json"), "--overwrite",
                       "--master", "local[2]", "--set", "spark.ui=false")
         assert got.returncode == 0, got.stderr
         assert json.loads((tmp_path / "docs.json").read_text())["documents"] == documents, args
-    missing = sparklm("eval", str(run_dir), "--input", str(tmp_path / "nope.txt"))
+    missing = run_sparklm("eval", str(run_dir), "--input", str(tmp_path / "nope.txt"))
     assert missing.returncode == 2 and "input not found" in missing.stderr
 
-    ex = sparklm("export", str(run_dir), "--output", str(tmp_path / "onnx"), "--quantize", "int8")
+    ex = run_sparklm("export", str(run_dir), "--output", str(tmp_path / "onnx"), "--quantize", "int8")
     assert ex.returncode == 0 and no_deprecation(ex), ex.stderr
-    gen = sparklm("generate", str(tmp_path / "onnx"), "--backend", "onnx", "--prompt", "The quick",
+    gen = run_sparklm("generate", str(tmp_path / "onnx"), "--backend", "onnx", "--prompt", "The quick",
                   "--temperature", "0", "--max-new-tokens", "4")
     assert gen.returncode == 0 and gen.stdout.startswith("The quick") and no_deprecation(gen), gen.stderr
-    again = sparklm("export", str(run_dir), "--output", str(tmp_path / "onnx"))
+    again = run_sparklm("export", str(run_dir), "--output", str(tmp_path / "onnx"))
     assert again.returncode == 2 and "already exists" in again.stderr

@@ -8,7 +8,8 @@ from conftest import make_text
 from sparklm.data.manifest import load_prepared
 from sparklm.data.prepare import prepare
 from sparklm.errors import SparklmError
-from sparklm.fs import resolve
+from sparklm.fs import exists, list_names, resolve, staged_dir
+from sparklm.train.sinks import METRIC_COLUMNS, CsvSink, read_metrics
 
 
 def test_prepare_from_and_to_s3(spark, s3_server, config):
@@ -95,3 +96,57 @@ def test_run_directory_on_s3(spark, dataset, s3_server, tmp_path):
     assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["tokens"] == b["tokens"]
     info = export("s3://runs/stopped", str(tmp_path / "onnx"), storage=storage)
     assert (tmp_path / "onnx" / "model.onnx").is_file(), info
+
+
+# -- fs and sinks on an object store (moved from the unit tests: they need the S3 server) ----------------------
+
+
+def test_staged_dir_on_an_object_store_writes_its_marker_last(s3_server):
+    import boto3
+
+    from sparklm.config import StorageConfig
+
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket="runs")
+    storage = StorageConfig(endpoint_url=s3_server)
+    with staged_dir("s3://runs/ckpt", storage, marker="state.json") as d:
+        (d / "state.json").write_text("{}")
+        (d / "model.safetensors").write_bytes(b"x")
+    assert list_names("s3://runs/ckpt", storage) == ["model.safetensors", "state.json"]
+    assert exists("s3://runs/ckpt/state.json", storage)
+
+
+def test_stale_staging_is_removed_on_an_object_store_too(s3_server):
+    import time
+
+    import boto3
+
+    from sparklm.config import StorageConfig
+    from sparklm.fs import remove_stale
+
+    s3 = boto3.client("s3", endpoint_url=s3_server)
+    s3.create_bucket(Bucket="stale")
+    for key in (".out.sparklm-tmp-0123/train/part-0.parquet", ".other.sparklm-tmp-9/x", "out/manifest.json"):
+        s3.put_object(Bucket="stale", Key=key, Body=b"x")
+    storage = StorageConfig(endpoint_url=s3_server)
+    assert remove_stale("s3://stale/out", storage, before=time.time()) == [".out.sparklm-tmp-0123"]
+    assert list_names("s3://stale", storage) == [".other.sparklm-tmp-9", "out"]
+
+
+def test_csv_sink_on_an_object_store_continues_and_rewinds(s3_server):
+    import boto3
+
+    from sparklm.config import StorageConfig
+
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket="metrics")
+    storage = StorageConfig(endpoint_url=s3_server)
+    uri = "s3://metrics/run/metrics.csv"
+    sink = CsvSink(uri, METRIC_COLUMNS, {"train"}, storage)
+    for step in (1, 2, 3):
+        sink.write({"kind": "train", "step": step, "loss": 1.0 / step})
+    sink.close()
+    again = CsvSink(uri, METRIC_COLUMNS, {"train"}, storage)  # a resumed run continues the file
+    again.write({"kind": "train", "step": 4, "loss": 0.25})
+    again.rewind(2)
+    again.write({"kind": "train", "step": 3, "loss": 0.3})
+    again.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(uri, storage)] == [(1, 1.0), (2, 0.5), (3, 0.3)]

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import TINY, cfg, stopped_copy, weights
+from conftest import TINY, cfg, run_sparklm, stopped_copy, weights
 from sparklm.config import from_dict
 from sparklm.errors import SparklmError
 from sparklm.train.run import train
@@ -212,19 +212,12 @@ def test_init_from_continues_a_model_and_checks_its_tokenizer(spark, dataset, tm
 def test_cli_resume_keeps_the_saved_settings_and_refuses_a_new_data_order(dataset, tmp_path):
     """The regression: `--resume` rebuilt a complete default Config, so lr, batch size and seed of the run
     reverted to the defaults. Now only what the user sets on the resuming command is applied."""
-    import os
-    import subprocess
-    import sys
-
     run = tmp_path / "run"
     common = ["--master", "local[2]", "--set", "spark.ui=false", "--set", "model.n_layer=1", "--set", "model.n_head=2",
               "--set", "model.n_embd=32", "--set", "train.eval_batches=2", "--set", "train.samples=0",
               "--set", 'train.dtype="float32"', "--threads", "1"]
-    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
-
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "sparklm", "train", *args], capture_output=True, text=True,
-                              timeout=600, env=env)
+        return run_sparklm("train", *args)
 
     r = cli("--data", dataset, "-o", str(run), "--max-steps", "2", "--set", "train.lr=1e-3", "--set",
             "train.batch_size=16", "--set", "train.seed=7", *common)

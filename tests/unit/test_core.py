@@ -251,12 +251,13 @@ def test_muon_with_adamw_checkpoints_as_one_optimizer():
 
 
 def test_auto_optimizer_is_muon_only_where_bf16_is_fast():
-    from sparklm.train import optim
+    from sparklm.train import resolve
     from sparklm.train.peak import bf16_fast
 
-    assert optim.choose(TrainConfig(optimizer="adamw"), 1) == "adamw"
-    assert optim.choose(TrainConfig(optimizer="muon"), 1) == "muon"
-    assert optim.choose(TrainConfig(), 1) == ("muon" if bf16_fast(1) else "adamw")
+    assert resolve.optimizer(TrainConfig(optimizer="adamw"), 1, pretrained=False) == "adamw"
+    assert resolve.optimizer(TrainConfig(optimizer="muon"), 1, pretrained=True) == "muon"
+    assert resolve.optimizer(TrainConfig(), 1, pretrained=False) == ("muon" if bf16_fast(1) else "adamw")
+    assert resolve.optimizer(TrainConfig(), 1, pretrained=True) == "adamw"
 
 
 def test_a_plan_of_many_epochs_says_so():
@@ -269,7 +270,7 @@ def test_a_plan_of_many_epochs_says_so():
 
 def test_peak_lr_follows_what_trains_unless_set():
     from sparklm.config import from_dict
-    from sparklm.train.optim import FINETUNE_LR, LORA_LR, SCRATCH_LR, peak_lr
+    from sparklm.train.resolve import FINETUNE_LR, LORA_LR, SCRATCH_LR, peak_lr
 
     assert peak_lr(from_dict({})) == SCRATCH_LR
     assert peak_lr(from_dict({"model": {"init_from": "m"}})) == FINETUNE_LR
@@ -339,3 +340,43 @@ def test_flops_per_token_counts_frozen_weights_at_four_not_six():
             p.requires_grad_(False)
             frozen += p.numel()
     assert frozen and flops_per_token(model, 16) == full - 2 * frozen
+
+
+def test_ranks_whose_own_bf16_measurements_disagree_train_with_one_dtype_and_one_optimizer(tmp_path):
+    """Two hosts: one measures bf16 3x faster than fp32, the other 2x slower. Each left to decide "auto" would train
+    its replica differently (bf16 + Muon against fp32 + AdamW); given the driver's decisions, both ranks use them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def python(cache, code: str) -> str:
+        env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    python(fast, "from sparklm.train.peak import matmul_peak; matmul_peak(2, 'float32'); matmul_peak(2, 'bfloat16')")
+    measured = json.loads((fast / "sparklm" / "peak.json").read_text())
+    for cache, ratio in ((fast, 3.0), (slow, 0.5)):  # the same CPU model and threads, measured differently
+        fp32 = next(v for k, v in measured.items() if k.endswith("|2|torch.float32"))
+        peaks = {k: fp32 * ratio if k.endswith("bfloat16") else v for k, v in measured.items()}
+        (cache / "sparklm").mkdir(parents=True, exist_ok=True)
+        (cache / "sparklm" / "peak.json").write_text(json.dumps(peaks))
+
+    rank = ("import json, sys\n"
+            "from sparklm.config import from_dict\n"
+            "from sparklm.train.core import rank_settings\n"
+            "config, dev = rank_settings(from_dict(json.loads(sys.argv[1])), 2)\n"
+            "print(dev.dtype_name, config.train.optimizer)\n")
+
+    def as_rank(cache, config: dict) -> str:
+        return python(cache, rank.replace("sys.argv[1]", repr(json.dumps(config))))
+
+    assert as_rank(fast, {}) == "bfloat16 muon" and as_rank(slow, {}) == "float32 adamw"  # each deciding alone
+    driver = python(fast, "from sparklm.config import Config; from sparklm.train import resolve\n"
+                          "import json; print(json.dumps(resolve.settings(Config(), 2).to_dict()))")
+    decided = json.loads(driver)
+    assert (decided["train"]["dtype"], decided["train"]["optimizer"], decided["train"]["lr"]) == ("bfloat16", "muon",
+                                                                                                 3e-3)
+    assert as_rank(fast, decided) == as_rank(slow, decided) == "bfloat16 muon"

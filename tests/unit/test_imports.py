@@ -84,11 +84,12 @@ def test_the_driver_and_the_barrier_task_do_not_import_torch_for_a_run_from_scra
     import sys
 
     code = (
-        "import sys\n"
+        "import dataclasses, sys\n"
         "from sparklm.config import Config\n"
-        "from sparklm.train import memory, run\n"
+        "from sparklm.train import memory, resolve, run\n"
         "from sparklm.train.strategies import ddp, rounds\n"
         "cfg = Config()\n"
+        "resolve.settings(cfg.replace(train=dataclasses.replace(cfg.train, dtype='float32', optimizer='adamw')), 2)\n"
         "memory.scratch_shapes(cfg.model, 4096, 256)\n"
         "run._check_init_from(cfg, None)\n"
         "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))\n"

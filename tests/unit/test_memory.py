@@ -137,25 +137,23 @@ def test_an_error_line_reads_back_into_the_error():
 
 
 def test_a_bf16_base_where_training_computes_in_bf16():
-    """lora.base_dtype "auto": the rank holds the base in bf16 when it computes in bf16; the driver's plan counts
-    it so where it can know (explicit settings, local mode) and assumes float32 (the larger) elsewhere."""
-    import torch
-
+    """lora.base_dtype "auto": the base is held in bf16 when training computes in bf16, decided on the driver
+    (resolve.settings) with the dtype; the memory plan counts what was decided."""
     from sparklm.config import Config, LoraConfig, TrainConfig
-    from sparklm.model import lora
+    from sparklm.train import resolve
 
-    assert lora.base_dtype(LoraConfig(r=8), torch.bfloat16) == "bfloat16"
-    assert lora.base_dtype(LoraConfig(r=8), torch.float32) == "float32"
-    assert lora.base_dtype(LoraConfig(r=8, base_dtype="float32"), torch.bfloat16) == "float32"
+    assert resolve.lora_base_dtype(LoraConfig(r=8), "bfloat16") == "bfloat16"
+    assert resolve.lora_base_dtype(LoraConfig(r=8), "float32") == "float32"
+    assert resolve.lora_base_dtype(LoraConfig(r=8, base_dtype="float32"), "bfloat16") == "float32"
 
-    def cfg(base="auto", dtype="auto", r=8):
-        return Config(lora=LoraConfig(r=r, base_dtype=base), train=TrainConfig(dtype=dtype))
+    def cfg(base="auto", dtype="float32", r=8):
+        return resolve.settings(Config(lora=LoraConfig(r=r, base_dtype=base),
+                                       train=TrainConfig(dtype=dtype, optimizer="adamw")), 2)
 
-    assert memory.base_in_bf16(cfg(dtype="bfloat16"), "spark://h:7077")
-    assert not memory.base_in_bf16(cfg(dtype="float32"), "local[2]")
-    assert not memory.base_in_bf16(cfg(), "spark://h:7077")  # unknown executors: the larger estimate
-    assert memory.base_in_bf16(cfg(base="bfloat16", dtype="float32"), "yarn")
-    assert not memory.base_in_bf16(cfg(r=0, dtype="bfloat16"), "local[2]")
+    assert memory.base_in_bf16(cfg(dtype="bfloat16"))
+    assert not memory.base_in_bf16(cfg(dtype="float32"))
+    assert memory.base_in_bf16(cfg(base="bfloat16", dtype="float32"))
+    assert not memory.base_in_bf16(cfg(r=0, dtype="bfloat16"))
 
 
 def test_the_whole_logits_when_they_fit_else_chunks_before_any_shrinking():

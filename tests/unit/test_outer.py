@@ -8,24 +8,29 @@ import torch
 from sparklm.train.strategies import outer
 
 
-def test_weighted_average_weights_by_tokens():
+def average(parts):
+    """What the rounds driver does with a round's tree-aggregated sum: divide by the total weight."""
+    return {n: t / sum(w for _, w in parts) for n, t in outer.weighted_sum(parts).items()}
+
+
+def test_the_weighted_sum_weights_by_tokens():
     d1 = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.0])}
     d2 = {"w": torch.tensor([4.0, 8.0]), "b": torch.tensor([3.0])}
-    avg = outer.weighted_average([(d1, 1.0), (d2, 1.0)])
+    avg = average([(d1, 1.0), (d2, 1.0)])
     assert torch.equal(avg["w"], torch.tensor([2.5, 5.0])) and torch.equal(avg["b"], torch.tensor([1.5]))
     # a worker that saw 3x the tokens counts 3x
-    avg = outer.weighted_average([(d1, 1.0), (d2, 3.0)])
+    avg = average([(d1, 1.0), (d2, 3.0)])
     assert torch.allclose(avg["w"], torch.tensor([3.25, 6.5])) and torch.allclose(avg["b"], torch.tensor([2.25]))
     with pytest.raises(ValueError):
-        outer.weighted_average([(d1, 1.0), ({"w": d1["w"]}, 1.0)])
+        outer.weighted_sum([(d1, 1.0), ({"w": d1["w"]}, 1.0)])
     with pytest.raises(ValueError):
-        outer.weighted_average([(d1, 0.0)])
+        outer.weighted_sum([])
 
 
 def test_plain_averaging_gives_the_mean_of_the_workers_weights():
     params = {"w": torch.tensor([1.0, -1.0])}
     locals_ = [torch.tensor([0.5, -0.5]), torch.tensor([0.0, 1.0])]
-    avg = outer.weighted_average([({"w": params["w"] - x}, 1.0) for x in locals_])
+    avg = average([({"w": params["w"] - x}, 1.0) for x in locals_])
     new, buf = outer.outer_step(params, avg, None, lr=1.0, mu=0.0)
     assert buf is None and torch.allclose(new["w"], torch.tensor([0.25, 0.25]))
     assert torch.equal(params["w"], torch.tensor([1.0, -1.0]))  # inputs untouched

@@ -47,20 +47,6 @@ def test_staged_dir_appears_whole_or_not_at_all(tmp_path):
     assert list_names(str(target)) == ["new"]
 
 
-def test_staged_dir_on_an_object_store_writes_its_marker_last(s3_server):
-    import boto3
-
-    from sparklm.config import StorageConfig
-
-    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket="runs")
-    storage = StorageConfig(endpoint_url=s3_server)
-    with staged_dir("s3://runs/ckpt", storage, marker="state.json") as d:
-        (d / "state.json").write_text("{}")
-        (d / "model.safetensors").write_bytes(b"x")
-    assert list_names("s3://runs/ckpt", storage) == ["model.safetensors", "state.json"]
-    assert exists("s3://runs/ckpt/state.json", storage)
-
-
 def test_process_local_builds_once_per_key_and_keeps_the_latest():
     built = []
 
@@ -133,23 +119,6 @@ def test_secret_values_are_masked_in_files_and_lines():
     assert redact.text("--conf spark.my.password=hunter22") == "--conf spark.my.password=***"
 
 
-def test_stale_staging_is_removed_on_an_object_store_too(s3_server):
-    import time
-
-    import boto3
-
-    from sparklm.config import StorageConfig
-    from sparklm.fs import remove_stale
-
-    s3 = boto3.client("s3", endpoint_url=s3_server)
-    s3.create_bucket(Bucket="stale")
-    for key in (".out.sparklm-tmp-0123/train/part-0.parquet", ".other.sparklm-tmp-9/x", "out/manifest.json"):
-        s3.put_object(Bucket="stale", Key=key, Body=b"x")
-    storage = StorageConfig(endpoint_url=s3_server)
-    assert remove_stale("s3://stale/out", storage, before=time.time()) == [".out.sparklm-tmp-0123"]
-    assert list_names("s3://stale", storage) == [".other.sparklm-tmp-9", "out"]
-
-
 def test_hidden_directories_are_skipped_and_a_delta_table_is_refused(tmp_path):
     from sparklm.errors import SparklmError
     from sparklm.fs import expand
@@ -166,26 +135,6 @@ def test_hidden_directories_are_skipped_and_a_delta_table_is_refused(tmp_path):
     (table / "part-0.parquet").write_text("x")
     with pytest.raises(SparklmError, match="is a Delta table"):
         expand(str(table))
-
-
-def test_csv_sink_on_an_object_store_continues_and_rewinds(s3_server):
-    import boto3
-
-    from sparklm.config import StorageConfig
-
-    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket="metrics")
-    storage = StorageConfig(endpoint_url=s3_server)
-    uri = "s3://metrics/run/metrics.csv"
-    sink = CsvSink(uri, METRIC_COLUMNS, {"train"}, storage)
-    for step in (1, 2, 3):
-        sink.write({"kind": "train", "step": step, "loss": 1.0 / step})
-    sink.close()
-    again = CsvSink(uri, METRIC_COLUMNS, {"train"}, storage)  # a resumed run continues the file
-    again.write({"kind": "train", "step": 4, "loss": 0.25})
-    again.rewind(2)
-    again.write({"kind": "train", "step": 3, "loss": 0.3})
-    again.close()
-    assert [(r["step"], r["loss"]) for r in read_metrics(uri, storage)] == [(1, 1.0), (2, 0.5), (3, 0.3)]
 
 
 def test_spark_defaults_file_is_read_as_spark_reads_it(tmp_path):

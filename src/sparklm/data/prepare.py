@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -28,7 +27,7 @@ import pyarrow.parquet as pq
 from .. import progress
 from ..config import Config
 from ..errors import SparklmError, spark_errors
-from ..fs import effective, remove_stale, resolve, uri_like
+from ..fs import effective, remove_stale, resolve, staging_path, swap_in, uri_like
 from ..version import __version__
 from . import clean, instruct, sources
 from . import tokenizer as tokenizers_mod
@@ -79,8 +78,8 @@ def prepare(
     spark_start = time.time() - t_spark
     bins = _bins(units, spark.sparkContext.defaultParallelism * 4)
     n_files = len({u.uri for u in units})
-    staging_path = _staging_path(out_path)
-    staging = uri_like(output, staging_path)
+    staged = staging_path(out_path)
+    staging = uri_like(output, staged)
     try:
         with spark_errors():
             if data.dedup:  # duplicates are only known after a look at everything
@@ -97,16 +96,16 @@ def prepare(
             if cached is not None:
                 cached.unpersist()
             pack = _pack_spec(config, spec)
-            fs.create_dir(staging_path, recursive=True)
+            fs.create_dir(staged, recursive=True)
             with progress.stage(spark, "read + clean + tokenize + pack + write" if agg is None else
                                 "tokenize + pack + write"):
                 files, write_agg = _write(spark, bins, config, spec, pack, losers, staging)
             if agg is None:  # one pass did it all: its counts are the statistics
                 stats = _stats(write_agg, n_files, data.encoding)
         manifest = _manifest(config, inputs, validation_inputs, stats, files, spec, pack, started, spark_start)
-        _commit(fs, staging_path, out_path, files, spec, manifest)
+        _commit(fs, staged, out_path, files, spec, manifest)
     except BaseException:
-        _remove(fs, staging_path)
+        _remove(fs, staged)
         raise
     _summary(manifest)
     return load_prepared(output, storage)
@@ -475,11 +474,6 @@ def _selector(path: str):
     return pafs.FileSelector(path, recursive=False, allow_not_found=True)
 
 
-def _staging_path(out_path: str) -> str:
-    parent, _, name = out_path.rstrip("/").rpartition("/")
-    return f"{parent}/.{name}.sparklm-tmp-{uuid.uuid4().hex[:12]}"
-
-
 def _commit(fs, staging: str, out_path: str, files: dict, spec, manifest: dict) -> None:
     """Keep only successful attempts' files under their final names, write manifest last, swap in."""
     for split, metas in files.items():
@@ -494,31 +488,7 @@ def _commit(fs, staging: str, out_path: str, files: dict, spec, manifest: dict) 
     tokenizers_mod.save_to(spec, fs, staging)
     with fs.open_output_stream(f"{staging}/{MANIFEST}") as f:
         f.write(json.dumps(manifest, indent=2).encode())
-    _swap(fs, staging, out_path)
-
-
-def _swap(fs, staging: str, out_path: str) -> None:
-    import pyarrow.fs as pafs
-
-    if isinstance(fs, pafs.LocalFileSystem):
-        old = None
-        if fs.get_file_info(out_path).type.name != "NotFound":
-            old = _staging_path(out_path).replace("sparklm-tmp", "sparklm-old")
-            fs.move(out_path, old)  # rename: the old dataset stays whole until the new one is in place
-        fs.move(staging, out_path)
-        if old:
-            fs.delete_dir(old)
-        return
-    # Object stores have no directory rename: remove the old manifest first (the old dataset stops
-    # being accepted), replace the objects, and write the manifest last.
-    if fs.get_file_info(f"{out_path}/{MANIFEST}").type.name != "NotFound":
-        fs.delete_file(f"{out_path}/{MANIFEST}")
-    if fs.get_file_info(out_path).type.name != "NotFound":
-        fs.delete_dir_contents(out_path, missing_dir_ok=True)
-    infos = fs.get_file_info(pafs.FileSelector(staging, recursive=True))
-    for info in sorted((i for i in infos if i.type == pafs.FileType.File), key=lambda i: i.path.endswith(MANIFEST)):
-        fs.copy_file(info.path, out_path + info.path[len(staging):])
-    fs.delete_dir(staging)
+    swap_in(fs, staging, out_path, marker=MANIFEST)
 
 
 def _remove(fs, path: str) -> None:

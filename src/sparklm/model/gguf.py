@@ -22,7 +22,7 @@ import numpy as np
 
 from ..cache import cache_dir
 from ..errors import SparklmError
-from ..fs import file_sha256, staged_once
+from ..fs import file_sha256, staged_cache
 
 MAGIC = b"GGUF"
 MARKER = "sparklm_import.json"  # marks a directory this module wrote (and so may replace)
@@ -80,13 +80,7 @@ def cached(gguf_path: str) -> str:
     target = cache_dir("models", f"gguf-{key[:24]}")
     if (target / MARKER).is_file():
         return str(target)
-    if target.exists():  # left without its marker (emptied by hand?): it is sparklm's cache, so replace it
-        from ..fs import CHECKSUMS, staged_dir
-
-        publish = staged_dir(str(target), None, marker=CHECKSUMS)
-    else:
-        publish = staged_once(target, marker=MARKER)
-    with publish as tmp:
+    with staged_cache(target, marker=MARKER) as tmp:  # one left without its marker is replaced: it is sparklm's cache
         _write(source, key, tmp)
     return str(target)
 

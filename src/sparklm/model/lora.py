@@ -34,15 +34,6 @@ def targets(cfg: LoraConfig) -> str | list[str]:
     return ALL_LINEAR if names == [ALL_LINEAR] else names
 
 
-def base_dtype(cfg: LoraConfig, compute: torch.dtype) -> str:
-    """lora.base_dtype resolved for a rank computing in ``compute``: "auto" holds the frozen base in bfloat16 where
-    training computes in bfloat16 (under autocast its matmuls run in bf16 anyway; measured on SmolLM2: the same
-    held-out loss, 0.4-1.5 GB less memory, faster steps: BENCHMARKS.md), else float32."""
-    if cfg.base_dtype != "auto":
-        return cfg.base_dtype
-    return "bfloat16" if compute == torch.bfloat16 else "float32"
-
-
 def peft_config(cfg: LoraConfig, model: torch.nn.Module):
     from peft import LoraConfig as PeftLoraConfig
 

@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -24,9 +24,9 @@ from ..data.stream import TokenStream, validation_rows
 from ..data.tokenizer import TokenizerSpec, token_byte_lengths
 from ..errors import SparklmError
 from ..fs import delete, exists, join
-from ..model import flops_per_token, lora, param_count
+from ..model import flops_per_token, param_count
 from ..model.task import Batch, Task, lm_figures, make_batch, targets, task_for
-from . import checkpoint, device, optim
+from . import checkpoint, device, optim, resolve
 from .report import write_samples
 from .sinks import Sink, rank_mb
 
@@ -191,28 +191,33 @@ def eval_metrics(sums: list[float]) -> dict:
 # -- one worker's training --------------------------------------------------------------------
 
 
+def rank_settings(config: Config, threads: int, dev: device.Device | None = None) -> tuple[Config, device.Device]:
+    """The settings and device a worker trains with. The driver decided every "auto" (resolve.settings) before the
+    job reached the worker, so this takes them as given; only a worker built directly (a test, a benchmark) on a
+    config nobody resolved decides here, for itself."""
+    config = resolve.settings(config, config.train.threads or threads)
+    return config, dev or device.select(config.train.dtype)
+
+
 class Trainer:
     """One worker's model, optimizer and data; the steps and evaluations it runs."""
 
     def __init__(self, config: Config, dataset: PreparedDataset, spec: TokenizerSpec, *, rank: Rank = Rank(),
                  task: Task | None = None, dev: device.Device | None = None, workers: int | None = None):
-        self.device = dev or device.select(config.train.dtype, rank.threads)
-        if config.lora.r and config.lora.base_dtype == "auto":  # by the dtype this rank computes in
-            config = config.replace(lora=replace(config.lora, base_dtype=lora.base_dtype(config.lora,
-                                                                                         self.device.dtype)))
+        config, self.device = rank_settings(config, rank.threads, dev)
         self.config, self.dataset, self.spec, self.rank = config, dataset, spec, rank
-        self.tc = replace(config.train, lr=optim.peak_lr(config))  # train.lr = 0: the peak for what trains
+        self.tc = config.train
         self.task = task or task_for(config)
         self.seq_len = dataset.seq_len
-        self.model = self.task.build(config, spec, self.seq_len)
+        self.model = self.device.put(self.task.build(config, spec, self.seq_len))
         self.net: torch.nn.Module = self.model
-        self.optimizer_name = optim.choose(self.tc, rank.threads, pretrained=bool(config.model.init_from))
+        self.optimizer_name = self.tc.optimizer
         self.optimizer = self.new_optimizer()
         self.train_groups = checked_row_groups(dataset, "train", config.storage)
         self.val_groups = checked_row_groups(dataset, "validation", config.storage)
         self.plan = plan(self.tc, train_rows=dataset.manifest["splits"]["train"]["sequences"], seq_len=self.seq_len,
                          workers=workers or rank.world)
-        self.byte_lengths = torch.tensor(token_byte_lengths(spec), dtype=torch.float64)
+        self.byte_lengths = self.device.tensor(token_byte_lengths(spec))
         self.state = TrainState()
         self.best = Best()
         self.best_weights: dict[str, torch.Tensor] | None = None  # None: the best weights are the current ones
@@ -231,14 +236,14 @@ class Trainer:
                              rank=self.rank.rank if part is None else part, world=self.rank.world if parts is None else parts,
                              seed=self.tc.seed, window=self.tc.window_row_groups, start=position,
                              storage=self.config.storage)
-        return (make_batch(*rows) for rows in stream)
+        return (self.device.put(make_batch(*rows)) for rows in stream)
 
     def train_step(self, batches: Iterator[Batch], lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, gradient norm)."""
         tc = self.tc
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss_sum = torch.zeros(())
+        loss_sum = self.device.zeros()
         micros = [next(batches) for _ in range(tc.grad_accum)]
         total = sum(targets(b) for b in micros)  # each micro-batch weighs by its share of the step's targets
         for micro, batch in enumerate(micros):
@@ -276,11 +281,11 @@ class Trainer:
         tc = self.tc
         self.model.eval()
         limit = tc.eval_batches * tc.batch_size if tc.eval_batches else None
-        sums = torch.zeros(4, dtype=torch.float64)
+        sums = self.device.zeros(4, dtype=torch.float64)
         for rows in validation_rows(self.val_groups, seq_len=self.seq_len, rank=part, world=parts, limit=limit,
                                     storage=self.config.storage):
             for i in range(0, len(rows.input_ids), tc.batch_size):
-                batch = make_batch(*rows.take(slice(i, i + tc.batch_size)))
+                batch = self.device.put(make_batch(*rows.take(slice(i, i + tc.batch_size))))
                 with self.device.autocast():
                     sums += self.task.eval_sums(self.model, batch, self.byte_lengths)
         self.model.train()
@@ -350,7 +355,7 @@ class Trainer:
 
     def save(self, run_dir: str) -> None:
         """A checkpoint of the weights, optimizer state and every rank's RNG (written by rank 0)."""
-        rng = torch.get_rng_state()
+        rng = self.device.rng_state()
         states = [rng] * self.rank.world
         if self.rank.world > 1:
             gathered: list = [None] * self.rank.world
@@ -389,7 +394,7 @@ class Trainer:
         path, state, files = found
         self.load_checkpoint_weights(files["model"], path)
         checkpoint.load_optimizer(self.optimizer, files["optimizer"], state["param_groups"])
-        torch.set_rng_state(files["rng"][f"torch.{self.rank.rank}"])
+        self.device.set_rng_state(files["rng"][f"torch.{self.rank.rank}"])
         self.state = TrainState(step=state["step"], position=state["position"], tokens_seen=state["tokens_seen"],
                                 elapsed=state["elapsed"])
         self.best, self.best_weights = Best.restore(state, files["best"], self.state.step, self.weights,
@@ -398,7 +403,7 @@ class Trainer:
 
 
 def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir: str, *, rank: Rank = Rank(),
-          resume: bool = False, sink: Sink | None = None, on_step: Callable[[int], None] | None = None) -> TrainResult:
+          sink: Sink | None = None, on_step: Callable[[int], None] | None = None) -> TrainResult:
     """A whole run on one rank (of ``rank.world``): train, evaluate, checkpoint; rank 0 exports ``model/`` and
     samples and sends its rows to ``sink``. ``on_step(step)`` runs after every step (a hook for fault
     injection and profiling)."""
@@ -410,10 +415,10 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
     emit = sink.write if (sink is not None and is_main) else (lambda row: None)
     # The launcher refuses a run directory that holds a run unless resuming, so a checkpoint found here is this
     # run's own: from --resume, or from an earlier attempt that Spark (a re-run barrier stage) or the driver
-    # (train.max_restarts) restarted. Either way the run continues from it.
+    # (train.ddp.max_restarts) restarted. Either way the run continues from it.
     trainer.restore(run_dir, warn=lambda m: emit({"kind": "warning", "message": m}))
     if rank.world > 1:
-        trainer.net = torch.nn.parallel.DistributedDataParallel(trainer.model)
+        trainer.net = trainer.device.data_parallel(trainer.model)
     if tc.compile:
         trainer.net = torch.compile(trainer.net)
     facts = trainer.facts() if is_main else {"peak_flops": 1.0}
@@ -436,17 +441,17 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
 
     def rank_peaks() -> list[float]:
         """Every rank's peak resident memory, in rank order: a collective, so every rank calls it at the same step."""
-        mine = torch.tensor([device.peak_rss_mb()], dtype=torch.float64)
+        mine = trainer.device.tensor([device.peak_rss_mb()])
         if rank.world == 1:
             return mine.tolist()
-        gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(rank.world)]
+        gathered = [trainer.device.zeros(1, dtype=torch.float64) for _ in range(rank.world)]
         dist.all_gather(gathered, mine)
         return torch.cat(gathered).tolist()
 
     def frac(_i: int) -> float:
         done = fraction(trainer.state.step, total, time.time() - t_start, tc.time_budget)
         if tc.time_budget and rank.world > 1:  # ranks must agree on when to stop
-            t = torch.tensor([done], dtype=torch.float64)
+            t = trainer.device.tensor([done])
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             done = float(t)
         return done

@@ -7,6 +7,7 @@ Only the CPU with gloo exists today; a CUDA device (NCCL, Spark's GPU resources)
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import platform
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .peak import compute_dtype, matmul_peak
+from .peak import matmul_peak
 
 
 @dataclass(frozen=True)
@@ -24,12 +25,37 @@ class Device:
     backend: str = "gloo"  # torch.distributed backend for this device
 
     @property
-    def torch_device(self) -> torch.device:
-        return torch.device(self.kind)
-
-    @property
     def dtype_name(self) -> str:
         return str(self.dtype).replace("torch.", "")
+
+    # Everything a worker places goes through these: on the CPU they are what torch does anyway; a CUDA device
+    # overrides them (tensors moved to the card, its RNG state saved beside the CPU's, DDP with device_ids).
+
+    def put(self, x):
+        """A tensor, module or batch (a dataclass of tensors) on this device."""
+        if self.kind == "cpu":
+            return x
+        if dataclasses.is_dataclass(x):
+            return type(x)(**{f.name: self.put(getattr(x, f.name)) for f in dataclasses.fields(x)})
+        return x if x is None else x.to(self.kind)
+
+    def zeros(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A buffer on this device (sums, collective buffers)."""
+        return torch.zeros(shape, dtype=dtype, device=self.kind)
+
+    def tensor(self, data, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.kind)
+
+    def rng_state(self) -> torch.Tensor:
+        """This process's random state for a checkpoint (dropout; the data order has its own seed)."""
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        torch.set_rng_state(state)
+
+    def data_parallel(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` under DistributedDataParallel over this device's process group."""
+        return torch.nn.parallel.DistributedDataParallel(model)
 
     def autocast(self) -> AbstractContextManager:
         return torch.autocast(self.kind, dtype=self.dtype, enabled=self.dtype != torch.float32)
@@ -38,14 +64,10 @@ class Device:
         return matmul_peak(threads, self.dtype_name)
 
 
-def select(dtype: str, threads: int) -> Device:
-    """The device for a rank: the CPU, with the autocast dtype ``dtype`` names.
-
-    ``auto`` picks bf16 autocast only where bf16 matmuls measure clearly faster than fp32. CPU flags are
-    not enough: on this project's 2-core AVX-512-BF16 machines bf16 matmuls ran at ~0.6x fp32 and
-    training slowed down, so the choice follows a (cached) measurement.
-    """
-    return Device(dtype=getattr(torch, compute_dtype(dtype, threads)))
+def select(dtype: str) -> Device:
+    """The device for a rank: the CPU, with the autocast dtype ``dtype`` names (decided on the driver:
+    resolve.settings, which picks bf16 only where its matmuls measure clearly faster than fp32)."""
+    return Device(dtype=getattr(torch, dtype))
 
 
 def rss_mb() -> float:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from ..config import Config, ModelConfig, embedding_rows
 from .memory import scratch_shapes
-from .peak import compute_dtype, matmul_peak
+from .peak import matmul_peak
 
 # Share of the matmul peak (peak.py) a training step reaches, measured here for these shapes: bf16 autocast
 # 25-36% (its square-matmul peak is far above what small layers get), float32 54-65%.
@@ -80,15 +80,12 @@ def choose(fits: list[Fit]) -> Fit:
 
 
 def apply(config: Config, *, vocab: int, context: int, train_tokens: int, master: str) -> tuple[Config, str | None]:
-    """``config`` with the model fitted to its time budget, and a line saying what changed (None: nothing)."""
-    from .strategies.base import local_threads
-
+    """``config`` (its dtype and threads decided: resolve.settings) with the model fitted to its time budget, and a
+    line saying what changed (None: nothing)."""
     tc, mc = config.train, config.model
     if not (mc.fit_budget and tc.time_budget and not mc.init_from and master.startswith("local")):
         return config, None
-    threads = tc.threads or local_threads(tc.workers)
-    dtype = compute_dtype(tc.dtype, threads)
-    speed = ASSUMED_MFU[dtype] * matmul_peak(threads, dtype) * tc.workers  # FLOP/s of all the ranks
+    speed = ASSUMED_MFU[tc.dtype] * matmul_peak(tc.threads, tc.dtype) * tc.workers  # FLOP/s of all the ranks
     per_step = tc.batch_size * tc.grad_accum * tc.workers * context
     limits = [tc.max_steps * per_step, tc.max_tokens, tc.epochs * train_tokens]  # 0: unset
 

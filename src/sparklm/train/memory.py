@@ -193,25 +193,9 @@ def model_shapes(config, spec, context: int) -> Shapes:
                   trainable=sum(p.numel() for p in params if p.requires_grad), head_trains=head.requires_grad)
 
 
-def base_in_bf16(config, master: str) -> bool:
-    """Whether LoRA's frozen base will be held in bfloat16: ``lora.base_dtype`` resolved by the rank's own rule
-    (``lora.base_dtype``) on the dtype the rank will compute in (``peak.compute_dtype``). With train.dtype "auto" the
-    driver knows that dtype only in local mode (the ranks run here and measure the same); on a cluster the
-    estimate assumes float32, the larger."""
-    if not config.lora.r:
-        return False
-    import torch
-
-    from ..model.lora import base_dtype
-
-    compute = "float32"
-    if config.lora.base_dtype == "auto" and (config.train.dtype != "auto" or master.startswith("local")):
-        from .peak import compute_dtype
-        from .strategies.base import local_threads
-
-        tc = config.train
-        compute = compute_dtype(tc.dtype, tc.threads or local_threads(tc.workers))
-    return base_dtype(config.lora, getattr(torch, compute)) == "bfloat16"
+def base_in_bf16(config) -> bool:
+    """Whether LoRA's frozen base will be held in bfloat16 (the driver decided ``lora.base_dtype``: resolve.py)."""
+    return bool(config.lora.r) and config.lora.base_dtype == "bfloat16"
 
 
 def plan_for(config, shapes: Shapes, seq_len: int, spark) -> MemoryPlan:
@@ -221,7 +205,7 @@ def plan_for(config, shapes: Shapes, seq_len: int, spark) -> MemoryPlan:
     sc = spark.sparkContext
     conf = dict(sc.getConf().getAll())
     limit, source = rank_limit(conf, sc.master, ranks_per_host=tc.workers, setting=tc.memory_limit)
-    bf16_base = base_in_bf16(config, sc.master)
+    bf16_base = base_in_bf16(config)
     if bf16_base:  # the frozen weights at 2 bytes instead of 4
         shapes = replace(shapes, weight_bytes=shapes.weight_bytes - 2 * (shapes.params - shapes.trainable))
     act = 2 if bf16_base else 4

@@ -10,35 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import Config, TrainConfig
-
-
-def choose(tc: TrainConfig, threads: int, *, pretrained: bool = False) -> str:
-    """The optimizer ``tc.optimizer`` names: auto is Muon where bf16 matmuls are fast, for a model trained from
-    scratch. torch's Muon runs its Newton-Schulz iterations in bf16 (~35% of a step's FLOPs for the default
-    model); on CPUs where bf16 is slower than fp32 that costs more than Muon gains. A pretrained model (full or
-    LoRA) keeps AdamW, the optimizer it was trained with and the recipe its learning rates are known for."""
-    if tc.optimizer != "auto":
-        return tc.optimizer
-    if pretrained:
-        return "adamw"
-    from .peak import bf16_fast
-
-    return "muon" if bf16_fast(threads) else "adamw"
-
-
-SCRATCH_LR, LORA_LR, FINETUNE_LR = 3e-3, 1e-3, 5e-5
-
-
-def peak_lr(config: Config) -> float:
-    """``train.lr``, or where it is 0 the usual peak for what trains: a fresh model takes a large learning rate, a
-    pretrained one a small one (3e-3 would undo its pretraining in a few steps), and LoRA adapters, which start
-    at zero, one in between."""
-    if config.train.lr:
-        return config.train.lr
-    if config.lora.r:
-        return LORA_LR
-    return FINETUNE_LR if config.model.init_from else SCRATCH_LR
+from ..config import TrainConfig
 
 
 def build(params: list[torch.nn.Parameter], *, decays: set[int], matrices: set[int], tc: TrainConfig,

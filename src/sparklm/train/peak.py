@@ -44,9 +44,10 @@ def matmul_peak(threads: int, dtype: str, *, size: int = 1024, seconds: float = 
     peak = 2 * size**3 * n / (time.perf_counter() - t0)
     torch.set_num_threads(before)
     known[key] = peak
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(known, indent=2))
+    from ..fs import write_text
+
+    try:  # whole or not at all: ranks on one host read it while another writes it
+        write_text(str(cache), json.dumps(known, indent=2))
     except OSError:
         pass
     return peak

@@ -20,7 +20,7 @@ from ..data.tokenizer import TokenizerSpec
 from ..errors import SparklmError
 from ..fs import effective, exists, join, read_text, write_text
 from ..version import __version__
-from . import checkpoint, fit, memory
+from . import checkpoint, fit, memory, resolve
 from .report import plot_loss
 from .sinks import METRIC_COLUMNS, ConsoleSink, CsvSink, JsonSink, Sinks, read_metrics
 
@@ -65,6 +65,10 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
     master = planned_master(config.spark, None if callable(spark) else spark)
     dataset = load_prepared(data, storage)
     spec = load_tokenizer(dataset, storage)
+    # Every "auto" decided here, once, for every rank and round worker (a resumed run's were decided before).
+    asked = config
+    config = resolve.settings(config, resolve.threads(config.train, master, config.spark,
+                                                      None if callable(spark) else spark))
     if not resume:  # a resumed run builds the model its checkpoints hold, as its config.json says
         config, note = fit.apply(config, vocab=spec.vocab_size, context=dataset.seq_len,
                                  train_tokens=dataset.manifest["splits"]["train"]["tokens"], master=master)
@@ -83,8 +87,10 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
         # Before anything is written: a job that cannot fit stops here, and the same --output can be used again.
         mem = memory.plan_for(config, shapes, dataset.seq_len, spark)
         progress.info(mem.describe())
+        # config holds what runs; "decided" lists what the driver chose where the settings left it open
         write_text(join(run_dir, "config.json"), json.dumps(
-            {"config": config.to_saved(), "data": data, "sparklm_version": __version__}, indent=2), storage)
+            {"config": config.to_saved(), "decided": resolve.decided(asked, config), "data": data,
+             "sparklm_version": __version__}, indent=2), storage)
         tc = config.train
         job = Job(config=memory.apply(config, mem), data=data, run_dir=run_dir, resume=resume, workers=tc.workers,
                   threads=tc.threads, uid=uuid.uuid4().hex, warm=warm)

@@ -8,7 +8,6 @@ knows nothing of training. Messages between the driver and its workers are these
 from __future__ import annotations
 
 import json
-import os
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
@@ -29,7 +28,7 @@ class Job:
     run_dir: str  # the run directory's URI
     resume: bool
     workers: int
-    threads: int  # torch threads per worker; 0: decided where the worker runs
+    threads: int  # torch threads per worker, decided on the driver (resolve.threads)
     uid: str  # unique per launch: keys per-process caches and executor-side state
     warm: tuple[str, ...] = ()  # processes the strategy started before Spark (local mode), one per worker
 
@@ -131,16 +130,3 @@ class Strategy(Protocol):
         ...
 
     def run(self, spark, job: Job, sink: Sink) -> RunResult: ...
-
-
-def local_threads(ranks: int) -> int:
-    """Torch threads per worker process when ``ranks`` of them share this host's cores."""
-    return max(1, (os.cpu_count() or 1) // ranks)
-
-
-def default_threads(spark, workers: int) -> int:
-    """Torch threads per worker when --threads is 0: local mode shares the machine's cores; on a cluster a
-    task owns spark.task.cpus cores, not its host's (YARN and Kubernetes containers share their host)."""
-    if spark.sparkContext.master.startswith("local"):
-        return local_threads(workers)
-    return int(spark.sparkContext.getConf().get("spark.task.cpus", "1"))

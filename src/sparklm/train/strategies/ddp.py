@@ -38,7 +38,7 @@ from ...fs import join, local_path, write_bytes
 from .. import checkpoint
 from ..memory import LEAN_ADDRESS_SPACE, process_limit
 from ..sinks import Channel, Sink
-from .base import Job, RunResult, default_threads, local_threads
+from .base import Job, RunResult
 
 RESULT = "SPARKLM-RESULT "
 
@@ -70,7 +70,7 @@ class DDP:
         if not master.startswith("local") or not WARM_RANKS:
             yield ()
             return
-        threads = tc.threads or local_threads(tc.workers)
+        threads = tc.threads  # decided on the driver (resolve.threads) before prestart
         where = tempfile.mkdtemp(prefix="sparklm-warm-")
         procs, paths = [], []
         try:
@@ -95,7 +95,7 @@ class DDP:
     def run(self, spark, job: Job, sink: Sink) -> RunResult:
         check_slots(spark, job.workers)
         channel = Channel(sink, _driver_host(spark))
-        restarts = job.config.train.max_restarts
+        restarts = job.config.train.ddp.max_restarts
         try:
             for attempt in range(restarts + 1):
                 try:
@@ -107,7 +107,7 @@ class DDP:
                         raise
                     if attempt == restarts:
                         raise SparklmError(f"{lost} (after {restarts} restart{'s' * (restarts != 1)} from the last "
-                                           "checkpoint)", hint="see the ranks' logs; raise train.max_restarts, or "
+                                           "checkpoint)", hint="see the ranks' logs; raise train.ddp.max_restarts, or "
                                            "continue later with --resume") from None
                     step = _restart_step(job)
                     progress.warn(f"{lost}; restarting the ranks from "
@@ -132,9 +132,7 @@ class DDP:
 
 def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> dict:
     """Run ``job`` on ``job.workers`` ranks and return rank 0's result."""
-    workers, threads = job.workers, job.threads
-    if not threads and not spark.sparkContext.master.startswith("local"):  # locally: cores ÷ ranks on each host
-        threads = default_threads(spark, workers)
+    workers, threads = job.workers, job.threads  # threads: decided on the driver (resolve.threads)
     local_run = local_path(job.run_dir)
     log_dir = str(local_run / "logs") if local_run is not None else os.path.join(tempfile.gettempdir(), "sparklm-logs",
                                                                                   job.uid)
@@ -154,9 +152,7 @@ def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> dict:
                 peers = [json.loads(m) for m in ctx.allGather(json.dumps({"host": host, "port": port}))]
             else:  # no peers to find (and a barrier call costs about a second: Spark 4 polls once a second)
                 peers = [{"host": host, "port": 0}]
-            same_host = sum(p["host"] == host for p in peers)
-            n_threads = threads or local_threads(same_host)
-            start = RankStart(job=job_json, rank=rank, world=workers, threads=n_threads,
+            start = RankStart(job=job_json, rank=rank, world=workers, threads=threads,
                               master_addr=peers[0]["host"], master_port=peers[0]["port"], channel=channel)
             yield json.dumps(_finish_rank(proc, start, log_path))
         finally:

@@ -34,15 +34,15 @@ def main() -> None:
             import torch.distributed as dist
 
             os.environ.update(MASTER_ADDR=start["master_addr"], MASTER_PORT=str(start["master_port"]))
-            backend = select(job.config.train.dtype, rank.threads).backend
+            backend = select(job.config.train.dtype).backend
             dist.init_process_group(backend, rank=rank.rank, world_size=rank.world,
-                                    timeout=timedelta(seconds=job.config.train.collective_timeout))
+                                    timeout=timedelta(seconds=job.config.train.ddp.collective_timeout))
         config = job.config
         dataset = load_prepared(job.data, config.storage)
         spec = load_tokenizer(dataset, config.storage)
         if rank.rank == 0:
             sink = ChannelSink(*start["channel"])
-        result = train(config, dataset, spec, job.run_dir, rank=rank, resume=job.resume, sink=sink,
+        result = train(config, dataset, spec, job.run_dir, rank=rank, sink=sink,
                        on_step=_fault_hook(rank.rank, job.resume))
     except SparklmError as e:
         print(e.one_line(), file=sys.stderr, flush=True)

@@ -32,14 +32,6 @@ def weighted_sum(parts: Sequence[tuple[Tensors, float]]) -> dict[str, torch.Tens
     return {n: sum((w * delta[n] for delta, w in parts[1:]), parts[0][1] * parts[0][0][n]) for n in names}
 
 
-def weighted_average(parts: Sequence[tuple[Tensors, float]]) -> dict[str, torch.Tensor]:
-    """Σ wᵢ·Δᵢ / Σ wᵢ: the deltas that arrived, weighted by what each saw (tokens)."""
-    total = sum(w for _, w in parts)
-    if total <= 0:
-        raise ValueError("weights must add up to more than zero")
-    return {n: t / total for n, t in weighted_sum(parts).items()}
-
-
 def outer_step(params: Tensors, delta: Tensors, momentum: Tensors | None, *, lr: float, mu: float
                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
     """New global weights (and momentum buffer) after one outer SGD step; the inputs are left untouched.

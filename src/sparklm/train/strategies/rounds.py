@@ -29,7 +29,7 @@ from ...errors import SparklmError, killed_note, spark_errors
 from ...fs import delete, join
 from .. import checkpoint
 from ..sinks import CsvSink, Sink, Sinks, rank_mb
-from .base import BEST, Job, RoundSpec, RunResult, WorkerResult, default_threads
+from .base import BEST, Job, RoundSpec, RunResult, WorkerResult
 
 ROUND_COLUMNS = ["round", "step", "workers", "workers_done", "tokens", "loss", "inner_losses", "attempts", "cold",
                  "broadcast_bytes", "returned_bytes", "broadcast_s", "fetch_s", "compute_s", "aggregate_s", "round_s",
@@ -77,7 +77,6 @@ class Rounds:
         config, workers = job.config, job.workers
         tc, rc = config.train, config.train.rounds
         storage = config.storage
-        job = dataclasses.replace(job, threads=job.threads or default_threads(spark, workers))
         dataset = load_prepared(job.data, storage)
         seq_len = dataset.seq_len
         lr, mu = (1.0, 0.0) if self.name == "average" else (rc.outer_lr, rc.outer_momentum)

@@ -83,7 +83,7 @@ def run_worker(job: Job, worker: int, weights: bytes, spec: RoundSpec, *, attemp
         # one-worker round leaves its delta bit for bit unchanged
         weight = seen[0] / (spec.steps * tc.batch_size * tc.grad_accum * trainer.seq_len)
         with torch.no_grad():
-            delta = {n: (global_w[n] - p.detach()).mul_(weight).numpy() for n, p in trainable.items()}
+            delta = {n: (global_w[n] - p.detach().cpu()).mul_(weight).numpy() for n, p in trainable.items()}
         out.update(losses=tuple(losses), grad_norm=last[0], lr=last[1], tokens=seen[0], weight=weight,
                    delta_bytes=sum(a.nbytes for a in delta.values()))
         if tc.rounds.inner_state == "keep":

@@ -1,0 +1,86 @@
+"""Settings decided once, on the driver, before any task starts: every "auto" becomes what runs.
+
+Each rule lives here and nowhere else: the compute dtype, the optimizer, the peak learning rate, LoRA's
+frozen-base dtype and the torch threads of a worker. They used to be decided inside every rank from that
+host's own bf16 measurement, so ranks on hosts that measured differently (or one near the threshold) could
+train one DDP model in two dtypes with two optimizers. Now :func:`settings` writes the decisions into the
+config every task receives and the run's ``config.json`` (a run directory says what ran, and ``--resume``
+keeps it), and the ranks take them as given. Torch-free: the driver decides before Spark starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..config import Config, LoraConfig, SparkConfig, TrainConfig, flatten
+from .peak import bf16_fast, compute_dtype
+
+SCRATCH_LR, LORA_LR, FINETUNE_LR = 3e-3, 1e-3, 5e-5
+
+
+def local_threads(ranks: int) -> int:
+    """Torch threads per worker process when ``ranks`` of them share this host's cores."""
+    import os
+
+    return max(1, (os.cpu_count() or 1) // ranks)
+
+
+def threads(tc: TrainConfig, master: str, spark_config: SparkConfig | None = None, spark=None) -> int:
+    """``train.threads``, or where it is 0: local mode shares this machine's cores among the workers; on a cluster
+    a task owns ``spark.task.cpus`` cores, not its host's (YARN and Kubernetes containers share their host)."""
+    if tc.threads:
+        return tc.threads
+    if master.startswith("local"):
+        return local_threads(tc.workers)
+    from ..spark import planned_conf
+
+    return int(planned_conf(spark_config, "spark.task.cpus", spark) or 1)
+
+
+def optimizer(tc: TrainConfig, threads: int, *, pretrained: bool) -> str:
+    """``train.optimizer``; auto is Muon where bf16 matmuls are fast, for a model trained from scratch. torch's Muon
+    runs its Newton-Schulz iterations in bf16 (~35% of a step's FLOPs for the default model); on CPUs where bf16
+    is slower than fp32 that costs more than Muon gains. A pretrained model (full or LoRA) keeps AdamW, the
+    optimizer it was trained with and the recipe its learning rates are known for."""
+    if tc.optimizer != "auto":
+        return tc.optimizer
+    if pretrained:
+        return "adamw"
+    return "muon" if bf16_fast(threads) else "adamw"
+
+
+def peak_lr(config: Config) -> float:
+    """``train.lr``, or where it is 0 the usual peak for what trains: a fresh model takes a large learning rate, a
+    pretrained one a small one (3e-3 would undo its pretraining in a few steps), and LoRA adapters, which start
+    at zero, one in between."""
+    if config.train.lr:
+        return config.train.lr
+    if config.lora.r:
+        return LORA_LR
+    return FINETUNE_LR if config.model.init_from else SCRATCH_LR
+
+
+def lora_base_dtype(cfg: LoraConfig, compute: str) -> str:
+    """``lora.base_dtype``; auto holds the frozen base in bfloat16 where training computes in bfloat16 (under
+    autocast its matmuls run in bf16 anyway; measured on SmolLM2: the same held-out loss, 0.4-1.5 GB less memory,
+    faster steps: BENCHMARKS.md), else float32."""
+    if cfg.base_dtype != "auto":
+        return cfg.base_dtype
+    return "bfloat16" if compute == "bfloat16" else "float32"
+
+
+def settings(config: Config, n_threads: int) -> Config:
+    """``config`` with every automatic training setting decided for workers of ``n_threads`` torch threads (a
+    config already decided comes back unchanged)."""
+    tc = config.train
+    dtype = compute_dtype(tc.dtype, n_threads)
+    train = replace(tc, threads=n_threads, dtype=dtype, lr=peak_lr(config),
+                    optimizer=optimizer(tc, n_threads, pretrained=bool(config.model.init_from)))
+    lora = replace(config.lora, base_dtype=lora_base_dtype(config.lora, dtype))
+    return config.replace(train=train, lora=lora)
+
+
+def decided(before: Config, after: Config) -> dict:
+    """``{dotted key: value}`` of what :func:`settings` (and the budget fit) changed: what "auto" became."""
+    was, now = flatten(before.to_dict()), flatten(after.to_dict())
+    return {k: v for k, v in now.items() if k.split(".")[0] in ("train", "lora", "model") and was.get(k) != v}
