@@ -16,7 +16,8 @@ from sparklm.errors import SparklmError
 from sparklm.model.lm_head import token_sums
 from sparklm.model.task import IGNORE, lm_figures, make_batch
 from sparklm.train import checkpoint
-from sparklm.train.core import Best, eval_metrics, fraction, lr_at, plan
+from sparklm.train.core import eval_metrics, fraction, lr_at, plan
+from sparklm.train.recorder import Best
 from sparklm.train.run import resume_config
 
 # -- the schedule ---------------------------------------------------------------------------------
@@ -261,7 +262,7 @@ def test_auto_optimizer_is_muon_only_where_bf16_is_fast():
 
 
 def test_a_plan_of_many_epochs_says_so():
-    from sparklm.train.core import MANY_EPOCHS, epochs_note
+    from sparklm.train.recorder import MANY_EPOCHS, epochs_note
 
     assert epochs_note(MANY_EPOCHS, 1000) is None and epochs_note(1.5, 10) is None
     note = epochs_note(13.2, 174_636)

@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,8 +27,10 @@ from ..fs import delete, exists, join
 from ..model import flops_per_token, param_count
 from ..model.task import Batch, Task, lm_figures, make_batch, targets, task_for
 from . import checkpoint, device, optim, resolve
+from .recorder import NOTE_STEP, Best, Recorder, RunResult
 from .report import write_samples
-from .sinks import Sink, rank_mb
+from .schedule import Schedule
+from .sinks import Sink
 
 
 @dataclass(frozen=True)
@@ -47,85 +49,12 @@ class Plan:
     total_steps: int | None
 
 
-@dataclass(frozen=True)
-class TrainResult:
-    steps: int
-    tokens: int
-    seconds: float
-    params: int
-    flops_per_token: float
-    peak_flops: float
-    dtype: str
-    final: dict  # the last evaluation's figures (val_loss, val_ppl, val_bpb, val_acc, val_tokens)
-    best: dict = field(default_factory=dict)  # the best evaluation's step and figures (model/ holds its weights)
-    peak_rss_mb: float = 0.0  # the largest resident memory of a training process (any rank)
-    trainable_params: int = 0
-    rank_peak_rss_mb: list[float] = field(default_factory=list)  # each rank's peak resident memory, in rank order
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
 @dataclass
 class TrainState:
     step: int = 0
     position: int = 0  # global rows consumed: where the data stream resumes
     tokens_seen: int = 0
     elapsed: float = 0.0  # seconds trained before this process started (a resumed run)
-
-
-@dataclass
-class Best:
-    """The evaluation with the lowest validation loss so far, and how many evaluations have not beaten it."""
-
-    step: int | None = None
-    figures: dict = field(default_factory=dict)
-    stale: int = 0
-
-    def update(self, step: int, figures: dict) -> bool:
-        """Record an evaluation; True when it is the new best."""
-        if not figures:
-            return False
-        if self.step is None or figures["val_loss"] < self.figures["val_loss"]:
-            self.step, self.figures, self.stale = step, dict(figures), 0
-            return True
-        self.stale += 1
-        return False
-
-    def should_stop(self, patience: int) -> bool:
-        """Early stopping: ``patience`` evaluations in a row without a new best (0: never)."""
-        return patience > 0 and self.stale >= patience
-
-    def summary(self) -> dict:
-        return {"step": self.step, **self.figures} if self.step is not None else {}
-
-    def to_state(self) -> dict:
-        return {"step": self.step, "figures": self.figures, "stale": self.stale}
-
-    @classmethod
-    def from_state(cls, state: dict | None) -> Best:
-        return cls(**state) if state else cls()
-
-    def apart(self, weights: dict | None, step: int) -> dict | None:
-        """The best ``weights`` when they are not those of step ``step`` (what model/ gets instead of them)."""
-        return weights if weights is not None and self.step != step else None
-
-    def checkpoint_files(self, weights: dict | None, step: int) -> dict:
-        """The checkpoint file of the best ``weights``, when they are not the checkpoint's own."""
-        kept = self.apart(weights, step)
-        return {"best": kept} if kept is not None else {}
-
-    @classmethod
-    def restore(cls, state: dict, saved: dict, step: int, current: Callable[[], dict], keep: bool
-                ) -> tuple[Best, dict | None]:
-        """The tracker and best weights a checkpoint of step ``step`` holds: its ``best`` file, else (when the best
-        evaluation is the checkpoint's own step) ``current()``; a best whose weights were not kept starts anew."""
-        best = cls.from_state(state.get("best"))
-        if saved:
-            return best, saved
-        if keep and best.step == step:
-            return best, current()
-        return (cls(), None) if best.step is not None else (best, None)
 
 
 # -- pure functions: the plan and the schedule -------------------------------------------------
@@ -164,19 +93,6 @@ def lr_at(step: int, frac: float, tc: TrainConfig) -> float:
         return tc.lr * (step + 1) / tc.warmup_steps
     floor = tc.lr * tc.min_lr_ratio
     return floor + 0.5 * (tc.lr - floor) * (1 + math.cos(math.pi * min(frac, 1.0)))
-
-
-NOTE_STEP = 20  # the step after which a run says whether its plan covers many epochs
-MANY_EPOCHS = 8  # past this many passes, a model of the default size learns a text by heart (BENCHMARKS.md)
-
-
-def epochs_note(epochs: float, epoch_tokens: int) -> str | None:
-    """What to say when a run's plan covers many epochs of its training split (None: nothing to say)."""
-    if epochs <= MANY_EPOCHS:
-        return None
-    return (f"the budget covers ~{epochs:.0f} epochs of the {epoch_tokens:,} training tokens: the model will learn "
-            f"them by heart and validation loss will stop falling; model/ keeps the best evaluation, and more "
-            f"text helps most (README: defaults that fit the data)")
 
 
 def eval_metrics(sums: list[float]) -> dict:
@@ -328,10 +244,43 @@ class Trainer:
             for n, p in trainable.items():
                 p.copy_(weights[n])
 
-    def record_eval(self, figures: dict, *, snapshot: bool) -> None:
-        """Track the best evaluation; on a new best, ``snapshot`` copies the trainable weights (train.keep_best)."""
-        if self.best.update(self.state.step, figures) and self.tc.keep_best:
+    def record_eval(self, recorder: Recorder, figures: dict, *, snapshot: bool) -> None:
+        """Record an evaluation of the current weights; on a new best, ``snapshot`` copies the trainable weights
+        (train.keep_best), else the best weights are the current ones."""
+        if recorder.evaluation(self.state.step, self.state.tokens_seen, figures) and self.tc.keep_best:
             self.best_weights = self.weights() if snapshot else None
+
+    def wrap(self) -> None:
+        """The network the steps run: DDP across the ranks, compiled where train.compile says."""
+        if self.rank.world > 1:
+            self.net = self.device.data_parallel(self.model)
+        if self.tc.compile:
+            self.net = torch.compile(self.net)
+
+    def gather_peaks(self) -> list[float]:
+        """Every rank's peak resident memory, in rank order: a collective, so every rank calls it at the same step."""
+        mine = self.device.tensor([device.peak_rss_mb()])
+        if self.rank.world == 1:
+            return mine.tolist()
+        gathered = [self.device.zeros(1, dtype=torch.float64) for _ in range(self.rank.world)]
+        dist.all_gather(gathered, mine)
+        return torch.cat(gathered).tolist()
+
+    def global_mean(self, loss: torch.Tensor) -> float:
+        """The step's loss averaged over the ranks (a collective)."""
+        if self.rank.world > 1:
+            dist.all_reduce(loss)
+            loss /= self.rank.world
+        return loss.item()
+
+    def progress(self, started: float) -> float:
+        """How much of the run is done; with a time budget the ranks agree on the furthest (a collective)."""
+        done = fraction(self.state.step, self.plan.total_steps, time.time() - started, self.tc.time_budget)
+        if self.tc.time_budget and self.rank.world > 1:
+            t = self.device.tensor([done])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            done = float(t)
+        return done
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.task.trainable(self.model).items()}
@@ -369,7 +318,7 @@ class Trainer:
                      **self.best.checkpoint_files(self.best_weights, s.step)}
             checkpoint.save(join(run_dir, "checkpoints"), s.step, keep=self.tc.keep_checkpoints,
                             storage=self.config.storage, files=files,
-                            state={"strategy": "ddp", "position": s.position, "tokens_seen": s.tokens_seen,
+                            state={"strategy": self.tc.strategy, "position": s.position, "tokens_seen": s.tokens_seen,
                                    "elapsed": s.elapsed, "world": self.rank.world, "param_groups": groups,
                                    "best": self.best.to_state()})
         if self.rank.world > 1:
@@ -403,112 +352,71 @@ class Trainer:
 
 
 def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir: str, *, rank: Rank = Rank(),
-          sink: Sink | None = None, on_step: Callable[[int], None] | None = None) -> TrainResult:
+          sink: Sink | None = None, on_step: Callable[[int], None] | None = None) -> RunResult:
     """A whole run on one rank (of ``rank.world``): train, evaluate, checkpoint; rank 0 exports ``model/`` and
     samples and sends its rows to ``sink``. ``on_step(step)`` runs after every step (a hook for fault
-    injection and profiling)."""
-    tc = config.train
+    injection and profiling). What is due after each step, the schedule says; what is recorded, the recorder."""
     torch.set_num_threads(rank.threads)
-    device.set_allocator(tc.allocator)
+    device.set_allocator(config.train.allocator)
     trainer = Trainer(config, dataset, spec, rank=rank)
-    is_main = rank.rank == 0
-    emit = sink.write if (sink is not None and is_main) else (lambda row: None)
+    tc, is_main = trainer.tc, rank.rank == 0
+    epoch_tokens = dataset.manifest["splits"]["train"]["tokens"]
+    rec = Recorder(sink if is_main else None, tc, strategy=tc.strategy, workers=rank.world, epoch_tokens=epoch_tokens)
     # The launcher refuses a run directory that holds a run unless resuming, so a checkpoint found here is this
     # run's own: from --resume, or from an earlier attempt that Spark (a re-run barrier stage) or the driver
     # (train.ddp.max_restarts) restarted. Either way the run continues from it.
-    trainer.restore(run_dir, warn=lambda m: emit({"kind": "warning", "message": m}))
-    if rank.world > 1:
-        trainer.net = trainer.device.data_parallel(trainer.model)
-    if tc.compile:
-        trainer.net = torch.compile(trainer.net)
-    facts = trainer.facts() if is_main else {"peak_flops": 1.0}
-    total = trainer.plan.total_steps
-    emit({"kind": "info", **facts, "total_steps": total, "workers": rank.world, "threads": rank.threads,
-          "strategy": "ddp"})
-    epoch_tokens = max(dataset.manifest["splits"]["train"]["tokens"], 1)
-    flops_tok, peak = facts.get("flops_per_token", 0.0), facts["peak_flops"]
-
-    evaluated = {"step": -1}
-
-    def emit_eval(figures: dict, *, last: bool = False) -> None:
-        if figures:
-            emit({"kind": "eval", "step": trainer.state.step, "tokens": trainer.state.tokens_seen, **figures})
-        # after the last step a new best is the current weights themselves: no copy (a model's worth of memory)
-        trainer.record_eval(figures, snapshot=is_main and not last)
-        evaluated.update(step=trainer.state.step, figures=figures)
-
-    t_start = time.time() - trainer.state.elapsed
-
-    def rank_peaks() -> list[float]:
-        """Every rank's peak resident memory, in rank order: a collective, so every rank calls it at the same step."""
-        mine = trainer.device.tensor([device.peak_rss_mb()])
-        if rank.world == 1:
-            return mine.tolist()
-        gathered = [trainer.device.zeros(1, dtype=torch.float64) for _ in range(rank.world)]
-        dist.all_gather(gathered, mine)
-        return torch.cat(gathered).tolist()
-
-    def frac(_i: int) -> float:
-        done = fraction(trainer.state.step, total, time.time() - t_start, tc.time_budget)
-        if tc.time_budget and rank.world > 1:  # ranks must agree on when to stop
-            t = trainer.device.tensor([done])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            done = float(t)
-        return done
-
-    batches = trainer.batches(trainer.state.position)
-    last_log, last_tokens, last_step = time.time(), trainer.state.tokens_seen, trainer.state.step
-    remaining = (total - trainer.state.step) if total else 2**62
-    for loss, grad_norm, lr in trainer.run_steps(batches, remaining, frac):
-        s = trainer.state
+    trainer.restore(run_dir, warn=rec.warn)
+    rec.best = trainer.best  # the restored tracker: every rank decides early stopping from the same figures
+    trainer.wrap()
+    schedule = Schedule(trainer.plan.total_steps, tc.eval_every, tc.checkpoint_every, tc.time_budget)
+    rec.info(trainer.facts() if is_main else {"peak_flops": 1.0}, schedule.total_steps, threads=rank.threads)
+    started = time.time() - trainer.state.elapsed
+    window = (time.time(), trainer.state.tokens_seen, trainer.state.step)  # the last train row's time, tokens, step
+    remaining = (schedule.total_steps - trainer.state.step) if schedule.total_steps else 2**62
+    steps = trainer.run_steps(trainer.batches(trainer.state.position), remaining, lambda _: trainer.progress(started))
+    for loss, grad_norm, lr in steps:
+        step = trainer.state.step
         if on_step is not None:
-            on_step(s.step)
-        if rank.world > 1:  # report the global mean loss
-            dist.all_reduce(loss)
-            loss /= rank.world
-        logs = s.step % tc.log_every == 0 or s.step == 1  # the same on every rank
-        peaks = rank_peaks() if logs else []
-        if is_main and logs:
-            now = time.time()
-            tps = (s.tokens_seen - last_tokens) / max(now - last_log, 1e-9)
-            emit({"kind": "train", "step": s.step, "epoch": s.tokens_seen / epoch_tokens, "tokens": s.tokens_seen,
-                  "loss": loss.item(), "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tps,
-                  "ms_per_step": 1000 * (now - last_log) / max(s.step - last_step, 1),
-                  "mfu": tps * flops_tok / (peak * rank.world), "rss_mb": device.rss_mb(),
-                  "peak_rss_mb": max(peaks), "rank_peak_rss_mb": rank_mb(peaks), "elapsed": now - t_start})
-            last_log, last_tokens, last_step = now, s.tokens_seen, s.step
-        if is_main and s.step == NOTE_STEP:  # by then the pace projects a time budget well enough
-            pace = s.tokens_seen / max(time.time() - t_start, 1e-9)
-            planned = total * trainer.plan.tokens_per_step if total else pace * tc.time_budget
-            note = epochs_note(planned / epoch_tokens, epoch_tokens)
-            if note:
-                emit({"kind": "note", "message": note})
-        unfinished = total is None or s.step < total
-        if tc.eval_every and s.step % tc.eval_every == 0 and unfinished:
-            emit_eval(trainer.evaluate())
-            if trainer.best.should_stop(tc.early_stop):  # every rank saw the same all-reduced figures
-                emit({"kind": "note", "message": f"early stop at step {s.step}: no lower validation loss in "
-                                                 f"{tc.early_stop} evaluations (best at step {trainer.best.step})"})
+            on_step(step)
+        mean_loss = trainer.global_mean(loss)
+        if step % tc.log_every == 0 or step == 1:  # the same on every rank
+            window = _train_row(trainer, rec, window, started, loss=mean_loss, lr=lr, grad_norm=float(grad_norm))
+        if is_main and step == NOTE_STEP:  # by then the pace projects a time budget well enough
+            pace = trainer.state.tokens_seen / max(time.time() - started, 1e-9)
+            total = schedule.total_steps
+            rec.epochs(total * trainer.plan.tokens_per_step if total else pace * tc.time_budget)
+        if schedule.evaluate(step - 1, step):
+            trainer.record_eval(rec, trainer.evaluate(), snapshot=is_main)
+            if rec.should_stop(f"step {step}"):  # every rank saw the same all-reduced figures
                 break
-        if tc.checkpoint_every and s.step % tc.checkpoint_every == 0 and unfinished:
-            trainer.state.elapsed = time.time() - t_start
+        if schedule.checkpoint(step - 1, step):
+            trainer.state.elapsed = time.time() - started
             trainer.save(run_dir)
+    return _finish(trainer, rec, run_dir, started)
 
-    # the end: evaluate, checkpoint, export
-    elapsed = trainer.state.elapsed = time.time() - t_start
-    if evaluated["step"] == trainer.state.step:  # stopped early, right after an evaluation of these weights
-        final = evaluated["figures"]
-    else:
-        final = trainer.evaluate()
-        emit_eval(final, last=True)
+
+def _train_row(trainer: Trainer, rec: Recorder, window: tuple[float, int, int], started: float, **figures
+               ) -> tuple[float, int, int]:
+    """A train row from the steps since the last one (``window``); returns the new window."""
+    peaks = trainer.gather_peaks()  # a collective: every rank, at the same steps
+    last_time, last_tokens, last_step = window
+    s, now = trainer.state, time.time()
+    tps = (s.tokens_seen - last_tokens) / max(now - last_time, 1e-9)
+    rec.train(step=s.step, tokens=s.tokens_seen, tokens_per_s=tps, rss_mb=device.rss_mb(), peaks=peaks,
+              ms_per_step=1000 * (now - last_time) / max(s.step - last_step, 1), elapsed=now - started, **figures)
+    return now, s.tokens_seen, s.step
+
+
+def _finish(trainer: Trainer, rec: Recorder, run_dir: str, started: float) -> RunResult:
+    """The end of a rank's run: evaluate (unless it stopped right after evaluating these weights), checkpoint,
+    rank 0 exports model/ and samples."""
+    elapsed = trainer.state.elapsed = time.time() - started
+    step = trainer.state.step
+    if rec.evaluated_at != step:  # after the last step a new best is the current weights themselves: no copy
+        trainer.record_eval(rec, trainer.evaluate(), snapshot=False)
     trainer.save(run_dir)
-    if is_main:
-        trainer.export(run_dir, trainer.best.apart(trainer.best_weights, trainer.state.step))
+    if trainer.rank.rank == 0:
+        trainer.export(run_dir, trainer.best.apart(trainer.best_weights, step))
     device.trim_memory()
-    peaks = rank_peaks()  # after rank 0's export, which may be its peak
-    return TrainResult(steps=trainer.state.step, tokens=trainer.state.tokens_seen, seconds=elapsed,
-                       params=facts.get("params", 0), flops_per_token=flops_tok, peak_flops=peak,
-                       dtype=trainer.device.dtype_name, final=final, best=trainer.best.summary(),
-                       peak_rss_mb=max(peaks), rank_peak_rss_mb=peaks,
-                       trainable_params=facts.get("trainable_params", 0))
-
+    rec.note_peaks(trainer.gather_peaks())  # after rank 0's export, which may be its peak
+    return rec.result(steps=step, tokens=trainer.state.tokens_seen, seconds=elapsed)

@@ -32,6 +32,10 @@ METRIC_COLUMNS = ["kind", "step", "epoch", "tokens", "loss", "lr", "grad_norm", 
 class Sink(Protocol):
     def write(self, row: dict) -> None: ...
 
+    def rewind(self, step: int) -> None:
+        """Forget the rows after ``step``: the run continues from a checkpoint there and sends them again."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -48,8 +52,7 @@ class Sinks:
     def rewind(self, step: int) -> None:
         """Forget rows after ``step`` (the run continues from a checkpoint there and emits them again)."""
         for s in self.sinks:
-            if hasattr(s, "rewind"):
-                s.rewind(step)
+            s.rewind(step)
 
     def close(self) -> None:
         for s in self.sinks:
@@ -132,6 +135,9 @@ class JsonSink:
         if row.get("kind") == "info":
             write_text(self.uri, json.dumps({k: v for k, v in row.items() if k != "kind"}, indent=2), self.storage)
 
+    def rewind(self, step: int) -> None:
+        pass  # nothing kept per step
+
     def close(self) -> None:
         pass
 
@@ -159,6 +165,9 @@ class ConsoleSink:
             progress.warn(row["message"])
         elif kind == "note":
             progress.info(row["message"])
+
+    def rewind(self, step: int) -> None:
+        pass  # nothing kept per step
 
     def close(self) -> None:
         pass
@@ -299,6 +308,9 @@ class ChannelSink:
     def write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
+
+    def rewind(self, step: int) -> None:
+        pass  # nothing kept per step
 
     def close(self) -> None:
         try:

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import json
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from ...config import Config, from_dict
+from ..recorder import RunResult
 from ..sinks import Sink
 
 # Names in the weights the last round task gets that are the best evaluation's weights, not the final ones.
 BEST = "best/"
+
+__all__ = ["BEST", "Job", "RoundSpec", "RunResult", "Strategy", "WorkerResult"]  # RunResult: recorder.py's
 
 
 @dataclass(frozen=True)
@@ -92,29 +95,6 @@ class WorkerResult:
     @property
     def mean_loss(self) -> float:
         return sum(self.losses) / len(self.losses) if self.losses else float("nan")
-
-
-@dataclass(frozen=True)
-class RunResult:
-    steps: int
-    tokens: int
-    seconds: float
-    params: int | None
-    flops_per_token: float | None
-    peak_flops: float | None
-    dtype: str | None
-    final: dict = field(default_factory=dict)
-    best: dict = field(default_factory=dict)  # the best evaluation: its step and figures (model/ holds its weights)
-    bytes_communicated: int = 0
-    peak_rss_mb: float = 0.0  # the largest resident memory of a training process
-    trainable_params: int | None = None
-    rank_peak_rss_mb: list[float] = field(default_factory=list)  # each rank's (round worker's) peak, in rank order
-    rounds: int | None = None
-    bytes_broadcast: int | None = None
-    bytes_returned: int | None = None
-
-    def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class Strategy(Protocol):

@@ -113,8 +113,7 @@ class DDP:
                     progress.warn(f"{lost}; restarting the ranks from "
                                   f"{f'the checkpoint of step {step}' if step else 'the start'} "
                                   f"(restart {attempt + 1} of {restarts})")
-                    if hasattr(sink, "rewind"):
-                        sink.rewind(step)  # the steps after the checkpoint run again: their rows come again
+                    sink.rewind(step)  # the steps after the checkpoint run again: their rows come again
                     job = dataclasses.replace(job, resume=True)
         finally:
             channel.close()
@@ -124,10 +123,7 @@ class DDP:
         # from each of the N ranks
         # (only the trainable ones: with LoRA, the adapters')
         traffic = int(r["steps"] * 2 * (job.workers - 1) * 4 * (r.get("trainable_params") or r.get("params") or 0))
-        return RunResult(**{k: r[k] for k in ("steps", "tokens", "seconds", "params", "flops_per_token", "peak_flops",
-                                              "dtype", "final", "best", "peak_rss_mb", "trainable_params",
-                                              "rank_peak_rss_mb")},
-                         bytes_communicated=traffic)
+        return dataclasses.replace(RunResult.from_dict(r), bytes_communicated=traffic)
 
 
 def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> dict:

@@ -23,12 +23,13 @@ import tempfile
 import time
 from contextlib import nullcontext
 
-from ... import progress
 from ...config import Config
 from ...errors import SparklmError, killed_note, spark_errors
 from ...fs import delete, join
 from .. import checkpoint
-from ..sinks import CsvSink, Sink, Sinks, rank_mb
+from ..recorder import Best, Recorder
+from ..schedule import Schedule
+from ..sinks import CsvSink, Sink, Sinks
 from .base import BEST, Job, RoundSpec, RunResult, WorkerResult
 
 ROUND_COLUMNS = ["round", "step", "workers", "workers_done", "tokens", "loss", "inner_losses", "attempts", "cold",
@@ -66,222 +67,243 @@ class Rounds:
                 delete(shared, job.config.storage)
 
     def _train(self, spark, job: Job, sink: Sink, shards: list[tuple[int, int]] | None) -> RunResult:
-        import torch
-        from safetensors.torch import save as save_bytes
+        run = _Driver(spark, job, sink, self.name, shards)
+        run.restore()
+        while not run.schedule.finished(run.step):
+            if run.schedule.out_of_time(time.time() - run.started) or run.round():
+                break
+        return run.finish()
 
+
+class _Driver:
+    """The driver's side of a rounds run: the global weights, the outer momentum and the run's records.
+
+    ``round()`` launches one round (``sync_every`` steps on every worker, the incoming weights evaluated first
+    when the schedule asked for it after the previous round), takes the outer step and records the round;
+    ``finish()`` evaluates the final weights, checkpoints, and exports model/ (the best weights)."""
+
+    def __init__(self, spark, job: Job, sink: Sink, name: str, shards: list[tuple[int, int]] | None):
         from ...data.manifest import load_prepared, load_tokenizer
         from ...model.task import task_for
         from .. import core
-        from . import outer
 
-        config, workers = job.config, job.workers
-        tc, rc = config.train, config.train.rounds
-        storage = config.storage
-        dataset = load_prepared(job.data, storage)
-        seq_len = dataset.seq_len
-        lr, mu = (1.0, 0.0) if self.name == "average" else (rc.outer_lr, rc.outer_momentum)
-        plan = core.plan(tc, train_rows=dataset.manifest["splits"]["train"]["sequences"], seq_len=seq_len,
-                         workers=workers)
-        total_steps = plan.total_steps
-
+        self.spark, self.job, self.name = spark, job, name
+        config = job.config
+        self.tc, self.storage = config.train, config.storage
+        rc = self.tc.rounds
+        self.dataset = load_prepared(job.data, self.storage)
+        self.lr, self.mu = (1.0, 0.0) if name == "average" else (rc.outer_lr, rc.outer_momentum)
+        self.plan = core.plan(self.tc, train_rows=self.dataset.manifest["splits"]["train"]["sequences"],
+                              seq_len=self.dataset.seq_len, workers=job.workers)
+        self.schedule = Schedule(self.plan.total_steps, self.tc.eval_every, self.tc.checkpoint_every,
+                                 self.tc.time_budget)
         # The initial weights: the same seeded model every strategy starts from; only the trainable ones travel.
         task = task_for(config)
-        model = task.build(config, load_tokenizer(dataset, storage), seq_len)
-        params = {n: p.detach().clone() for n, p in task.trainable(model).items()}
+        model = task.build(config, load_tokenizer(self.dataset, self.storage), self.dataset.seq_len)
+        self.params = {n: p.detach().clone() for n, p in task.trainable(model).items()}
         del model
-        momentum = None
-        step, tokens_seen, elapsed_before, rnd_index = 0, 0, 0.0, 0
-        ckpt_dir = join(job.run_dir, "checkpoints")
-        inner_from = ""
-        found = None
-        best, best_params = core.Best(), None  # best_params None: the best weights are the current ones
-        if job.resume:
-            def load(path: str):
-                state = checkpoint.read_state(path, storage)
-                if state.get("world") != workers:
-                    raise SparklmError(f"checkpoint {path} was written by {state.get('world')} workers, not {workers}",
-                                       hint="resume with the same --workers")
-                for name in state.get("sha256", {}):  # the workers' inner states too: all verified here, once
-                    if name.startswith("inner/"):
-                        checkpoint.read_file(path, name, state, storage)
-                return path, state, {n: checkpoint.read_tensors(path, n, storage, state) for n in ("model", "outer", "best")}
+        self.momentum = None
+        self.step, self.tokens_seen, self.elapsed_before, self.rnd = 0, 0, 0.0, 0
+        self.ckpt_dir = join(job.run_dir, "checkpoints")
+        self.inner_from, self.resumed_at = "", 0
+        self.best_params = None  # None: the best weights are the current ones
+        self.rounds_csv = CsvSink(join(job.run_dir, "rounds.csv"), ROUND_COLUMNS, {"round"}, self.storage)
+        self.rec = Recorder(Sinks([sink, self.rounds_csv]), self.tc, strategy=name, workers=job.workers,
+                            epoch_tokens=self.dataset.manifest["splits"]["train"]["tokens"])
+        self.fault = parse_fault(os.environ.get(FAULT_ENV, ""))
+        self.max_failures = _max_failures(spark)
+        self.shards = tuple(tuple(s) for s in (shards or [(w, job.workers) for w in range(job.workers)]))
+        self.comm = {"broadcast": 0, "returned": 0}
+        self.per_step_s: float | None = None
+        self.pending_eval = False  # the schedule asked for an evaluation after the last round: the next one does it
+        self.dropped_last: list[int] = []  # workers left out of the last round: their optimizer state restarts
+        self.started = time.time()
 
-            found = checkpoint.newest_readable(ckpt_dir, load, storage, warn=progress.warn)
+    def restore(self) -> None:
+        """With --resume: the newest readable checkpoint's weights, momentum, counters and best evaluation."""
+        found = None
+        if self.job.resume:
+            found = checkpoint.newest_readable(self.ckpt_dir, self._load, self.storage, warn=self.rec.warn)
         if found is not None:
             last, state, files = found
             saved, saved_outer = files["model"], files["outer"]
+            params = self.params
             if set(params) - set(saved) or any(saved[n].shape != params[n].shape for n in params):
                 raise SparklmError(f"checkpoint {last} does not fit the model", hint="resume with the same model config")
-            params = {n: saved[n].float() for n in params}
-            momentum = {n: saved_outer[n] for n in params} if saved_outer else None
-            step, tokens_seen, elapsed_before, rnd_index = (state["step"], state["tokens_seen"], state["elapsed"],
-                                                            state["round"])
-            inner_from = last
+            self.params = {n: saved[n].float() for n in params}
+            self.momentum = {n: saved_outer[n] for n in params} if saved_outer else None
+            self.step, self.tokens_seen, self.elapsed_before, self.rnd = (state["step"], state["tokens_seen"],
+                                                                          state["elapsed"], state["round"])
+            self.inner_from = last
             saved_best = {n: files["best"][n].float() for n in params} if files["best"] else {}
-            best, best_params = core.Best.restore(state, saved_best, step, lambda: params, tc.keep_best)
-        resumed_at = step
+            self.rec.best, self.best_params = Best.restore(state, saved_best, self.step, lambda: self.params,
+                                                           self.tc.keep_best)
+        self.resumed_at = self.step
+        self.started = time.time() - self.elapsed_before
 
-        fault = parse_fault(os.environ.get(FAULT_ENV, ""))
-        max_failures = _max_failures(spark)
-        rounds_csv = CsvSink(join(job.run_dir, "rounds.csv"), ROUND_COLUMNS, {"round"}, storage)
-        out = Sinks([sink, rounds_csv])
-        shards_t = tuple(tuple(s) for s in (shards or [(w, workers) for w in range(workers)]))
-        facts: dict = {}
-        comm = {"broadcast": 0, "returned": 0}
-        rank_peak = [0.0] * workers  # each worker's peak resident memory over the rounds (task index order)
-        epoch_tokens = max(dataset.manifest["splits"]["train"]["tokens"], 1)
-        t_start = time.time() - elapsed_before
-        per_step_s = None
-        pending_eval = False
-        last_eval: dict = {}
-        dropped_last: list[int] = []  # workers left out of the last round: their optimizer state restarts
+    def _load(self, path: str):
+        state = checkpoint.read_state(path, self.storage)
+        if state.get("world") != self.job.workers:
+            raise SparklmError(f"checkpoint {path} was written by {state.get('world')} workers, not {self.job.workers}",
+                               hint="resume with the same --workers")
+        for name in state.get("sha256", {}):  # the workers' inner states too: all verified here, once
+            if name.startswith("inner/"):
+                checkpoint.read_file(path, name, state, self.storage)
+        return path, state, {n: checkpoint.read_tensors(path, n, self.storage, state) for n in ("model", "outer", "best")}
 
-        def launch(steps: int, *, do_eval: bool, persist: str, finish: bool, also: dict | None = None
-                   ) -> tuple[dict, float, float, int]:
-            elapsed = time.time() - t_start
-            frac0 = elapsed / tc.time_budget if tc.time_budget else None
-            spec = RoundSpec(round=rnd_index, step0=step, steps=steps, total_steps=total_steps, eval=do_eval,
-                             persist=persist, finish=finish, time_frac0=frac0,
-                             time_frac_per_step=(per_step_s or 0.0) / tc.time_budget if tc.time_budget else 0.0,
-                             shards=shards_t, inner_from=inner_from if step == resumed_at else "",
-                             cold=tuple(dropped_last))
-            t0 = time.time()
-            payload = save_bytes({n: t.contiguous() for n, t in {**params, **(also or {})}.items()})
-            bc = spark.sparkContext.broadcast(payload)
-            broadcast_s = time.time() - t0
-            try:
-                partial = _round_job(spark, job, bc, spec, fault, max_failures)
-            finally:
-                bc.destroy()
-            return partial, broadcast_s, time.time() - t0, len(payload)
+    def launch(self, steps: int, *, do_eval: bool, persist: str, finish: bool, also: dict | None = None
+               ) -> tuple[dict, float, float, int]:
+        """One round's Spark job: (its aggregated partial, broadcast seconds, round seconds, bytes broadcast)."""
+        from safetensors.torch import save as save_bytes
 
-        def note_peaks(results: list[WorkerResult]) -> list[float | None]:
-            """The round's peak of each worker (None: it returned nothing), also kept in ``rank_peak``."""
-            got = {r.worker: r.peak_rss_mb for r in results}
-            peaks = [got.get(w) for w in range(workers)]
-            rank_peak[:] = [max(a, b or 0.0) for a, b in zip(rank_peak, peaks)]
-            return peaks
+        tc = self.tc
+        elapsed = time.time() - self.started
+        spec = RoundSpec(round=self.rnd, step0=self.step, steps=steps, total_steps=self.schedule.total_steps,
+                         eval=do_eval, persist=persist, finish=finish,
+                         time_frac0=elapsed / tc.time_budget if tc.time_budget else None,
+                         time_frac_per_step=(self.per_step_s or 0.0) / tc.time_budget if tc.time_budget else 0.0,
+                         shards=self.shards, inner_from=self.inner_from if self.step == self.resumed_at else "",
+                         cold=tuple(self.dropped_last))
+        t0 = time.time()
+        payload = save_bytes({n: t.contiguous() for n, t in {**self.params, **(also or {})}.items()})
+        bc = self.spark.sparkContext.broadcast(payload)
+        broadcast_s = time.time() - t0
+        try:
+            partial = _round_job(self.spark, self.job, bc, spec, self.fault, self.max_failures)
+        finally:
+            bc.destroy()
+        return partial, broadcast_s, time.time() - t0, len(payload)
 
-        def emit_eval(partial: dict) -> dict:
-            nonlocal best_params
-            figures = _eval(partial)
-            if figures:
-                out.write({"kind": "eval", "step": step, "tokens": tokens_seen, **figures})
-            if best.update(step, figures) and tc.keep_best:
-                best_params = params  # the weights just evaluated; outer steps make new tensors, never change these
-            return figures
+    def record_eval(self, partial: dict) -> None:
+        """The evaluation the round's workers made of the weights they received (those of ``self.step``)."""
+        if self.rec.evaluation(self.step, self.tokens_seen, _eval(partial)) and self.tc.keep_best:
+            self.best_params = self.params  # outer steps make new tensors, never change these
 
-        while total_steps is None or step < total_steps:
-            if tc.time_budget and time.time() - t_start >= tc.time_budget:
-                break
-            steps = rc.sync_every if total_steps is None else min(rc.sync_every, total_steps - step)
-            end = step + steps
-            ckpt_now = bool(tc.checkpoint_every) and end // tc.checkpoint_every > step // tc.checkpoint_every \
-                and (total_steps is None or end < total_steps)
-            persist = join(ckpt_dir, f".inner-step-{end:07d}") if ckpt_now else ""
-            partial, broadcast_s, round_s, nbytes = launch(steps, do_eval=pending_eval, persist=persist, finish=False)
-            t_agg = time.time()
-            done: list[WorkerResult] = partial["results"]
-            if not facts:
-                facts = next((r.facts for r in done if r.facts), {})
-                out.write({"kind": "info", **facts, "total_steps": total_steps, "workers": workers,
-                           "strategy": self.name, "sync_every": rc.sync_every})
-            stop = False
-            if pending_eval:
-                last_eval = emit_eval(partial)
-                stop = best.should_stop(tc.early_stop)
-            dropped: list[WorkerResult] = partial["errors"]
-            dropped_last = sorted(e.worker for e in dropped)
-            if not done:
-                raise SparklmError(f"round {rnd_index}: every worker failed; first error: {dropped[0].error}",
-                                   hint="see the Spark log (--debug shows more)")
-            if dropped:
-                progress.info(f"[yellow]round {rnd_index}: {len(done)} of {workers} workers returned a delta "
-                              f"(worker {', '.join(str(e.worker) for e in dropped)} failed: {dropped[0].error}); "
-                              f"averaging over those that arrived, weighted by tokens[/yellow]")
-            weight = sum(r.weight for r in done)
-            avg = {n: torch.from_numpy(a) / weight for n, a in partial["sum"].items()}
-            new_params, momentum = outer.outer_step(params, avg, momentum, lr=lr, mu=mu)
-            update_norm = outer.norm({n: new_params[n] - params[n] for n in params})
-            params = new_params
-            aggregate_s = time.time() - t_agg + max(round_s - broadcast_s - max(r.task_s for r in done), 0.0)
-            step, rnd_index = end, rnd_index + 1
-            round_tokens = sum(r.tokens for r in done)
-            tokens_seen += steps * plan.tokens_per_step
-            returned = sum(r.delta_bytes for r in done)
-            comm["broadcast"] += nbytes * len(done)
-            comm["returned"] += returned
-            elapsed = time.time() - t_start
-            wall = time.time() - t_agg + round_s
-            per_step_s = wall / steps
-            loss = sum(r.mean_loss * r.tokens for r in done) / max(round_tokens, 1)
-            tps = round_tokens / max(wall, 1e-9)
-            peak = facts.get("peak_flops") or 1.0
-            peaks = note_peaks(done)
-            round_peak = max(p for p in peaks if p is not None)
-            out.write({"kind": "train", "step": step, "epoch": tokens_seen / epoch_tokens, "tokens": tokens_seen,
-                       "loss": loss, "lr": sum(r.lr for r in done) / len(done),
-                       "grad_norm": sum(r.grad_norm for r in done) / len(done), "tokens_per_s": tps,
-                       "ms_per_step": 1000 * per_step_s, "mfu": tps * facts.get("flops_per_token", 0) / (peak * workers),
-                       "rss_mb": max(r.rss_mb for r in done), "peak_rss_mb": round_peak,
-                       "rank_peak_rss_mb": rank_mb(peaks), "elapsed": elapsed})
-            left = (total_steps - step) * per_step_s if total_steps else max(tc.time_budget - elapsed, 0)
-            out.write({
-                "kind": "round", "round": rnd_index, "step": step, "workers": workers, "workers_done": len(done),
-                "tokens": round_tokens, "loss": loss, "inner_losses": ";".join(f"{r.mean_loss:.5f}" for r in done),
-                "attempts": ";".join(str(r.attempt) for r in done),
-                "cold": ";".join(str(r.worker) for r in done if r.cold),
-                "broadcast_bytes": nbytes * len(done), "returned_bytes": returned, "broadcast_s": broadcast_s,
-                "fetch_s": max(r.load_s for r in done), "compute_s": max(r.compute_s for r in done),
-                "aggregate_s": aggregate_s, "round_s": wall, "outer_update_norm": update_norm,
-                "delta_norm": outer.norm(avg), "elapsed": elapsed,
-                # for the progress line only
-                "total_steps": total_steps, "tokens_per_s": tps, "eta_s": left,
-                "sent_mb": (comm["broadcast"] + comm["returned"]) / 1e6, "peak_rss_mb": round_peak})
-            if rnd_index == 1:  # the first round's pace projects a time budget
-                planned = total_steps or (tc.time_budget / max(per_step_s, 1e-9))
-                note = core.epochs_note(planned * plan.tokens_per_step / epoch_tokens, epoch_tokens)
-                if note:
-                    out.write({"kind": "note", "message": note})
-            pending_eval = bool(tc.eval_every) and step // tc.eval_every > (step - steps) // tc.eval_every \
-                and (total_steps is None or step < total_steps)
-            if ckpt_now:
-                _save(ckpt_dir, step, params, momentum, rnd_index, tokens_seen, elapsed, job, self.name,
-                      persist, best, best_params)
-            if stop:
-                out.write({"kind": "note", "message": f"early stop at round {rnd_index}: no lower validation loss in "
-                                                      f"{tc.early_stop} evaluations (best at step {best.step})"})
-                break
+    def note_peaks(self, results: list[WorkerResult]) -> list[float | None]:
+        got = {r.worker: r.peak_rss_mb for r in results}
+        return [got.get(w) for w in range(self.job.workers)]
 
-        # -- the end: evaluate the final weights, checkpoint, export model/ (the best weights) and samples ------
-        # With earlier best weights the final evaluation decides which weights model/ gets, so the export is a
-        # second task; without them the final weights are exported by the evaluating task itself.
-        elapsed = time.time() - t_start
-        persist = join(ckpt_dir, f".inner-step-{step:07d}")
-        earlier = best_params is not None
-        partial, *_, nbytes = launch(0, do_eval=True, persist=persist, finish=not earlier)
-        comm["broadcast"] += nbytes * len(partial["results"])
-        note_peaks(partial["results"])  # the final evaluation and export count too, as a DDP rank's do
+    def round(self) -> bool:
+        """One round; True when early stopping ends the run."""
+        import torch
+
+        from . import outer
+
+        begin = self.step
+        steps = self.schedule.unit(begin, self.tc.rounds.sync_every)
+        end = begin + steps
+        ckpt_now = self.schedule.checkpoint(begin, end)
+        persist = join(self.ckpt_dir, f".inner-step-{end:07d}") if ckpt_now else ""
+        partial, broadcast_s, round_s, nbytes = self.launch(steps, do_eval=self.pending_eval, persist=persist,
+                                                            finish=False)
+        t_agg = time.time()
+        done: list[WorkerResult] = partial["results"]
+        if not self.rec.facts:
+            self.rec.info(next((r.facts for r in done if r.facts), {}), self.schedule.total_steps,
+                          sync_every=self.tc.rounds.sync_every)
+        if self.pending_eval:
+            self.record_eval(partial)
+        stop = self.pending_eval and self.rec.best.should_stop(self.tc.early_stop)  # decided on this evaluation
+        self._check_dropped(partial, done)
+        avg = {n: torch.from_numpy(a) / sum(r.weight for r in done) for n, a in partial["sum"].items()}
+        new_params, self.momentum = outer.outer_step(self.params, avg, self.momentum, lr=self.lr, mu=self.mu)
+        update_norm = outer.norm({n: new_params[n] - self.params[n] for n in self.params})
+        self.params = new_params
+        aggregate_s = time.time() - t_agg + max(round_s - broadcast_s - max(r.task_s for r in done), 0.0)
+        self.step, self.rnd = end, self.rnd + 1
+        self.tokens_seen += steps * self.plan.tokens_per_step
+        self._record_round(done, steps, nbytes, broadcast_s, round_s, t_agg, aggregate_s, update_norm, outer.norm(avg))
+        self.pending_eval = self.schedule.evaluate(begin, end)
+        if ckpt_now:
+            self.save(persist)
+        return stop and self.rec.should_stop(f"round {self.rnd}")
+
+    def _check_dropped(self, partial: dict, done: list[WorkerResult]) -> None:
+        dropped: list[WorkerResult] = partial["errors"]
+        self.dropped_last = sorted(e.worker for e in dropped)
+        if not done:
+            raise SparklmError(f"round {self.rnd}: every worker failed; first error: {dropped[0].error}",
+                               hint="see the Spark log (--debug shows more)")
+        if dropped:
+            self.rec.warn(f"round {self.rnd}: {len(done)} of {self.job.workers} workers returned a delta (worker "
+                          f"{', '.join(str(e.worker) for e in dropped)} failed: {dropped[0].error}); averaging "
+                          "over those that arrived, weighted by tokens")
+
+    def _record_round(self, done: list[WorkerResult], steps: int, nbytes: int, broadcast_s: float, round_s: float,
+                      t_agg: float, aggregate_s: float, update_norm: float, delta_norm: float) -> None:
+        """The round's train row (the same keys as a DDP step's), its round row, and the epochs note."""
+        round_tokens = sum(r.tokens for r in done)
+        returned = sum(r.delta_bytes for r in done)
+        self.comm["broadcast"] += nbytes * len(done)
+        self.comm["returned"] += returned
+        elapsed = time.time() - self.started
+        wall = time.time() - t_agg + round_s
+        self.per_step_s = wall / steps
+        loss = sum(r.mean_loss * r.tokens for r in done) / max(round_tokens, 1)
+        tps = round_tokens / max(wall, 1e-9)
+        row = self.rec.train(step=self.step, tokens=self.tokens_seen, loss=loss, lr=sum(r.lr for r in done) / len(done),
+                             grad_norm=sum(r.grad_norm for r in done) / len(done), tokens_per_s=tps,
+                             ms_per_step=1000 * self.per_step_s, rss_mb=max(r.rss_mb for r in done),
+                             peaks=self.note_peaks(done), elapsed=elapsed)
+        total = self.schedule.total_steps
+        left = (total - self.step) * self.per_step_s if total else max(self.tc.time_budget - elapsed, 0)
+        self.rec.write({
+            "kind": "round", "round": self.rnd, "step": self.step, "workers": self.job.workers,
+            "workers_done": len(done), "tokens": round_tokens, "loss": loss,
+            "inner_losses": ";".join(f"{r.mean_loss:.5f}" for r in done),
+            "attempts": ";".join(str(r.attempt) for r in done), "cold": ";".join(str(r.worker) for r in done if r.cold),
+            "broadcast_bytes": nbytes * len(done), "returned_bytes": returned, "broadcast_s": broadcast_s,
+            "fetch_s": max(r.load_s for r in done), "compute_s": max(r.compute_s for r in done),
+            "aggregate_s": aggregate_s, "round_s": wall, "outer_update_norm": update_norm, "delta_norm": delta_norm,
+            "elapsed": elapsed,
+            # for the progress line only
+            "total_steps": total, "tokens_per_s": tps, "eta_s": left,
+            "sent_mb": (self.comm["broadcast"] + self.comm["returned"]) / 1e6, "peak_rss_mb": row["peak_rss_mb"]})
+        if self.rnd == 1:  # the first round's pace projects a time budget
+            planned = total or (self.tc.time_budget / max(self.per_step_s, 1e-9))
+            self.rec.epochs(planned * self.plan.tokens_per_step)
+
+    def save(self, inner: str) -> None:
+        tc, step = self.tc, self.step
+        files = {"model": self.params}
+        if self.momentum is not None:
+            files["outer"] = self.momentum
+        files.update(self.rec.best.checkpoint_files(self.best_params, step))
+        checkpoint.save(self.ckpt_dir, step, files=files, keep=tc.keep_checkpoints, storage=self.storage,
+                        adopt={"inner": inner},
+                        state={"strategy": self.name, "round": self.rnd, "tokens_seen": self.tokens_seen,
+                               "elapsed": time.time() - self.started, "world": self.job.workers,
+                               "sync_every": tc.rounds.sync_every, "best": self.rec.best.to_state(),
+                               "position": step * self.job.workers * tc.batch_size * tc.grad_accum})
+
+    def finish(self) -> RunResult:
+        """Evaluate the final weights, checkpoint, export model/ (the best weights) and samples. With earlier best
+        weights the final evaluation decides which weights model/ gets, so the export is a second task; without
+        them the final weights are exported by the evaluating task itself."""
+        elapsed = time.time() - self.started
+        persist = join(self.ckpt_dir, f".inner-step-{self.step:07d}")
+        earlier = self.best_params is not None
+        partial, *_, nbytes = self.launch(0, do_eval=True, persist=persist, finish=not earlier)
+        self.comm["broadcast"] += nbytes * len(partial["results"])
+        self.rec.note_peaks(self.note_peaks(partial["results"]))  # the final evaluation and export count too
         if partial["results"]:
-            last_eval = emit_eval(partial)
-        _save(ckpt_dir, step, params, momentum, rnd_index, tokens_seen, elapsed, job, self.name, persist, best,
-              best_params)
+            self.record_eval(partial)
+        self.save(persist)
         if earlier:
-            keep = best.apart(best_params, step) or {}
-            partial, *_, nbytes = launch(0, do_eval=False, persist="", finish=True,
-                                         also={f"{BEST}{n}": t for n, t in keep.items()})
-            comm["broadcast"] += nbytes * len(partial["results"])
-            note_peaks(partial["results"])
+            keep = self.rec.best.apart(self.best_params, self.step) or {}
+            partial, *_, nbytes = self.launch(0, do_eval=False, persist="", finish=True,
+                                              also={f"{BEST}{n}": t for n, t in keep.items()})
+            self.comm["broadcast"] += nbytes * len(partial["results"])
+            self.rec.note_peaks(self.note_peaks(partial["results"]))
         if not any(r.worker == 0 for r in partial["results"]):
             raise SparklmError("the final task of worker 0 (export of model/ and samples) failed",
                                hint="see the Spark log; --resume runs it again")
-        rounds_csv.close()
-        return RunResult(steps=step, tokens=tokens_seen, seconds=elapsed, params=facts.get("params"),
-                         flops_per_token=facts.get("flops_per_token"), final=last_eval, best=best.summary(),
-                         peak_flops=facts.get("peak_flops"), dtype=facts.get("dtype"), rounds=rnd_index,
-                         bytes_broadcast=comm["broadcast"], bytes_returned=comm["returned"],
-                         bytes_communicated=comm["broadcast"] + comm["returned"], peak_rss_mb=max(rank_peak),
-                         rank_peak_rss_mb=rank_peak, trainable_params=sum(t.numel() for t in params.values()))
+        self.rounds_csv.close()
+        comm = self.comm
+        return self.rec.result(steps=self.step, tokens=self.tokens_seen, seconds=elapsed, rounds=self.rnd,
+                               trainable_params=sum(t.numel() for t in self.params.values()),
+                               bytes_broadcast=comm["broadcast"], bytes_returned=comm["returned"],
+                               bytes_communicated=comm["broadcast"] + comm["returned"])
 
 
 def _round_job(spark, job: Job, bc, spec: RoundSpec, fault: dict | None, max_failures: int) -> dict:
@@ -380,20 +402,6 @@ def _eval(partial: dict) -> dict:
         for i, v in enumerate(r.eval_sums or (0.0,) * 4):
             sums[i] += v
     return eval_metrics(sums)
-
-
-def _save(ckpt_dir: str, step: int, params, momentum, rnd: int, tokens: int, elapsed: float, job: Job,
-          strategy: str, inner: str, best, best_params) -> None:
-    tc = job.config.train
-    files = {"model": params}
-    if momentum is not None:
-        files["outer"] = momentum
-    files.update(best.checkpoint_files(best_params, step))
-    checkpoint.save(ckpt_dir, step, files=files, keep=tc.keep_checkpoints, storage=job.config.storage,
-                    adopt={"inner": inner},
-                    state={"strategy": strategy, "round": rnd, "tokens_seen": tokens, "elapsed": elapsed,
-                           "world": job.workers, "sync_every": tc.rounds.sync_every, "best": best.to_state(),
-                           "position": step * job.workers * tc.batch_size * tc.grad_accum})
 
 
 def parse_fault(text: str) -> dict | None:
