@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     _config_flags(r.add_argument_group("data, tokenizer and training"), _FLAG_SECTIONS["run"])
     _common(r)
 
+    _add_inference(sub)
+    return parser
+
+
+def _add_inference(sub) -> None:
+    """The subcommands that use a trained model: generate, eval, export, import."""
     g = sub.add_parser("generate", help="generate text from a model (one process, or over a Spark DataFrame)",
                        description="Continue prompts with a trained model (KV cache, streaming), or with --input, "
                                    "generate for a file of prompts on Spark.")
@@ -141,7 +147,6 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--output", "-o", required=True, metavar="DIR")
     i.add_argument("--overwrite", action="store_true", help="replace an earlier import in --output")
     _common(i)
-    return parser
 
 
 def _config_flags(group, sections: tuple[str, ...] = (), keys: tuple[str, ...] = ()) -> None:
@@ -282,33 +287,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.show_top < 0 or args.batch_size < 1:
         raise SparklmError("--show-top must be >= 0 and --batch-size >= 1")
     if args.input:
-        if args.prompt or args.prompt_file:
-            raise SparklmError("give prompts either with --input (batch on Spark) or with --prompt/--prompt-file")
-        if not args.output:
-            raise SparklmError("--input needs --output FILE (.jsonl or .parquet)")
-        batch.check_output(args.output, args.overwrite)
-        if args.backend != "torch":
-            raise SparklmError("batch generation on Spark uses the torch backend", hint="drop --backend onnx")
-        from .infer.generate import model_uri
-
-        config, _ = _config(args)
-        model_uri(args.model, effective(config.storage))  # a missing model fails here, not in a task
-        prompts = batch.read_prompts(args.input)
-        spark = _session_factory(args, config)()
-        from .spark import check_shared
-
-        check_shared(spark, {"model": args.model})
-        df = spark.createDataFrame(prompts, "id long, prompt string")
-        df = df.repartition(min(len(prompts), spark.sparkContext.defaultParallelism))
-        with progress.stage(spark, f"generate ({len(prompts)} prompts)", quiet=True):
-            rows = [r.asDict() for r in batch.generate_dataframe(df, model=args.model, sampling=sampling,
-                                                                  batch_size=args.batch_size,
-                                                                  threads=args.threads,
-                                                                  storage=config.storage).collect()]
-        rows.sort(key=lambda r: (r["id"], r["sample"]))
-        batch.write_generations(rows, args.output)
-        progress.plain(args.output)
-        return 0
+        return _generate_on_spark(args, sampling)
     from .infer.generate import generate, load
 
     if args.output:
@@ -349,6 +328,40 @@ def _generate(args: argparse.Namespace) -> int:
     if args.output:
         batch.write_generations([g.record() for g in gens], args.output)
         progress.plain(args.output)
+    return 0
+
+
+def _generate_on_spark(args: argparse.Namespace, sampling) -> int:
+    """``generate --input``: a file of prompts, generated for by Spark tasks, written to ``--output``."""
+    from .fs import effective
+    from .infer import batch
+
+    if args.prompt or args.prompt_file:
+        raise SparklmError("give prompts either with --input (batch on Spark) or with --prompt/--prompt-file")
+    if not args.output:
+        raise SparklmError("--input needs --output FILE (.jsonl or .parquet)")
+    batch.check_output(args.output, args.overwrite)
+    if args.backend != "torch":
+        raise SparklmError("batch generation on Spark uses the torch backend", hint="drop --backend onnx")
+    from .infer.generate import model_uri
+
+    config, _ = _config(args)
+    model_uri(args.model, effective(config.storage))  # a missing model fails here, not in a task
+    prompts = batch.read_prompts(args.input)
+    spark = _session_factory(args, config)()
+    from .spark import check_shared
+
+    check_shared(spark, {"model": args.model})
+    df = spark.createDataFrame(prompts, "id long, prompt string")
+    df = df.repartition(min(len(prompts), spark.sparkContext.defaultParallelism))
+    with progress.stage(spark, f"generate ({len(prompts)} prompts)", quiet=True):
+        rows = [r.asDict() for r in batch.generate_dataframe(df, model=args.model, sampling=sampling,
+                                                              batch_size=args.batch_size,
+                                                              threads=args.threads,
+                                                              storage=config.storage).collect()]
+    rows.sort(key=lambda r: (r["id"], r["sample"]))
+    batch.write_generations(rows, args.output)
+    progress.plain(args.output)
     return 0
 
 

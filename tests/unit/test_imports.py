@@ -96,3 +96,13 @@ def test_the_driver_and_the_barrier_task_do_not_import_torch_for_a_run_from_scra
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_no_function_in_src_is_longer_than_80_lines():
+    """A function that does not fit a screen does several things: split it (ruff's C901 bounds its branches)."""
+    long = []
+    for path in sorted((Path(__file__).resolve().parents[2] / "src").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                long.append(f"{path.name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long

@@ -41,18 +41,7 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
     storage = effective((config or Config()).storage)
     run_dir = output
     if resume:
-        saved = join(run_dir, "config.json")
-        if not exists(saved, storage):
-            raise SparklmError(f"cannot resume: {saved} not found", hint="pass the run directory of an earlier run")
-        try:
-            meta = json.loads(read_text(saved, storage))
-            base = from_dict(meta["config"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise SparklmError(f"cannot resume: {saved} is not a sparklm run configuration ({type(e).__name__})",
-                               hint="restore it from a copy, or start a new run with another --output") from None
-        config = resume_config(base, changes if changes is not None else diff(config) if config is not None else {})
-        data = data or meta["data"]
-        _check_resumable(run_dir, config)
+        config, data = _resumed(run_dir, config, changes, data, storage)
     elif exists(join(run_dir, "config.json"), storage) or exists(join(run_dir, "checkpoints"), storage):
         raise SparklmError(f"run directory {run_dir} already holds a run",
                            hint="use --resume to continue it, or another --output")
@@ -104,6 +93,29 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
             sinks.close()
     summary = _summary(run_dir, config, dataset, result, spark, time.time() - t0, spark_start)
     plot_loss(run_dir, storage)
+    _report(summary, config)
+    return summary
+
+
+def _resumed(run_dir: str, config: Config | None, changes: dict[str, Any] | None, data: str | None,
+             storage) -> tuple[Config, str | None]:
+    """The configuration and dataset of a run resumed from ``run_dir`` (its config.json, with what the user set)."""
+    saved = join(run_dir, "config.json")
+    if not exists(saved, storage):
+        raise SparklmError(f"cannot resume: {saved} not found", hint="pass the run directory of an earlier run")
+    try:
+        meta = json.loads(read_text(saved, storage))
+        base = from_dict(meta["config"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise SparklmError(f"cannot resume: {saved} is not a sparklm run configuration ({type(e).__name__})",
+                           hint="restore it from a copy, or start a new run with another --output") from None
+    config = resume_config(base, changes if changes is not None else diff(config) if config is not None else {})
+    _check_resumable(run_dir, config)
+    return config, data or meta["data"]
+
+
+def _report(summary: dict, config: Config) -> None:
+    """The run's closing lines: the final evaluation, and where the best weights went."""
     final, best = summary["final"], summary["best"]
     if final:
         progress.info(f"validation: loss {final['val_loss']:.3f}, perplexity {final['val_ppl']:.1f}, "
@@ -111,7 +123,6 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
     if best and best["step"] != summary["steps"] and config.train.keep_best:
         progress.info(f"model/ holds the best evaluation's weights (step {best['step']}: {best['val_bpb']:.3f} "
                       f"bits/byte); the final weights (step {summary['steps']}) are in model-final/")
-    return summary
 
 
 def resume_config(saved: Config, changes: dict[str, Any]) -> Config:

@@ -19,7 +19,7 @@ from ..sinks import Sink
 # Names in the weights the last round task gets that are the best evaluation's weights, not the final ones.
 BEST = "best/"
 
-__all__ = ["BEST", "Job", "RoundSpec", "RunResult", "Strategy", "WorkerResult"]  # RunResult: recorder.py's
+__all__ = ["BEST", "Job", "RankStart", "RoundSpec", "RunResult", "Strategy", "WorkerResult"]  # RunResult: recorder.py's
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,27 @@ class Job:
     def from_json(cls, text: str) -> Job:
         raw = json.loads(text)
         return cls(**{**raw, "config": from_dict(raw["config"]), "warm": tuple(raw.get("warm", ()))})
+
+
+@dataclass(frozen=True)
+class RankStart:
+    """What a DDP rank process reads on stdin once the ranks have found each other."""
+
+    job: str  # Job.to_json()
+    rank: int
+    world: int
+    threads: int
+    master_addr: str
+    master_port: int
+    channel: tuple[str, int, str]  # the driver's metrics channel: host, port, token
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RankStart:
+        raw = json.loads(text)
+        return cls(**{**raw, "channel": tuple(raw["channel"])})
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,6 @@ import tempfile
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
 
 from ... import progress
 from ...config import Config
@@ -38,22 +37,9 @@ from ...fs import join, local_path, write_bytes
 from .. import checkpoint
 from ..memory import LEAN_ADDRESS_SPACE, process_limit
 from ..sinks import Channel, Sink
-from .base import Job, RunResult
+from .base import Job, RankStart, RunResult
 
 RESULT = "SPARKLM-RESULT "
-
-
-@dataclass(frozen=True)
-class RankStart:
-    """What a rank process reads on stdin once the ranks have found each other."""
-
-    job: str  # Job.to_json()
-    rank: int
-    world: int
-    threads: int
-    master_addr: str
-    master_port: int
-    channel: tuple[str, int, str]  # the driver's metrics channel: host, port, token
 
 
 class DDP:
@@ -280,7 +266,7 @@ class WarmRank:
 def _finish_rank(proc: subprocess.Popen | WarmRank, start: RankStart, log_path: str) -> dict:
     """Send the rank its start message, wait for it, and return its result (or raise its error)."""
     try:
-        proc.stdin.write(json.dumps(asdict(start)).encode())
+        proc.stdin.write(start.to_json().encode())
         proc.stdin.close()
     except (BrokenPipeError, ConnectionResetError):  # the rank died while importing; its log says why
         pass

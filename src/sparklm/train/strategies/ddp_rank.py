@@ -20,20 +20,20 @@ def main() -> None:
     from ..core import Rank, train
     from ..device import select
     from ..sinks import ChannelSink
-    from .base import Job
+    from .base import Job, RankStart
 
     if sys.argv[1:2] == ["--warm"]:  # started before Spark (ddp.DDP.prestart): wait for the task that takes it
         _serve_once(int(sys.argv[2]))
-    start = json.loads(sys.stdin.read())
-    job = Job.from_json(start["job"])
-    rank = Rank(rank=start["rank"], world=start["world"], threads=start["threads"])
+    start = RankStart.from_json(sys.stdin.read())
+    job = Job.from_json(start.job)
+    rank = Rank(rank=start.rank, world=start.world, threads=start.threads)
     sink = None
     where = f"training rank {rank.rank} on {socket.gethostname()}"
     try:
         if rank.world > 1:
             import torch.distributed as dist
 
-            os.environ.update(MASTER_ADDR=start["master_addr"], MASTER_PORT=str(start["master_port"]))
+            os.environ.update(MASTER_ADDR=start.master_addr, MASTER_PORT=str(start.master_port))
             backend = select(job.config.train.dtype).backend
             dist.init_process_group(backend, rank=rank.rank, world_size=rank.world,
                                     timeout=timedelta(seconds=job.config.train.ddp.collective_timeout))
@@ -41,7 +41,7 @@ def main() -> None:
         dataset = load_prepared(job.data, config.storage)
         spec = load_tokenizer(dataset, config.storage)
         if rank.rank == 0:
-            sink = ChannelSink(*start["channel"])
+            sink = ChannelSink(*start.channel)
         result = train(config, dataset, spec, job.run_dir, rank=rank, sink=sink,
                        on_step=_fault_hook(rank.rank, job.resume))
     except SparklmError as e:
