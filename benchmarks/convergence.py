@@ -74,13 +74,13 @@ def reference_bpb(model_dir: Path, data: Path) -> float:
     evaluation (whole split, packed rows, fp32) of the model continued from ``model_dir``."""
     from sparklm.config import from_dict
     from sparklm.data.manifest import load_prepared, load_tokenizer
-    from sparklm.train.core import Trainer, eval_metrics
+    from sparklm.train.core import Trainer
 
     dataset = load_prepared(str(data))
     config = from_dict({"model": {"init_from": str(model_dir)},
                         "train": {"eval_batches": 0, "dtype": "float32", "optimizer": "adamw"}})
     trainer = Trainer(config, dataset, load_tokenizer(dataset))
-    return eval_metrics(trainer.eval_sums(0, 1).tolist())["val_bpb"]
+    return trainer.task.figures(trainer.eval_sums(0, 1).tolist())["val_bpb"]
 
 
 def run(name: str, data: Path, flags: list[str], budget: float, work: Path, extra: list[str], rep: int) -> dict:

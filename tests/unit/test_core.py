@@ -16,7 +16,7 @@ from sparklm.errors import SparklmError
 from sparklm.model.lm_head import token_sums
 from sparklm.model.task import IGNORE, lm_figures, make_batch
 from sparklm.train import checkpoint
-from sparklm.train.core import eval_metrics, fraction, lr_at, plan
+from sparklm.train.core import fraction, lr_at, plan
 from sparklm.train.recorder import Best
 from sparklm.train.run import resume_config
 
@@ -193,8 +193,11 @@ def test_token_sums_match_a_direct_computation():
     assert f["loss"] == pytest.approx(nats / 8) and f["perplexity"] == pytest.approx(math.exp(nats / 8))
     assert f["bits_per_byte"] == pytest.approx(nats / nbytes / math.log(2))
     assert lm_figures(1e6, 1, 0, 1)["perplexity"] == math.exp(700)  # capped, not an overflow
-    assert eval_metrics([nats, tokens, correct, nbytes])["val_loss"] == pytest.approx(f["loss"])
-    assert lm_figures(0, 0, 0, 0) == {} and eval_metrics([0.0] * 4) == {}
+    from sparklm.model.task import CausalLM
+
+    named = CausalLM().figures([nats, tokens, correct, nbytes])
+    assert named["val_loss"] == pytest.approx(f["loss"]) and named["val_bpb"] == f["bits_per_byte"]
+    assert named["val_tokens"] == 8 and lm_figures(0, 0, 0, 0) == {} and CausalLM().figures([0.0] * 4) == {}
 
 
 def test_padded_positions_get_no_loss():
@@ -311,14 +314,14 @@ def test_the_tasks_loss_chunked_or_not_is_the_same():
 
     from sparklm.config import ModelConfig
     from sparklm.model.build import build_model
-    from sparklm.model.task import CausalLM, make_batch
+    from sparklm.model.task import CausalLM, make_batch, set_loss_chunks
 
     model = build_model(ModelConfig(n_layer=1, n_head=2, n_embd=16), vocab_size=64, context=16, bos_id=1, eos_id=2,
                         pad_id=0)
     batch = make_batch(np.random.default_rng(1).integers(3, 64, (2, 12)), None, None)
     task, grads = CausalLM(), []
-    for chunked in (False, True):
-        task.chunked, task.chunk = chunked, 5
+    for chunk in (None, 5):
+        set_loss_chunks(model, chunk)
         model.zero_grad()
         loss = task.loss(model, batch)
         loss.backward()

@@ -21,7 +21,7 @@ from ..config import Config, StorageConfig, embedding_rows
 from ..data.tokenizer import TokenizerSpec
 from ..errors import SparklmError
 from . import lm_head, lora
-from .build import build_model, load_model
+from .build import build_model, flops_per_token, load_model
 
 IGNORE = lm_head.IGNORE  # label of positions without a loss (padding), as in HF and torch's cross_entropy
 
@@ -60,13 +60,31 @@ def lm_figures(nats: float, tokens: float, correct: float, nbytes: float) -> dic
 
 
 class Task(Protocol):
+    """What is trained. The training core and the strategies ask the task everything that depends on it; a task
+    holds only what its configuration says (nothing is set on it during a run)."""
+
     name: str
 
     def build(self, config: Config, spec: TokenizerSpec, context: int) -> torch.nn.Module: ...
 
+    def batch(self, rows: tuple) -> Batch:
+        """A batch from a stream's columns (input_ids, attention_mask, loss_mask; a labelled task its labels)."""
+        ...
+
+    def weight(self, batch: Batch) -> int:
+        """How much ``batch`` counts in its step (micro-batches weigh by it)."""
+        ...
+
     def loss(self, net: torch.nn.Module, batch: Batch, total: int | None = None) -> torch.Tensor: ...
 
     def eval_sums(self, model: torch.nn.Module, batch: Batch, byte_lengths: torch.Tensor) -> torch.Tensor: ...
+
+    def figures(self, sums: list[float]) -> dict:
+        """The evaluation's named figures from summed ``eval_sums`` (``val_loss`` always: the best and early
+        stopping follow it); {} when nothing was scored."""
+        ...
+
+    def flops_per_token(self, model: torch.nn.Module, seq_len: int) -> float: ...
 
     def trainable(self, model: torch.nn.Module) -> dict[str, torch.nn.Parameter]: ...
 
@@ -76,14 +94,34 @@ class Task(Protocol):
 
     def export(self, model: torch.nn.Module, spec: TokenizerSpec, uri: str, storage: StorageConfig) -> None: ...
 
+    def artefacts(self, model: torch.nn.Module, spec: TokenizerSpec, run_dir: str, dataset, config: Config) -> None:
+        """What the run leaves besides model/ (text samples for a causal LM)."""
+        ...
 
+
+def set_loss_chunks(model: torch.nn.Module, chunk: int | None) -> None:
+    """How ``model``'s loss is computed: the LM head's loss in chunks of ``chunk`` positions (0: by the vocabulary's
+    size; model/lm_head.py), or None: the model's own logits and loss. Kept on the model, decided when it is built."""
+    model.sparklm_loss_chunk = chunk
+
+
+def loss_chunk(net: torch.nn.Module) -> int | None:
+    """What :func:`set_loss_chunks` decided for ``net`` (seen through DDP's wrapper)."""
+    return getattr(getattr(net, "module", net), "sparklm_loss_chunk", None)
+
+
+@dataclass(frozen=True)
 class CausalLM:
     """Next-token prediction with an HF causal LM (built from config, or continued from a directory)."""
 
     name = "causal-lm"
-    base = ""  # the pretrained model LoRA adapts (named in the exported adapter's config)
-    chunked = False  # the LM-head loss in chunks of positions (set by build: model/lm_head.py)
-    chunk = 0  # positions per chunk; 0: by the vocabulary's size
+    base: str = ""  # the pretrained model LoRA adapts (named in the exported adapter's config)
+    chunk: int = 0  # train.loss_chunk: positions per chunk of the LM-head loss; 0: by the vocabulary; -1: off
+    compiled: bool = False  # train.compile: the chunked loss's hook does not survive torch.compile
+
+    @classmethod
+    def from_config(cls, config: Config) -> CausalLM:
+        return cls(base=config.model.init_from, chunk=config.train.loss_chunk, compiled=config.train.compile)
 
     def build(self, config: Config, spec: TokenizerSpec, context: int) -> torch.nn.Module:
         vocab = spec.vocab_size
@@ -109,20 +147,26 @@ class CausalLM:
         if config.lora.r:
             torch.manual_seed(config.train.seed)  # the adapters' initial weights, the same in every process
             model = lora.wrap(model, config.lora)
-            self.base = config.model.init_from
-        self.chunk = config.train.loss_chunk
-        self.chunked = self.chunk >= 0 and not config.train.compile and lm_head.supports(model)
+        chunked = self.chunk >= 0 and not self.compiled and lm_head.supports(model)
+        set_loss_chunks(model, self.chunk if chunked else None)
         return model
+
+    def batch(self, rows: tuple) -> Batch:
+        return make_batch(*rows)
+
+    def weight(self, batch: Batch) -> int:
+        return targets(batch)
 
     def loss(self, net: torch.nn.Module, batch: Batch, total: int | None = None) -> torch.Tensor:
         """The summed next-token loss of ``batch`` divided by ``total`` targets (default: the batch's own), so that
         micro-batches of a step weigh by the targets they hold (instruction data: response tokens only); a batch
         without any target gives a zero that still reaches every parameter (DDP expects every gradient)."""
         n = targets(batch)
-        if self.chunked:  # the head's loss a chunk of positions at a time (model/lm_head.py)
+        chunk = loss_chunk(net)
+        if chunk is not None:  # the head's loss a chunk of positions at a time (model/lm_head.py)
             with lm_head.hidden_states(net) as box:
                 net(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-            nats = lm_head.nll_sum(box["hidden"], lm_head.head_of(net), batch.labels, self.chunk)
+            nats = lm_head.nll_sum(box["hidden"], lm_head.head_of(net), batch.labels, chunk)
             return nats / (total or max(n, 1))
         out = net(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
         if n == 0:
@@ -132,8 +176,21 @@ class CausalLM:
     def eval_sums(self, model: torch.nn.Module, batch: Batch, byte_lengths: torch.Tensor) -> torch.Tensor:
         # the targets the loss counts: labels are IGNORE on padding and on tokens whose loss mask is 0
         mask = batch.attention_mask if batch.attention_mask is not None else torch.ones_like(batch.input_ids)
+        chunk = loss_chunk(model)
         return lm_head.score(model, batch.input_ids, mask, batch.labels[:, 1:] != IGNORE, byte_lengths,
-                             chunk=self.chunk, chunked=self.chunked)
+                             chunk=chunk or 0, chunked=chunk is not None)
+
+    def figures(self, sums: list[float]) -> dict:
+        """val_loss (nats per target token), val_ppl, val_bpb (bits per byte of text), val_acc, val_tokens from
+        summed [nats, tokens, correct, bytes]."""
+        f = lm_figures(*sums)
+        if not f:
+            return {}
+        return {"val_loss": f["loss"], "val_ppl": f["perplexity"], "val_bpb": f["bits_per_byte"],
+                "val_acc": f["accuracy"], "val_tokens": int(sums[1])}
+
+    def flops_per_token(self, model: torch.nn.Module, seq_len: int) -> float:
+        return flops_per_token(model, seq_len)
 
     def trainable(self, model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
         return {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -166,6 +223,12 @@ class CausalLM:
             spec.save(tmp)
             write_checksums(tmp)
 
+    def artefacts(self, model: torch.nn.Module, spec: TokenizerSpec, run_dir: str, dataset, config: Config) -> None:
+        """samples.txt: continuations of validation prompts (train.samples of them)."""
+        from ..train.report import write_samples
+
+        write_samples(model, spec, run_dir, dataset, config)
+
 
 def base_name(init_from: str) -> str:
     """How an adapter names its base: an object store URI as given, a local path absolute (so it loads from
@@ -177,4 +240,4 @@ def base_name(init_from: str) -> str:
 
 def task_for(config: Config) -> Task:
     """The task a configuration trains (one today: causal language modelling)."""
-    return CausalLM()
+    return CausalLM.from_config(config)

@@ -24,11 +24,10 @@ from ..data.stream import TokenStream, validation_rows
 from ..data.tokenizer import TokenizerSpec, token_byte_lengths
 from ..errors import SparklmError
 from ..fs import delete, exists, join
-from ..model import flops_per_token, param_count
-from ..model.task import Batch, Task, lm_figures, make_batch, targets, task_for
+from ..model import param_count
+from ..model.task import Batch, Task, task_for
 from . import checkpoint, device, optim, resolve
 from .recorder import NOTE_STEP, Best, Recorder, RunResult
-from .report import write_samples
 from .schedule import Schedule
 from .sinks import Sink
 
@@ -95,15 +94,6 @@ def lr_at(step: int, frac: float, tc: TrainConfig) -> float:
     return floor + 0.5 * (tc.lr - floor) * (1 + math.cos(math.pi * min(frac, 1.0)))
 
 
-def eval_metrics(sums: list[float]) -> dict:
-    """Training's validation figures from summed [nats, tokens, correct, bytes]."""
-    figures = lm_figures(*sums)
-    if not figures:
-        return {}
-    return {"val_loss": figures["loss"], "val_ppl": figures["perplexity"], "val_bpb": figures["bits_per_byte"],
-            "val_acc": figures["accuracy"], "val_tokens": int(sums[1])}
-
-
 # -- one worker's training --------------------------------------------------------------------
 
 
@@ -152,7 +142,7 @@ class Trainer:
                              rank=self.rank.rank if part is None else part, world=self.rank.world if parts is None else parts,
                              seed=self.tc.seed, window=self.tc.window_row_groups, start=position,
                              storage=self.config.storage)
-        return (self.device.put(make_batch(*rows)) for rows in stream)
+        return (self.device.put(self.task.batch(rows)) for rows in stream)
 
     def train_step(self, batches: Iterator[Batch], lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, gradient norm)."""
@@ -161,7 +151,7 @@ class Trainer:
             group["lr"] = lr
         loss_sum = self.device.zeros()
         micros = [next(batches) for _ in range(tc.grad_accum)]
-        total = sum(targets(b) for b in micros)  # each micro-batch weighs by its share of the step's targets
+        total = sum(self.task.weight(b) for b in micros)  # micro-batches weigh by their share of the step
         for micro, batch in enumerate(micros):
             sync = self.rank.world == 1 or micro == tc.grad_accum - 1
             ctx = self.net.no_sync() if not sync and hasattr(self.net, "no_sync") else nullcontext()
@@ -201,7 +191,7 @@ class Trainer:
         for rows in validation_rows(self.val_groups, seq_len=self.seq_len, rank=part, world=parts, limit=limit,
                                     storage=self.config.storage):
             for i in range(0, len(rows.input_ids), tc.batch_size):
-                batch = self.device.put(make_batch(*rows.take(slice(i, i + tc.batch_size))))
+                batch = self.device.put(self.task.batch(rows.take(slice(i, i + tc.batch_size))))
                 with self.device.autocast():
                     sums += self.task.eval_sums(self.model, batch, self.byte_lengths)
         self.model.train()
@@ -214,10 +204,10 @@ class Trainer:
         sums = self.eval_sums(self.rank.rank, self.rank.world)
         if self.rank.world > 1:
             dist.all_reduce(sums)
-        return eval_metrics(sums.tolist())
+        return self.task.figures(sums.tolist())
 
     def facts(self) -> dict:
-        return {"params": param_count(self.model), "flops_per_token": flops_per_token(self.model, self.seq_len),
+        return {"params": param_count(self.model), "flops_per_token": self.task.flops_per_token(self.model, self.seq_len),
                 "peak_flops": self.device.peak_flops(self.rank.threads), "dtype": self.device.dtype_name,
                 "optimizer": self.optimizer_name,
                 "trainable_params": sum(p.numel() for p in self.task.trainable(self.model).values())}
@@ -298,7 +288,7 @@ class Trainer:
         elif exists(final_dir, storage):  # from an earlier end of this run (--resume): now the final weights are best
             delete(final_dir, storage)
         self.task.export(self.model, self.spec, join(run_dir, "model"), storage)
-        write_samples(self.model, self.spec, run_dir, self.dataset, self.config)
+        self.task.artefacts(self.model, self.spec, run_dir, self.dataset, self.config)
 
     # -- checkpoints (DDP) --
 

@@ -98,7 +98,7 @@ class _Driver:
         self.schedule = Schedule(self.plan.total_steps, self.tc.eval_every, self.tc.checkpoint_every,
                                  self.tc.time_budget)
         # The initial weights: the same seeded model every strategy starts from; only the trainable ones travel.
-        task = task_for(config)
+        self.task = task = task_for(config)
         model = task.build(config, load_tokenizer(self.dataset, self.storage), self.dataset.seq_len)
         self.params = {n: p.detach().clone() for n, p in task.trainable(model).items()}
         del model
@@ -176,8 +176,13 @@ class _Driver:
 
     def record_eval(self, partial: dict) -> None:
         """The evaluation the round's workers made of the weights they received (those of ``self.step``)."""
-        if self.rec.evaluation(self.step, self.tokens_seen, _eval(partial)) and self.tc.keep_best:
+        if self.rec.evaluation(self.step, self.tokens_seen, self._figures(partial)) and self.tc.keep_best:
             self.best_params = self.params  # outer steps make new tensors, never change these
+
+    def _figures(self, partial: dict) -> dict:
+        """The task's figures from the workers' summed evaluation sums."""
+        sums = [sum(v) for v in zip(*(r.eval_sums for r in partial["results"] if r.eval_sums))]
+        return self.task.figures(sums) if sums else {}
 
     def note_peaks(self, results: list[WorkerResult]) -> list[float | None]:
         got = {r.worker: r.peak_rss_mb for r in results}
@@ -392,16 +397,6 @@ def merge(a: dict | None, b: dict | None) -> dict | None:
     else:  # the tasks already weighted their deltas by tokens
         total = weighted_sum([(a["sum"], 1.0), (b["sum"], 1.0)])
     return {"sum": total, "results": a["results"] + b["results"], "errors": a["errors"] + b["errors"]}
-
-
-def _eval(partial: dict) -> dict:
-    from ..core import eval_metrics
-
-    sums = [0.0] * 4
-    for r in partial["results"]:
-        for i, v in enumerate(r.eval_sums or (0.0,) * 4):
-            sums[i] += v
-    return eval_metrics(sums)
 
 
 def parse_fault(text: str) -> dict | None:
