@@ -22,6 +22,7 @@ import shutil
 import tempfile
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 from ...config import Config
 from ...errors import SparklmError, killed_note, spark_errors
@@ -311,7 +312,7 @@ class _Driver:
                                bytes_communicated=comm["broadcast"] + comm["returned"])
 
 
-def _round_job(spark, job: Job, bc, spec: RoundSpec, fault: dict | None, max_failures: int) -> dict:
+def _round_job(spark, job: Job, bc, spec: RoundSpec, fault: FaultSpec | None, max_failures: int) -> dict:
     """One round: a task per worker, their deltas summed by a tree aggregation.
 
     A worker whose last attempt raises is reported by its task. One whose process dies (a crash, an
@@ -340,7 +341,7 @@ def _round_job(spark, job: Job, bc, spec: RoundSpec, fault: dict | None, max_fai
     return {"sum": None, "results": [], "errors": lost}
 
 
-def _aggregate(spark, job: Job, bc, spec: RoundSpec, workers: list[int], fault: dict | None, max_failures: int
+def _aggregate(spark, job: Job, bc, spec: RoundSpec, workers: list[int], fault: FaultSpec | None, max_failures: int
                ) -> dict:
     def task(it):
         import signal
@@ -353,15 +354,15 @@ def _aggregate(spark, job: Job, bc, spec: RoundSpec, workers: list[int], fault: 
         attempt = TaskContext.get().attemptNumber()
         for worker in it:
             t0 = time.time()
-            hit = fault and fault["round"] == spec.round and fault["worker"] == worker and attempt < fault["attempts"]
+            hit = fault is not None and fault.hits(spec.round, worker, attempt)
             try:
-                if hit and fault["at"] == "start":
+                if hit and fault.at == "start":
                     raise RuntimeError(f"injected fault (round {spec.round}, worker {worker}, attempt {attempt})")
                 weights = bc.value
                 fetch = time.time() - t0
                 result, delta = run_worker(job, worker, weights, spec, attempt=attempt)
                 result = dataclasses.replace(result, load_s=result.load_s + fetch)
-                if hit and fault["at"] == "crash":  # the Python worker dies, as in an out-of-memory kill
+                if hit and fault.at == "crash":  # the Python worker dies, as in an out-of-memory kill
                     os.kill(os.getpid(), signal.SIGKILL)
                 if hit:  # after the inner steps and the state write: the retry must recompute the same delta
                     raise RuntimeError(f"injected fault (round {spec.round}, worker {worker}, attempt {attempt})")
@@ -399,17 +400,31 @@ def merge(a: dict | None, b: dict | None) -> dict | None:
     return {"sum": total, "results": a["results"] + b["results"], "errors": a["errors"] + b["errors"]}
 
 
-def parse_fault(text: str) -> dict | None:
-    """The fault ``SPARKLM_INJECT_FAULT`` asks for (a testing aid), or None."""
+@dataclass(frozen=True)
+class FaultSpec:
+    """A fault to inject (a testing aid, ``SPARKLM_INJECT_FAULT``): worker ``worker``'s task of round ``round`` fails
+    its first ``attempts`` attempts, at its start, after its work (end), or by killing its Python worker (crash)."""
+
+    round: int
+    worker: int
+    attempts: int = 1
+    at: str = "end"
+
+    def hits(self, round: int, worker: int, attempt: int) -> bool:
+        return self.round == round and self.worker == worker and attempt < self.attempts
+
+
+def parse_fault(text: str) -> FaultSpec | None:
+    """The fault ``SPARKLM_INJECT_FAULT`` asks for, or None."""
     if not text:
         return None
     try:
         spec = dict(part.split("=", 1) for part in text.split(","))
-        fault = {"round": int(spec["round"]), "worker": int(spec["worker"]), "attempts": int(spec.get("attempts", 1)),
-                 "at": spec.get("at", "end")}
+        fault = FaultSpec(round=int(spec["round"]), worker=int(spec["worker"]), attempts=int(spec.get("attempts", 1)),
+                          at=spec.get("at", "end"))
     except (ValueError, KeyError):
         fault = None
-    if fault is None or fault["at"] not in ("start", "end", "crash"):
+    if fault is None or fault.at not in ("start", "end", "crash"):
         raise SparklmError(f"{FAULT_ENV}={text!r} is not round=R,worker=W[,attempts=K][,at=start|end|crash]")
     return fault
 
