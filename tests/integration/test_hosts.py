@@ -160,8 +160,9 @@ def test_hosts_that_share_only_object_storage(isolated_cluster, s3_server, spark
         figures[name] = round(time.time() - t0, 1)
         return r
 
-    # a local path of the driver is refused before any work, naming the way out
-    r = stage("refused", ["prepare", "s3://hosts/text/", "--output", str(tmp_path / "data")], ship="auto")
+    # a local path of the driver is refused before any work, naming the way out (shipping the environment
+    # straight away: the prepare stage below is the one that finds out with "auto", which costs a second start)
+    r = stage("refused", ["prepare", "s3://hosts/text/", "--output", str(tmp_path / "data")])
     assert r.returncode == 2 and "is a local path of the driver that the executors do not see" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "data").exists()
     packed = [line for line in r.stderr.splitlines() if line.startswith("packed ")]

@@ -354,33 +354,31 @@ def test_ranks_whose_own_bf16_measurements_disagree_train_with_one_dtype_and_one
     import subprocess
     import sys
 
-    def python(cache, code: str) -> str:
-        env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
-        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                              check=True).stdout.strip()
+    from sparklm.train.peak import cache_key
 
-    fast, slow = tmp_path / "fast", tmp_path / "slow"
-    python(fast, "from sparklm.train.peak import matmul_peak; matmul_peak(2, 'float32'); matmul_peak(2, 'bfloat16')")
-    measured = json.loads((fast / "sparklm" / "peak.json").read_text())
-    for cache, ratio in ((fast, 3.0), (slow, 0.5)):  # the same CPU model and threads, measured differently
-        fp32 = next(v for k, v in measured.items() if k.endswith("|2|torch.float32"))
-        peaks = {k: fp32 * ratio if k.endswith("bfloat16") else v for k, v in measured.items()}
-        (cache / "sparklm").mkdir(parents=True, exist_ok=True)
-        (cache / "sparklm" / "peak.json").write_text(json.dumps(peaks))
+    for name, ratio in (("fast", 3.0), ("slow", 0.5)):  # the same CPU model and threads, measured differently
+        (tmp_path / name / "sparklm").mkdir(parents=True)
+        peaks = {cache_key(2, "float32"): 1e11, cache_key(2, "bfloat16"): 1e11 * ratio}
+        (tmp_path / name / "sparklm" / "peak.json").write_text(json.dumps(peaks))
 
-    rank = ("import json, sys\n"
-            "from sparklm.config import from_dict\n"
-            "from sparklm.train.core import rank_settings\n"
-            "config, dev = rank_settings(from_dict(json.loads(sys.argv[1])), 2)\n"
-            "print(dev.dtype_name, config.train.optimizer)\n")
+    def host(name: str, driver: bool, given: str = "{}") -> list[str]:
+        """On host ``name``: what a rank decides alone, [the driver's decisions,] what a rank given ``given`` uses."""
+        code = ("import json, sys\n"
+                "from sparklm.config import Config, from_dict\n"
+                "from sparklm.train import resolve\n"
+                "from sparklm.train.core import rank_settings\n"
+                "for raw in ({}, json.loads(sys.argv[1])):\n"
+                "    config, dev = rank_settings(from_dict(raw), 2)\n"
+                "    print(dev.dtype_name, config.train.optimizer)\n"
+                + ("print(json.dumps(resolve.settings(Config(), 2).to_dict()))\n" if driver else ""))
+        env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / name)}
+        return subprocess.run([sys.executable, "-c", code, given], env=env, capture_output=True, text=True,
+                              check=True).stdout.strip().splitlines()
 
-    def as_rank(cache, config: dict) -> str:
-        return python(cache, rank.replace("sys.argv[1]", repr(json.dumps(config))))
-
-    assert as_rank(fast, {}) == "bfloat16 muon" and as_rank(slow, {}) == "float32 adamw"  # each deciding alone
-    driver = python(fast, "from sparklm.config import Config; from sparklm.train import resolve\n"
-                          "import json; print(json.dumps(resolve.settings(Config(), 2).to_dict()))")
+    fast_alone, _, driver = host("fast", driver=True)
     decided = json.loads(driver)
     assert (decided["train"]["dtype"], decided["train"]["optimizer"], decided["train"]["lr"]) == ("bfloat16", "muon",
                                                                                                  3e-3)
-    assert as_rank(fast, decided) == as_rank(slow, decided) == "bfloat16 muon"
+    slow_alone, slow_given = host("slow", driver=False, given=driver)
+    assert (fast_alone, slow_alone) == ("bfloat16 muon", "float32 adamw")  # each deciding alone
+    assert host("fast", driver=False, given=driver)[1] == slow_given == "bfloat16 muon"  # given the driver's

@@ -22,7 +22,7 @@ def matmul_peak(threads: int, dtype: str, *, size: int = 1024, seconds: float = 
     """FLOP/s of a square matmul on ``threads`` threads in ``dtype`` ("float32", "bfloat16"), cached (~1-2 s to
     measure)."""
     cache = cache_dir("peak.json")
-    key = f"{_cpu_model()}|{threads}|torch.{dtype}"
+    key = cache_key(threads, dtype)
     try:
         known = json.loads(cache.read_text())
     except (OSError, ValueError):
@@ -51,6 +51,11 @@ def matmul_peak(threads: int, dtype: str, *, size: int = 1024, seconds: float = 
     except OSError:
         pass
     return peak
+
+
+def cache_key(threads: int, dtype: str) -> str:
+    """Where peak.json keeps the peak of ``dtype`` on ``threads`` threads of this machine's CPU model."""
+    return f"{_cpu_model()}|{threads}|torch.{dtype}"
 
 
 def compute_dtype(setting: str, threads: int) -> str:
