@@ -87,13 +87,14 @@ def settings(size: dict, arch: str, dtype: str, steps: int, compile: bool = Fals
 
 def sparklm_loop(size: dict, arch: str, dtype: str, steps: int, data: Path, compile: bool = False) -> dict:
     from sparklm.data.manifest import load_prepared, load_tokenizer
+    from sparklm.model.tasks import LM_FIGURES
     from sparklm.train.core import Rank, train
-    from sparklm.train.sinks import METRIC_COLUMNS, CsvSink, JsonSink, Sinks
+    from sparklm.train.sinks import CsvSink, JsonSink, Sinks, metric_columns
 
     ds = load_prepared(str(data))
     with tempfile.TemporaryDirectory() as run:
         t0 = time.time()
-        sinks = Sinks([CsvSink(f"{run}/metrics.csv", METRIC_COLUMNS, {"train", "eval"}), JsonSink(f"{run}/run_info.json")])
+        sinks = Sinks([CsvSink(f"{run}/metrics.csv", metric_columns(LM_FIGURES), {"train", "eval"}), JsonSink(f"{run}/run_info.json")])
         train(from_dict(settings(size, arch, dtype, steps, compile)), ds, load_tokenizer(ds), run,
               rank=Rank(threads=THREADS), sink=sinks)
         sinks.close()

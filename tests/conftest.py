@@ -115,8 +115,9 @@ def stop_processes(procs: list[subprocess.Popen]) -> None:
 
 
 def stopped_copy(full: Path, stopped: Path, *, after: int, last: int) -> None:
-    """``stopped``: the run ``full`` as if killed right after its step-``after`` checkpoint (its later
-    checkpoints, model and metric rows gone)."""
+    """``stopped``: the run ``full`` as if killed between its step-``after`` checkpoint and step ``last`` (its later
+    checkpoints and model gone; the metric rows it wrote after the checkpoint still there, for the resumed run to
+    rewind)."""
     import shutil
 
     shutil.copytree(full, stopped)
@@ -124,9 +125,15 @@ def stopped_copy(full: Path, stopped: Path, *, after: int, last: int) -> None:
         if int(ckpt.name.split("-")[1]) > after:
             shutil.rmtree(ckpt)
     shutil.rmtree(stopped / "model")
-    rows = (stopped / "metrics.csv").read_text().splitlines()
-    later = {(kind, str(step)) for kind in ("train", "eval") for step in range(after + 1, last + 1)}
-    (stopped / "metrics.csv").write_text("\n".join(r for r in rows if tuple(r.split(",")[:2]) not in later) + "\n")
+
+
+def figures(run, name: str = "metrics.csv") -> list[tuple]:
+    """What a run's metrics.csv (or rounds.csv) says step by step, without timings: equal for a resumed run and an
+    uninterrupted one (each step once)."""
+    from sparklm.train.sinks import read_metrics
+
+    return [(r.get("kind"), r.get("round"), r["step"], r["loss"], r.get("val_loss"))
+            for r in read_metrics(str(run) + "/" + name)]
 
 
 @pytest.fixture(scope="session")

@@ -6,16 +6,16 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
+import threading
 import time
-import typing
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
-from typing import Literal
 
 from . import progress, redact
-from .config import fields_with_flags, from_dict, load_raw
+from .config import choices, fields_with_flags, from_dict, load_raw
 from .errors import SparklmError, known_cause
 from .version import __version__
 
@@ -25,6 +25,7 @@ _FLAG_SECTIONS = {"prepare": ("data", "tokenizer"), "train": ("train", "model", 
 _FLAG_KEYS = {"eval": ("data.doc_mode", "data.text_field", "data.encoding")}  # single fields a command reads
 _COMMON_SECTIONS = ("spark", "storage")
 _STARTED: list = []  # sessions this command started, stopped when it ends
+_SIGINT: list = []  # the SIGINT handler before this command's Spark started, restored when it ends
 RUN_TIME_BUDGET = 360  # seconds of training when `sparklm run` is given no budget: the whole job fits in 10 minutes
 RUN_EARLY_STOP = 3  # `sparklm run` stops after this many evaluations without a better one, unless told otherwise
 
@@ -161,10 +162,10 @@ def _config_flags(group, sections: tuple[str, ...] = (), keys: tuple[str, ...] =
             group.add_argument(flag, dest=key, action="store_false" if flag.startswith("--no-") else "store_true",
                                default=None, help=help_text)
             continue
-        choices = typing.get_args(tp) if typing.get_origin(tp) is Literal else None
-        kind = str if choices else tp
-        metavar = None if choices else {int: "N", float: "X"}.get(tp, key.rsplit(".", 1)[1].upper())
-        group.add_argument(flag, dest=key, type=kind, choices=choices, metavar=metavar, help=help_text)
+        allowed = choices(tp, f.metadata)
+        kind = str if allowed else tp
+        metavar = None if allowed else {int: "N", float: "X"}.get(tp, key.rsplit(".", 1)[1].upper())
+        group.add_argument(flag, dest=key, type=kind, choices=allowed, metavar=metavar, help=help_text)
 
 
 def _config(args: argparse.Namespace):
@@ -195,9 +196,13 @@ def _session_factory(args: argparse.Namespace, config):
         log = None if args.debug else default_jvm_log()
         t0 = time.time()
         running = SparkSession.getActiveSession()
+        before = signal.getsignal(signal.SIGINT)
         spark = get_session(config.spark, jvm_log=log)
         if spark is not running:
             _STARTED.append(spark)
+            if threading.current_thread() is threading.main_thread():
+                _SIGINT.append(before)
+                signal.signal(signal.SIGINT, _interrupted)
         progress.info(f"Spark {spark.version} ({spark.sparkContext.master}) started in {time.time() - t0:.1f}s"
                       + (f" [dim](JVM log: {log})[/dim]" if log else ""))
         return spark
@@ -258,8 +263,11 @@ def _run(args: argparse.Namespace) -> int:
     progress.plain(run_dir)
     kept = summary["best"] or summary["final"]
     if kept:
-        progress.plain(f"validation bits/byte of model/ (step {kept.get('step', summary['steps'])}): "
-                       f"{kept['val_bpb']:.4f}")
+        from .model.tasks import figures_for
+
+        head = figures_for(summary["task"]).main
+        progress.plain(f"validation {head.label} of model/ (step {kept.get('step', summary['steps'])}): "
+                       f"{kept[head.key]:{head.fmt}}")
     return 0
 
 
@@ -376,8 +384,9 @@ def _eval(args: argparse.Namespace) -> int:
                           batch_size=args.batch_size, threads=args.threads, spark=_session_factory(args, config))
     progress.info(f"{result['documents']} documents, {result['tokens']:,} tokens scored "
                   f"(window {result['max_length']}, stride {result['stride']})")
-    progress.plain(f"loss {result['loss']:.4f} | perplexity {result['perplexity']:.3f} | "
-                   f"bits/byte {result['bits_per_byte']:.4f} | accuracy {result['accuracy']:.2%}")
+    from .model.tasks import figures_for
+
+    progress.plain(figures_for(config.model.task).line(result, by="name"))
     if args.output:
         from .fs import write_text
 
@@ -443,6 +452,21 @@ def _stop_spark() -> None:
             _STARTED.pop().stop()
         except Exception:  # the JVM already died (its error was reported): stopping it is moot, not a traceback
             pass
+    while _SIGINT:  # the caller's Ctrl-C handling again
+        signal.signal(signal.SIGINT, _SIGINT.pop())
+
+
+def _interrupted(signum, frame) -> None:
+    """Ctrl-C while this command's Spark runs: one line and exit 130, at once.
+
+    pyspark's own handler cancels the jobs over the py4j connection the main thread is blocked reading (a reentrant
+    read), and the Spark calls that follow fail one after another: ~50 lines of tracebacks. Nothing needs that
+    clean-up: every output sparklm writes appears whole or not at all (an interrupted checkpoint or dataset is a
+    hidden staging name, removed by the next run), and the JVM exits when this process does (its gateway watches
+    our pipe), ending its executors' work with it."""
+    sys.stderr.write("interrupted\n")
+    sys.stderr.flush()
+    os._exit(130)
 
 
 if __name__ == "__main__":

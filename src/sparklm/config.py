@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .errors import SparklmError
+from .model.tasks import REGISTRY as TASKS  # the registries' names: they live there only
+from .train.strategies import NAMES as STRATEGY_NAMES
 
 
 def _f(default: Any, help: str, *, flag: str = "", **limits: Any) -> Any:
@@ -119,6 +122,8 @@ class OutputConfig:
 class ModelConfig:
     """The decoder-only transformer (built with transformers)."""
 
+    task: str = _f("causal-lm", "what is trained; " + "; ".join(f"{n}: {t.help}" for n, t in TASKS.items()),
+                   choices=tuple(TASKS))
     arch: Literal["llama", "gpt2"] = _f("llama", "llama: RMSNorm, RoPE, SwiGLU; gpt2: LayerNorm, learned positions, GELU")
     n_layer: int = _f(4, "transformer blocks", min=1)
     n_head: int = _f(4, "attention heads", min=1)
@@ -136,6 +141,12 @@ class ModelConfig:
     init_from: str = _f("", "start from a pretrained model instead of a fresh one: an HF causal-LM directory (local or "
                             "on an object store; safetensors weights), a sparklm run, or a .gguf file (converted once "
                             "into sparklm's cache)", flag="--init-from")
+
+    def __post_init__(self):
+        # checked here, on the driver, before Spark starts (not first inside a rank)
+        if not self.init_from and self.n_embd % self.n_head:
+            raise SparklmError(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})",
+                               hint="each head gets n_embd / n_head dimensions")
 
     @property
     def mlp_hidden(self) -> int:
@@ -213,10 +224,10 @@ class TrainConfig:
     workers: int = _f(1, "Spark tasks training at once (DDP ranks, or the tasks of a round)", min=1, flag="--workers")
     threads: int = _f(0, "torch threads per worker; 0: the machine's cores divided by workers (local mode), "
                          "spark.task.cpus on a cluster", min=0, flag="--threads")
-    strategy: Literal["ddp", "average", "diloco"] = _f(
+    strategy: str = _f(
         "ddp", "ddp: synchronous data parallelism on Spark barrier tasks; average: rounds of plain tasks whose "
                "weights are averaged every sync_every steps; diloco: the same rounds with an outer Nesterov step",
-        flag="--strategy")
+        flag="--strategy", choices=STRATEGY_NAMES)
     batch_size: int = _f(8, "sequences per micro-batch per worker", min=1)
     grad_accum: int = _f(1, "micro-batches per optimizer step", min=1)
     optimizer: Literal["auto", "adamw", "muon"] = _f(
@@ -387,7 +398,7 @@ def describe() -> str:
                 nested.append((hints[f.name], f"{name}.{f.name}"))
                 continue
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            lines.append(f"# {f.metadata['help']} ({_type_name(hints[f.name])})")
+            lines.append(f"# {f.metadata['help']} ({_type_name(hints[f.name], f.metadata)})")
             lines.append(f"{f.name} = {_toml_value(default)}")
         for sub, sub_name in nested:
             table(sub, sub_name)
@@ -524,12 +535,19 @@ def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
+def choices(tp: Any, meta: Any) -> tuple | None:
+    """The values a field allows: its ``Literal``'s, or the ``choices`` its metadata names (a registry's keys)."""
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    return tuple(meta["choices"]) if "choices" in meta else None
+
+
 def _check(key: str, value: Any, tp: Any, meta: Any) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Literal:
-        if value not in args:
-            allowed = ", ".join(repr(a) for a in args)
-            raise SparklmError(f"config key '{key}' is {value!r}; allowed values: {allowed}")
+    origin = typing.get_origin(tp)
+    allowed = choices(tp, meta)
+    if allowed is not None:
+        if value not in allowed:
+            raise SparklmError(f"config key '{key}' is {value!r}; allowed values: {', '.join(map(repr, allowed))}")
         return value
     if origin is dict:
         if not isinstance(value, dict):
@@ -544,8 +562,8 @@ def _check(key: str, value: Any, tp: Any, meta: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise SparklmError(f"config key '{key}' must be an integer, got {value!r}")
     elif tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise SparklmError(f"config key '{key}' must be a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise SparklmError(f"config key '{key}' must be a finite number, got {value!r}")
         value = float(value)
     elif tp is str:
         if not isinstance(value, str):
@@ -559,9 +577,9 @@ def _check(key: str, value: Any, tp: Any, meta: Any) -> Any:
     return value
 
 
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+def _type_name(tp: Any, meta: Any) -> str:
+    if (allowed := choices(tp, meta)) is not None:
+        return "one of " + ", ".join(repr(a) for a in allowed)
     if typing.get_origin(tp) is dict:
         return "table"
     return tp.__name__

@@ -76,6 +76,12 @@ def staged_file(target: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def adopt_file(finished: Path, target: Path) -> None:
+    """Put a file that another process wrote to the end under a temporary name (a JVM's class-data archive, written
+    as it exits) in ``target``'s place in one rename: readers see no file or the whole one."""
+    os.replace(finished, target)
+
+
 def write_bytes(uri: str, data: bytes, storage: StorageConfig | None = None) -> None:
     """Write ``uri`` whole: readers see the old content or the new, never a part."""
     fs, path = resolve(uri, storage)

@@ -128,7 +128,9 @@ def class_cache_flags(java_home: str, conf: dict[str, str] | None = None) -> tup
                 continue
             claim.unlink()
             if tmp.is_file() and tmp.stat().st_size > 0:
-                os.replace(tmp, archive)
+                from .fs import adopt_file  # pyarrow's import, only when an archive is adopted
+
+                adopt_file(tmp, archive)
                 return use, None
             tmp.unlink(missing_ok=True)
         if busy:

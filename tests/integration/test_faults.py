@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cfg, make_text, weights
+from conftest import cfg, figures, make_text, weights
 from sparklm.errors import SparklmError
 from sparklm.train.run import train
 from sparklm.train.sinks import read_metrics
@@ -72,6 +72,54 @@ def test_overwrite_replaces_only_sparklm_outputs(tmp_path):
     assert sorted(p.name for p in victim.iterdir()) == ["passwd"]
 
 
+def test_overwrite_of_a_dataset_refuses_files_it_did_not_write(spark, dataset, tmp_path):
+    """A sparklm manifest beside a user's own file: --overwrite must not take the file with the dataset."""
+    from sparklm.config import from_dict
+    from sparklm.data.prepare import prepare
+
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    shutil.copy(Path(dataset) / "manifest.json", mixed / "manifest.json")
+    (mixed / "thesis.docx").write_text("keep")
+    (tmp_path / "in.txt").write_text(make_text(60))
+    conf = from_dict({"data": {"seq_len": 32}, "tokenizer": {"vocab_size": 300}})
+    with pytest.raises(SparklmError, match=r"sparklm did not write \(thesis.docx\)"):
+        prepare([str(tmp_path / "in.txt")], output=str(mixed), config=conf, overwrite=True, spark=spark)
+    assert (mixed / "thesis.docx").read_text() == "keep"
+    # a dataset holding only its own files is replaced; it then lists them, and a stray file added later is refused
+    own = tmp_path / "own"
+    prepare([str(tmp_path / "in.txt")], output=str(own), config=conf, spark=spark)
+    prepare([str(tmp_path / "in.txt")], output=str(own), config=conf, overwrite=True, spark=spark)
+    listed = json.loads((own / "manifest.json").read_text())["contents"]
+    assert sorted(str(p.relative_to(own)) for p in own.rglob("*") if p.is_file()) == listed
+    (own / "train" / "notes.txt").write_text("mine")
+    with pytest.raises(SparklmError, match="notes.txt"):
+        prepare([str(tmp_path / "in.txt")], output=str(own), config=conf, overwrite=True, spark=spark)
+
+
+def test_a_second_writer_of_a_run_directory_is_refused_naming_the_holder(dataset, tmp_path):
+    """Two `sparklm train --output X` at once: the second stops with one line naming the first (host, pid) and writes
+    nothing; the first ends as if alone (each step's row once)."""
+    run = tmp_path / "run"
+    args = ["train", "--data", dataset, "-o", str(run), "--max-steps", "40", "--set", "train.log_every=1", *TINY_FLAGS]
+    first = subprocess.Popen([sys.executable, "-m", "sparklm", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
+    try:
+        deadline = time.time() + 120
+        while not (run / ".sparklm.lock").exists() and first.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        second = cli(*args[:-len(TINY_FLAGS)], "--set", "train.seed=7", *TINY_FLAGS)
+        assert f"is in use by another sparklm run (host {os.uname().nodename}, pid {first.pid}" in one_error_line(second)
+        _, err = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, err[-2000:]
+    steps = [r["step"] for r in read_metrics(str(run / "metrics.csv")) if r["kind"] == "train"]
+    assert steps == list(range(1, 41)) and json.loads((run / "config.json").read_text())["config"]["train"]["seed"] != 7
+    assert not (run / ".sparklm.lock").exists()
+
+
 def test_stale_staging_of_a_killed_prepare_is_removed(spark, tmp_path):
     from sparklm.config import from_dict
     from sparklm.data.prepare import prepare
@@ -90,14 +138,22 @@ def test_stale_staging_of_a_killed_prepare_is_removed(spark, tmp_path):
 # -- rounds survive any failure of a worker --------------------------------------------------------
 
 
-def test_a_crashed_worker_is_left_out_of_its_round_and_nothing_leaks(spark, dataset, tmp_path, monkeypatch):
+def test_a_crashed_worker_is_left_out_of_its_round_and_nothing_leaks(spark, dataset, tmp_path, monkeypatch, capfd):
     inner = Path(tempfile.gettempdir()) / "sparklm-inner"
     before = set(inner.iterdir()) if inner.exists() else set()
-    # local[2] gives a task one attempt: worker 1's Python process is SIGKILLed after its round-1 steps
+    # local[2] gives a task one attempt: worker 1's Python process is SIGKILLed after its steps of the second round
+    # (which also evaluates the weights of step 2)
     monkeypatch.setenv("SPARKLM_INJECT_FAULT", "round=1,worker=1,at=crash")
     run = tmp_path / "crash"
     s = train(dataset, output=str(run), config=cfg(max_steps=6, samples=0, strategy="average", sync_every=2,
-                                                   workers=2), spark=spark)
+                                                   workers=2, eval_every=2), spark=spark)
+    err = capfd.readouterr().err
+    # one line in the run's own numbering (the progress line's "round 2"), the cause in words, not cut mid-word
+    assert ("round 2: 1 of 2 workers returned a delta (worker 1 failed: its task failed 1 time(s): its Python worker "
+            "exited unexpectedly") in err, err[-3000:]
+    # the evaluation of step 2 scored only worker 0's validation rows: said, recorded, not used to pick the best
+    assert "the evaluation at step 2 covers the validation rows of 1 of 2 workers" in err
+    assert s["best"]["step"] in (4, 6)
     import csv
 
     with (run / "rounds.csv").open() as f:
@@ -120,6 +176,7 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_bitwise_equal(
             env={"SPARKLM_INJECT_RANK_FAULT": "rank=1,step=5,at=crash"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "restarting the ranks from the checkpoint of step 3" in r.stderr
+    assert "warning: training rank 1 on " in r.stderr  # the rank that died is named, not the one that lost it
     a, b = weights(clean), weights(faulted)
     for k in a:
         assert torch.equal(a[k], b[k]), k
@@ -180,6 +237,9 @@ def test_resume_skips_a_damaged_checkpoint_and_ends_bitwise_equal(spark, dataset
     a, b = weights(full), weights(stopped)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    # the rows the stopped run wrote after the checkpoint it resumed from (step 4) are not there twice: the resumed
+    # run rewound metrics.csv to step 4 and wrote them again, as the uninterrupted run has them
+    assert figures(stopped) == figures(full)
     # a garbled run config is one line
     (stopped / "config.json").write_text("{not json")
     with pytest.raises(SparklmError, match="is not a sparklm run configuration"):
@@ -220,6 +280,69 @@ def test_flipped_bytes_in_model_weights_are_found(spark, dataset, tmp_path):
         load(str(run))
 
 
+# -- Ctrl-C ----------------------------------------------------------------------------------------
+
+
+def _interrupt(args: list[str], started) -> subprocess.CompletedProcess:
+    """Run ``sparklm ARGS`` in its own process group, send the group SIGINT (what a terminal's Ctrl-C does) once
+    ``started()`` holds, and return the finished process once every process of the group is gone."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "sparklm", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
+    try:
+        deadline = time.time() + 180
+        while not started() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        gone = time.time() + 30
+        while time.time() < gone:  # the JVM, its Python workers, the ranks: none outlives the command
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("processes of the interrupted command are still running")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _one_line_interrupt(r) -> None:
+    assert r.returncode == 130, r.stderr[-3000:]
+    assert r.stderr.splitlines()[-1] == "interrupted" and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert not any(word in r.stderr for word in ("Py4J", "Error", "Exception")), r.stderr[-3000:]
+
+
+def test_ctrl_c_during_training_is_one_line_and_the_run_resumes(dataset, tmp_path):
+    run = tmp_path / "run"
+    flags = ["--set", "train.checkpoint_every=10", "--set", "train.keep_checkpoints=100", "--set", "train.log_every=1",
+             *TINY_FLAGS]
+    r = _interrupt(["train", "--data", dataset, "-o", str(run), "--max-steps", "100000", *flags],
+                   lambda: len(list((run / "checkpoints").glob("step-*"))) >= 2)
+    _one_line_interrupt(r)
+    last = max(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
+    # the checkpoints are whole, the dead run's lock is taken over, and each step's row is there once
+    resumed = cli("train", "-o", str(run), "--resume", "--max-steps", str(last + 5), *flags)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    steps = [row["step"] for row in read_metrics(str(run / "metrics.csv")) if row["kind"] == "train"]
+    assert steps == list(range(1, last + 6))
+
+
+def test_ctrl_c_during_prepare_is_one_line_and_leaves_no_dataset(tmp_path):
+    (tmp_path / "big.txt").write_text(make_text(8000, seed=4))
+    out = tmp_path / "out"
+    r = _interrupt(["prepare", str(tmp_path / "big.txt"), "-o", str(out), "--seq-len", "32", "--vocab-size", "300",
+                    "--master", "local[2]", "--set", "spark.ui=false"],
+                   lambda: any(p.name.startswith(".out.sparklm-tmp") for p in tmp_path.iterdir()))
+    _one_line_interrupt(r)
+    assert not out.exists()
+
+
 # -- disk full -------------------------------------------------------------------------------------
 
 
@@ -231,6 +354,10 @@ def test_disk_full_during_prepare_is_one_line_and_leaves_nothing(tiny_fs, tmp_pa
     assert list(tiny_fs.iterdir()) == []  # no partial dataset, no staging
 
 
-def test_disk_full_during_training_is_one_line(tiny_fs, dataset):
-    r = cli("train", "--data", dataset, "-o", str(tiny_fs / "run"), "--max-steps", "2", *TINY_FLAGS)
-    assert "no space left on device" in one_error_line(r)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_disk_full_during_training_is_one_line(tiny_fs, dataset, workers):
+    """With two ranks the other one first reports a peer that stopped answering: the run still stops at once with
+    the cause (no restart: it cannot cure a full disk)."""
+    r = cli("train", "--data", dataset, "-o", str(tiny_fs / "run"), "--max-steps", "2", "--workers", str(workers),
+            *TINY_FLAGS)
+    assert "no space left on device" in one_error_line(r) and "restarting" not in r.stderr

@@ -9,7 +9,8 @@ from sparklm.data.manifest import load_prepared
 from sparklm.data.prepare import prepare
 from sparklm.errors import SparklmError
 from sparklm.fs import exists, list_names, resolve, staged_dir
-from sparklm.train.sinks import METRIC_COLUMNS, CsvSink, read_metrics
+from sparklm.train.rows import Train
+from sparklm.train.sinks import TRAIN_COLUMNS, CsvSink, read_metrics
 
 
 def test_prepare_from_and_to_s3(spark, s3_server, config):
@@ -79,6 +80,9 @@ def test_run_directory_on_s3(spark, dataset, s3_server, tmp_path):
                            ["Body"].read())
     for name, tensor in weights(full).items():
         assert torch.equal(tensor, resumed[name]), name
+    on_s3 = read_metrics("s3://runs/stopped/metrics.csv", StorageConfig(endpoint_url=s3_server))
+    assert [(r["kind"], r["step"], r["loss"]) for r in on_s3] == \
+           [(r["kind"], r["step"], r["loss"]) for r in read_metrics(str(full / "metrics.csv"))]  # rewound on S3 too
 
     # generate, batch generation, eval and export read the model from S3 as from a local run directory
     storage = StorageConfig(endpoint_url=s3_server)
@@ -99,6 +103,30 @@ def test_run_directory_on_s3(spark, dataset, s3_server, tmp_path):
 
 
 # -- fs and sinks on an object store (moved from the unit tests: they need the S3 server) ----------------------
+
+
+def test_a_run_directory_on_s3_has_one_writer(s3_server):
+    """The lock on S3 is a conditional PUT: a second writer is refused naming the first, a dead one's lock (its lease
+    run out) is taken over, and the lock is gone at the end."""
+    import json
+    import time
+
+    from sparklm.config import StorageConfig
+    from sparklm.runlock import LOCK, RunLock
+
+    s3 = boto3.client("s3", endpoint_url=s3_server)
+    s3.create_bucket(Bucket="locked")
+    storage = StorageConfig(endpoint_url=s3_server)
+    with RunLock("s3://locked/run", storage) as holder:
+        with pytest.raises(SparklmError, match=rf"s3://locked/run is in use by another sparklm run \(host .*pid "
+                                               rf"{holder.me['pid']}"):
+            RunLock("s3://locked/run", storage).acquire()
+    assert "Contents" not in s3.list_objects_v2(Bucket="locked")
+    dead = {"host": "elsewhere", "pid": 1, "token": "t", "started": "then", "heartbeat": time.time() - 600}
+    s3.put_object(Bucket="locked", Key=f"run/{LOCK}", Body=json.dumps(dead).encode())
+    with RunLock("s3://locked/run", storage, lease=60) as taker:
+        got = json.loads(s3.get_object(Bucket="locked", Key=f"run/{LOCK}")["Body"].read())
+        assert got["token"] == taker.me["token"]
 
 
 def test_staged_dir_on_an_object_store_writes_its_marker_last(s3_server):
@@ -140,13 +168,18 @@ def test_csv_sink_on_an_object_store_continues_and_rewinds(s3_server):
     boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket="metrics")
     storage = StorageConfig(endpoint_url=s3_server)
     uri = "s3://metrics/run/metrics.csv"
-    sink = CsvSink(uri, METRIC_COLUMNS, {"train"}, storage)
+    sink = CsvSink(uri, TRAIN_COLUMNS, {"train"}, storage)
     for step in (1, 2, 3):
-        sink.write({"kind": "train", "step": step, "loss": 1.0 / step})
+        sink.write(_train(step, 1.0 / step))
     sink.close()
-    again = CsvSink(uri, METRIC_COLUMNS, {"train"}, storage)  # a resumed run continues the file
-    again.write({"kind": "train", "step": 4, "loss": 0.25})
+    again = CsvSink(uri, TRAIN_COLUMNS, {"train"}, storage)  # a resumed run continues the file
+    again.write(_train(4, 0.25))
     again.rewind(2)
-    again.write({"kind": "train", "step": 3, "loss": 0.3})
+    again.write(_train(3, 0.3))
     again.close()
     assert [(r["step"], r["loss"]) for r in read_metrics(uri, storage)] == [(1, 1.0), (2, 0.5), (3, 0.3)]
+
+
+def _train(step: int, loss: float) -> Train:
+    return Train(step=step, epoch=0.0, tokens=step, loss=loss, lr=0.0, grad_norm=0.0, tokens_per_s=0.0, ms_per_step=0.0,
+                 mfu=0.0, rss_mb=0.0, peak_rss_mb=0.0, rank_peak_rss_mb="", elapsed=0.0)

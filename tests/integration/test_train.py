@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import TINY, cfg, run_sparklm, stopped_copy, weights
+from conftest import TINY, cfg, figures, run_sparklm, stopped_copy, weights
 from sparklm.config import from_dict
 from sparklm.errors import SparklmError
 from sparklm.train.run import train
@@ -116,6 +116,7 @@ def test_resume_ends_with_the_same_weights(spark, dataset, tmp_path, optimizer):
     a, b = weights(full), weights(stopped)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    assert figures(stopped) == figures(full)  # steps 5-8 once: the resumed run rewound the rows written after step 4
 
 
 def _hf_weights(directory):

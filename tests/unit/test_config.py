@@ -29,6 +29,11 @@ def test_defaults_and_overrides(tmp_path):
         ("data.doc_mode=pages", ["allowed values", "'paragraph'"]),
         ("data.dedup=yes", ["true or false"]),
         ("seq_len=3", ["bad override"]),
+        ("train.lr=nan", ["'train.lr' must be a finite number"]),
+        ("train.grad_clip=inf", ["'train.grad_clip' must be a finite number"]),
+        ("model.n_embd=90", ["model.n_embd (90) must be divisible by model.n_head (4)"]),
+        ("train.strategy=allreduce", ["allowed values: 'ddp', 'average', 'diloco'"]),
+        ("model.task=translation", ["allowed values: 'causal-lm'"]),
     ],
 )
 def test_bad_config_is_one_clear_message(override, words):

@@ -14,7 +14,8 @@ from sparklm.config import Config, TrainConfig, diff, from_dict, merge
 from sparklm.data.stream import TokenStream, row_groups
 from sparklm.errors import SparklmError
 from sparklm.model.lm_head import token_sums
-from sparklm.model.task import IGNORE, lm_figures, make_batch
+from sparklm.model.task import IGNORE, make_batch
+from sparklm.model.tasks import lm_figures
 from sparklm.train import checkpoint
 from sparklm.train.core import fraction, lr_at, plan
 from sparklm.train.recorder import Best
@@ -151,6 +152,16 @@ def test_checkpoint_round_trip_and_pruning(tmp_path):
     (tmp_path / "checkpoints" / "step-0000006" / "state.json").write_text("{garbled")
     with pytest.raises(SparklmError, match="unreadable"):
         checkpoint.read_state(last)
+    # the newest unreadable: a warning, and the one before it; both unreadable: the error, and no warning that
+    # promises an older checkpoint that is not there
+    warned = []
+    found = checkpoint.newest_readable(ckpts, lambda p: checkpoint.read_state(p), warn=warned.append)
+    assert found["step"] == 4 and len(warned) == 1 and "resuming from the checkpoint before it" in warned[0]
+    (tmp_path / "checkpoints" / "step-0000004" / "state.json").write_text("{garbled")
+    warned.clear()
+    with pytest.raises(SparklmError, match="step-0000004 is unreadable"):
+        checkpoint.newest_readable(ckpts, lambda p: checkpoint.read_state(p), warn=warned.append)
+    assert len(warned) == 1  # only the newest one's, which had an older one to fall back to
 
 
 # -- the configuration of a resumed run ---------------------------------------------------------------

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from sparklm.config import TrainConfig
+from sparklm.model.tasks import LM_FIGURES, Figure, FigureSet
+from sparklm.train import rows
 from sparklm.train.recorder import Recorder, RunResult
 from sparklm.train.schedule import Schedule
-from sparklm.train.sinks import METRIC_COLUMNS
+from sparklm.train.sinks import TRAIN_COLUMNS, metric_columns
 
 
 @given(total=st.one_of(st.none(), st.integers(1, 200)), every=st.integers(0, 50), step=st.integers(1, 250))
@@ -49,7 +54,7 @@ class Rows:
         self.rows.append(row)
 
     def rewind(self, step):
-        self.rows = [r for r in self.rows if r.get("step", 0) <= step]
+        self.rows = [r for r in self.rows if getattr(r, "step", 0) <= step]
 
     def close(self):
         pass
@@ -57,27 +62,61 @@ class Rows:
 
 def test_the_recorder_writes_one_kind_of_train_row_and_tracks_the_best():
     sink = Rows()
-    rec = Recorder(sink, TrainConfig(early_stop=2), strategy="diloco", workers=2, epoch_tokens=1000)
+    rec = Recorder(sink, TrainConfig(early_stop=2), strategy="diloco", workers=2, epoch_tokens=1000,
+                   figures=LM_FIGURES)
     rec.info({"params": 10, "flops_per_token": 60.0, "peak_flops": 1000.0, "dtype": "float32"}, 40, sync_every=4)
     row = rec.train(step=4, tokens=500, loss=2.0, lr=1e-3, grad_norm=0.5, tokens_per_s=10.0, ms_per_step=5.0,
                     rss_mb=100.0, peaks=[120.0, None], elapsed=1.0)
-    assert set(METRIC_COLUMNS) - {"val_loss", "val_ppl", "val_bpb", "val_acc", "val_tokens"} == set(row)
-    assert row["epoch"] == 0.5 and row["mfu"] == 10.0 * 60.0 / (1000.0 * 2) and row["rank_peak_rss_mb"] == "120/-"
+    assert isinstance(sink.rows[0], rows.Info) and sink.rows[0].sync_every == 4 and sink.rows[0].params == 10
+    assert list(row.to_dict()) == TRAIN_COLUMNS  # the same fields from every strategy, in metrics.csv's order
+    assert metric_columns(LM_FIGURES) == TRAIN_COLUMNS + ["val_loss", "val_ppl", "val_bpb", "val_acc", "val_tokens"]
+    assert row.epoch == 0.5 and row.mfu == 10.0 * 60.0 / (1000.0 * 2) and row.rank_peak_rss_mb == "120/-"
     figures = {"val_loss": 3.0, "val_bpb": 1.5}
     assert rec.evaluation(4, 500, figures)  # the first is the best
     assert not rec.evaluation(8, 900, {**figures, "val_loss": 3.1}) and not rec.should_stop("round 2")
     assert not rec.evaluation(12, 1300, {**figures, "val_loss": 3.2}) and rec.should_stop("round 3")
-    assert sink.rows[-1] == {"kind": "note", "message": "early stop at round 3: no lower validation loss in 2 "
-                                                        "evaluations (best at step 4)"}
+    assert sink.rows[-1] == rows.Note("early stop at round 3: no lower validation loss in 2 evaluations (best at "
+                                      "step 4)")
+    assert sink.rows[-2] == rows.Eval(step=12, tokens=1300, figures={**figures, "val_loss": 3.2})
     rec.note_peaks([90.0, 140.0])
     result = rec.result(steps=12, tokens=1300, seconds=2.0, rounds=3)
     assert isinstance(result, RunResult) and result.best == {"step": 4, **figures}
     assert result.final["val_loss"] == 3.2 and result.rank_peak_rss_mb == [120.0, 140.0] and result.peak_rss_mb == 140
-    assert RunResult.from_dict({**result.to_dict(), "rank": 0}) == result  # as a DDP rank's JSON brings it back
+    assert RunResult.from_json(result.to_json()) == result  # as a DDP rank's JSON brings it back
 
 
 def test_a_rank_that_records_nothing_still_decides_early_stopping():
-    quiet = Recorder(None, TrainConfig(early_stop=1), strategy="ddp", workers=2, epoch_tokens=10)
+    quiet = Recorder(None, TrainConfig(early_stop=1), strategy="ddp", workers=2, epoch_tokens=10, figures=LM_FIGURES)
     quiet.evaluation(1, 5, {"val_loss": 1.0})
     quiet.evaluation(2, 10, {"val_loss": 2.0})
     assert quiet.should_stop("step 2")
+
+
+def test_the_best_follows_the_loss_the_task_names():
+    """A task whose figures are not a language model's (a classifier: error rate, F1) gets the same best and early
+    stopping, and the console shows its own figures."""
+    classifier = FigureSet((Figure("val_xent", "xent", "cross-entropy", ".3f"), Figure("val_f1", "f1", "F1", ".2f")),
+                           loss="val_xent", headline="val_f1")
+    sink = Rows()
+    rec = Recorder(sink, TrainConfig(early_stop=1), strategy="ddp", workers=1, epoch_tokens=10, figures=classifier)
+    assert rec.evaluation(1, 5, {"val_xent": 0.7, "val_f1": 0.5}) and not rec.evaluation(2, 9, {"val_xent": 0.8,
+                                                                                                 "val_f1": 0.6})
+    assert rec.best.step == 1 and rec.should_stop("step 2")
+    assert classifier.line(sink.rows[0].figures) == "cross-entropy 0.700 | F1 0.50"
+    assert classifier.main.label == "F1" and metric_columns(classifier)[-2:] == ["val_xent", "val_f1"]
+
+
+def test_every_row_kind_survives_the_json_a_rank_sends():
+    samples = [rows.Info(strategy="ddp", workers=2, total_steps=None, params=5, threads=1),
+               rows.Train(step=1, epoch=0.1, tokens=64, loss=2.5, lr=1e-3, grad_norm=0.3, tokens_per_s=100.0,
+                          ms_per_step=9.0, mfu=0.2, rss_mb=10.0, peak_rss_mb=11.0, rank_peak_rss_mb="11/10", elapsed=0.5),
+               rows.Eval(step=2, tokens=128, figures={"val_loss": 2.0, "val_bpb": 1.1}),
+               rows.Round(round=1, step=4, workers=2, workers_done=1, tokens=9, loss=2.0, inner_losses="2.0", attempts="0",
+                          cold="", broadcast_bytes=1, returned_bytes=2, broadcast_s=0.1, fetch_s=0.1, compute_s=1.0,
+                          aggregate_s=0.1, round_s=1.3, outer_update_norm=0.2, delta_norm=0.3, elapsed=2.0),
+               rows.Note("a note"), rows.Warn("a warning")]
+    for row in samples:
+        assert rows.from_dict(json.loads(json.dumps(row.to_dict()))) == row
+    assert rows.ROUND_COLUMNS[-1] == "elapsed" and "eta_s" not in rows.ROUND_COLUMNS  # the progress line's only
+    with pytest.raises(ValueError):
+        rows.from_dict({"kind": "gossip"})

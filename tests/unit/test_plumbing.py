@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -9,13 +10,16 @@ import pytest
 
 from sparklm.cache import process_local
 from sparklm.fs import exists, list_names, read_text, staged_dir, write_text
+from sparklm.model.tasks import LM_FIGURES
+from sparklm.train import rows
 from sparklm.train.sinks import (
-    METRIC_COLUMNS,
+    TRAIN_COLUMNS,
     Channel,
     ChannelSink,
     ConsoleSink,
     CsvSink,
     Sinks,
+    metric_columns,
     rank_mb,
     read_metrics,
     round_line,
@@ -63,20 +67,20 @@ def test_process_local_builds_once_per_key_and_keeps_the_latest():
 
 def test_rows_travel_from_a_rank_to_the_driver_sinks(tmp_path, capsys):
     csv_path = tmp_path / "metrics.csv"
-    sinks = Sinks([CsvSink(str(csv_path), METRIC_COLUMNS, {"train", "eval"}), ConsoleSink()])
+    sinks = Sinks([CsvSink(str(csv_path), metric_columns(LM_FIGURES), {"train", "eval"}), ConsoleSink(LM_FIGURES)])
     channel = Channel(sinks)
     # a stranger without the token is ignored
     stranger = ChannelSink(*channel.address, "not-the-token")
-    stranger.write({"kind": "train", "step": 99})
+    stranger.write(_train(99))
     stranger.close()
 
     def rank():
         sink = ChannelSink(*channel.address, channel.token)
-        sink.write({"kind": "info", "total_steps": 4, "strategy": "ddp"})
+        sink.write(rows.Info(strategy="ddp", workers=1, total_steps=4))
         for step in (1, 2):
-            sink.write({"kind": "train", "step": step, "loss": 3.0 / step, "lr": 1e-3, "tokens_per_s": 100.0,
-                        "ms_per_step": 10.0, "mfu": 0.5, "elapsed": step})
-        sink.write({"kind": "eval", "step": 2, "val_loss": 2.0, "val_ppl": 7.4, "val_bpb": 1.5, "val_acc": 0.25})
+            sink.write(_train(step, loss=3.0 / step, elapsed=step))
+        sink.write(rows.Eval(step=2, tokens=64, figures={"val_loss": 2.0, "val_ppl": 7.4, "val_bpb": 1.5,
+                                                         "val_acc": 0.25}))
         sink.close()
 
     t = threading.Thread(target=rank)
@@ -84,25 +88,35 @@ def test_rows_travel_from_a_rank_to_the_driver_sinks(tmp_path, capsys):
     t.join()
     channel.close()
     sinks.close()
-    rows = read_metrics(str(csv_path))
-    assert [(r["kind"], r["step"]) for r in rows] == [("train", 1), ("train", 2), ("eval", 2)]
+    got = read_metrics(str(csv_path))
+    assert [(r["kind"], r["step"]) for r in got] == [("train", 1), ("train", 2), ("eval", 2)]
+    assert got[-1]["val_bpb"] == 1.5
     err = capsys.readouterr().err
-    assert "step 1/4" in err and "eval step 2" in err and "step 99" not in err
+    assert "step 1/4" in err and "eval step 2: loss 2.0000 | perplexity 7.400 | bits/byte 1.5000" in err
+    assert "step 99" not in err
 
 
 def test_peak_memory_per_rank_in_a_csv_cell_and_the_progress_lines(tmp_path):
     assert rank_mb([812.4, 790.6]) == "812/791" and rank_mb([812.0, None]) == "812/-"
     csv_path = tmp_path / "metrics.csv"
-    sink = CsvSink(str(csv_path), METRIC_COLUMNS, {"train"})
-    sink.write({"kind": "train", "step": 1, "peak_rss_mb": 812.4, "rank_peak_rss_mb": rank_mb([812.4, 790.6])})
+    sink = CsvSink(str(csv_path), TRAIN_COLUMNS, {"train"})
+    sink.write(_train(1, peak_rss_mb=812.4, rank_peak_rss_mb=rank_mb([812.4, 790.6])))
     sink.close()
     assert read_metrics(str(csv_path))[0]["rank_peak_rss_mb"] == "812/791"
-    row = {"step": 3, "loss": 2.0, "lr": 1e-3, "tokens_per_s": 100.0, "ms_per_step": 10.0, "mfu": 0.5,
-           "elapsed": 1.0, "peak_rss_mb": 1260.0}
+    row = _train(3, loss=2.0, elapsed=1.0, peak_rss_mb=1260.0)
     assert "| 1.23 GB peak |" in train_line(row, 4)
-    assert "GB peak" not in train_line({**row, "peak_rss_mb": None}, 4)  # a row without it: no figure
-    assert "| 1.23 GB peak |" in round_line({**row, "round": 1, "workers": 2, "workers_done": 2, "round_s": 1.0,
-                                             "outer_update_norm": 0.1, "sent_mb": 1.0, "eta_s": 3.0})
+    assert "GB peak" not in train_line(dataclasses.replace(row, peak_rss_mb=0.0), 4)  # none measured: no figure
+    a_round = rows.Round(round=1, step=3, workers=2, workers_done=2, tokens=64, loss=2.0, inner_losses="", attempts="",
+                         cold="", broadcast_bytes=0, returned_bytes=0, broadcast_s=0.0, fetch_s=0.0, compute_s=0.0,
+                         aggregate_s=0.0, round_s=1.0, outer_update_norm=0.1, delta_norm=0.1, elapsed=1.0,
+                         tokens_per_s=100.0, sent_mb=1.0, eta_s=3.0, peak_rss_mb=1260.0)
+    assert "| 1.23 GB peak |" in round_line(a_round)
+
+
+def _train(step: int, **fields) -> rows.Train:
+    row = dict(epoch=0.1, tokens=64 * step, loss=3.0, lr=1e-3, grad_norm=0.5, tokens_per_s=100.0, ms_per_step=10.0,
+               mfu=0.5, rss_mb=100.0, peak_rss_mb=120.0, rank_peak_rss_mb="120", elapsed=1.0)
+    return rows.Train(step=step, **{**row, **fields})
 
 
 def test_secret_values_are_masked_in_files_and_lines():

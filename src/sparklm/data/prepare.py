@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from .. import progress
@@ -460,12 +461,33 @@ def _check_output(fs, path: str, uri: str, overwrite: bool) -> None:
     # --overwrite replaces a prepared dataset, never anything else a user pointed it at by mistake
     try:
         with fs.open_input_stream(f"{path}/{MANIFEST}") as f:
-            ours = json.loads(f.read().decode("utf-8")).get("format") == FORMAT
+            manifest = json.loads(f.read().decode("utf-8"))
+        ours = manifest.get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
         ours = False
     if not ours:
         raise SparklmError(f"refusing to --overwrite {uri}: it is neither a sparklm dataset (no {MANIFEST} of format "
                            f"{FORMAT}) nor empty", hint="choose another --output, or empty it yourself if it is yours")
+    present = [i.path[len(path) + 1:] for i in fs.get_file_info(pafs.FileSelector(path, recursive=True))
+               if i.type == pafs.FileType.File]
+    foreign = sorted(set(present) - _own_files(manifest))
+    if foreign:
+        raise SparklmError(f"refusing to --overwrite {uri}: besides a sparklm dataset it holds {len(foreign)} file(s) "
+                           f"sparklm did not write ({', '.join(foreign[:3])}{', …' if len(foreign) > 3 else ''})",
+                           hint="move them elsewhere first, or choose another --output")
+
+
+# what save_pretrained writes beside tokenizer.json: the files of datasets whose manifest lists no "contents"
+_TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"}
+
+
+def _own_files(manifest: dict) -> set[str]:
+    """The files (relative paths) a prepared dataset's manifest says prepare wrote there."""
+    if isinstance(manifest.get("contents"), list):
+        return set(manifest["contents"])
+    splits = manifest.get("splits", {})
+    data = {f["path"] for s in splits.values() if isinstance(s, dict) for f in s.get("files", [])}
+    return data | _TOKENIZER_FILES | {MANIFEST}
 
 
 def _selector(path: str):
@@ -486,6 +508,10 @@ def _commit(fs, staging: str, out_path: str, files: dict, spec, manifest: dict) 
             if info.path not in keep:  # leftovers of failed or speculative attempts
                 fs.delete_file(info.path)
     tokenizers_mod.save_to(spec, fs, staging)
+    # every file of the dataset, so that --overwrite later replaces only these
+    written = [i.path[len(staging) + 1:] for i in fs.get_file_info(pafs.FileSelector(staging, recursive=True))
+               if i.type == pafs.FileType.File]
+    manifest = {**manifest, "contents": sorted([*written, MANIFEST])}
     with fs.open_output_stream(f"{staging}/{MANIFEST}") as f:
         f.write(json.dumps(manifest, indent=2).encode())
     swap_in(fs, staging, out_path, marker=MANIFEST)

@@ -18,7 +18,7 @@ from ..config import Config
 from ..errors import SparklmError, spark_errors
 from ..fs import effective
 from ..model import lm_head
-from ..model.task import lm_figures
+from ..model.tasks import lm_figures
 
 
 def windows(n_tokens: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:

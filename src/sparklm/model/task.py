@@ -9,7 +9,6 @@ export) plugs in here without touching the loop; rounds ship only the trainable 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -22,6 +21,7 @@ from ..data.tokenizer import TokenizerSpec
 from ..errors import SparklmError
 from . import lm_head, lora
 from .build import build_model, flops_per_token, load_model
+from .tasks import LM_FIGURES, REGISTRY, FigureSet, lm_figures
 
 IGNORE = lm_head.IGNORE  # label of positions without a loss (padding), as in HF and torch's cross_entropy
 
@@ -50,20 +50,12 @@ def targets(batch: Batch) -> int:
     return int((batch.labels[:, 1:] != IGNORE).sum())
 
 
-def lm_figures(nats: float, tokens: float, correct: float, nbytes: float) -> dict:
-    """Loss (nats/token), perplexity, bits per byte and accuracy from summed counts; {} when nothing counted."""
-    if tokens == 0:
-        return {}
-    loss = nats / tokens
-    return {"loss": loss, "perplexity": math.exp(min(loss, 700)), "bits_per_byte": nats / max(nbytes, 1) / math.log(2),
-            "accuracy": correct / tokens}
-
-
 class Task(Protocol):
     """What is trained. The training core and the strategies ask the task everything that depends on it; a task
     holds only what its configuration says (nothing is set on it during a run)."""
 
     name: str
+    figure_set: FigureSet  # the named figures ``figures`` returns (model/tasks.py: what the driver reads)
 
     def build(self, config: Config, spec: TokenizerSpec, context: int) -> torch.nn.Module: ...
 
@@ -80,8 +72,8 @@ class Task(Protocol):
     def eval_sums(self, model: torch.nn.Module, batch: Batch, byte_lengths: torch.Tensor) -> torch.Tensor: ...
 
     def figures(self, sums: list[float]) -> dict:
-        """The evaluation's named figures from summed ``eval_sums`` (``val_loss`` always: the best and early
-        stopping follow it); {} when nothing was scored."""
+        """The evaluation's named figures (``figure_set``'s keys) from summed ``eval_sums``; {} when nothing was
+        scored."""
         ...
 
     def flops_per_token(self, model: torch.nn.Module, seq_len: int) -> float: ...
@@ -115,6 +107,7 @@ class CausalLM:
     """Next-token prediction with an HF causal LM (built from config, or continued from a directory)."""
 
     name = "causal-lm"
+    figure_set = LM_FIGURES
     base: str = ""  # the pretrained model LoRA adapts (named in the exported adapter's config)
     chunk: int = 0  # train.loss_chunk: positions per chunk of the LM-head loss; 0: by the vocabulary; -1: off
     compiled: bool = False  # train.compile: the chunked loss's hook does not survive torch.compile
@@ -183,11 +176,7 @@ class CausalLM:
     def figures(self, sums: list[float]) -> dict:
         """val_loss (nats per target token), val_ppl, val_bpb (bits per byte of text), val_acc, val_tokens from
         summed [nats, tokens, correct, bytes]."""
-        f = lm_figures(*sums)
-        if not f:
-            return {}
-        return {"val_loss": f["loss"], "val_ppl": f["perplexity"], "val_bpb": f["bits_per_byte"],
-                "val_acc": f["accuracy"], "val_tokens": int(sums[1])}
+        return self.figure_set.named(lm_figures(*sums))
 
     def flops_per_token(self, model: torch.nn.Module, seq_len: int) -> float:
         return flops_per_token(model, seq_len)
@@ -239,5 +228,8 @@ def base_name(init_from: str) -> str:
 
 
 def task_for(config: Config) -> Task:
-    """The task a configuration trains (one today: causal language modelling)."""
-    return CausalLM.from_config(config)
+    """The task ``config.model.task`` names (model/tasks.py's registry), made from the configuration."""
+    import importlib
+
+    info = REGISTRY[config.model.task]
+    return getattr(importlib.import_module(f"{__package__}.{info.module}"), info.cls).from_config(config)

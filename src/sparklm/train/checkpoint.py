@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..config import StorageConfig
@@ -126,17 +127,68 @@ def newest_readable(directory: str, load, storage: StorageConfig | None = None, 
     None when there is no checkpoint; the last error when none loads."""
     done = completed(directory, storage)
     error = None
-    for path in reversed(done):
+    for i, path in reversed(list(enumerate(done))):
         try:
             return load(path)
         except Unreadable as e:
             error = e
-            if warn is not None:
+            if warn is not None and i > 0:  # the last error, when no older one is left, is raised instead
                 warn(f"{e.message}; resuming from the checkpoint before it")
     if error is not None:
         raise error
     return None
 
+
+
+# -- a run's checkpoint, for every strategy ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What a run's checkpoint records beside its tensors, the same for every strategy; ``extra`` holds what only
+    one strategy needs (DDP: the optimizer's param groups; rounds: the round, steps per round)."""
+
+    strategy: str
+    world: int  # workers: a run resumes with as many
+    step: int
+    tokens_seen: int
+    position: int  # global rows consumed: where the data resumes
+    elapsed: float  # seconds trained so far
+    best: dict = field(default_factory=dict)  # the best evaluation's tracker (recorder.Best.to_state)
+    extra: dict = field(default_factory=dict)
+
+
+def save_run(directory: str, run: RunState, files: dict[str, dict[str, torch.Tensor]], *, keep: int,
+             storage: StorageConfig | None = None, adopt: dict[str, str] | None = None) -> str:
+    """A run's checkpoint of step ``run.step`` (see :func:`save`)."""
+    state = {k: v for k, v in asdict(run).items() if k not in ("step", "extra")}
+    return save(directory, run.step, files=files, state={**state, **run.extra}, keep=keep, storage=storage,
+                adopt=adopt)
+
+
+def restore_run(directory: str, *, world: int, names: tuple[str, ...], storage: StorageConfig | None = None,
+                warn=None, verify: str = "") -> tuple[str, RunState, dict[str, dict[str, torch.Tensor]]] | None:
+    """The newest readable checkpoint of a run: (its path, its state, its tensor files ``names``, {} where absent),
+    or None when there is none. One written by another number of workers is refused; files whose names start with
+    ``verify`` are checked against their SHA-256 too (the rounds workers' inner states, read later by them)."""
+    own = set(RunState.__dataclass_fields__) - {"extra"}
+
+    def load(path: str):
+        raw = read_state(path, storage)
+        if raw.get("world") != world:
+            raise SparklmError(f"checkpoint {path} was written by {raw.get('world')} workers, not {world}",
+                               hint="resume with the same --workers")
+        if verify:
+            for name in raw.get("sha256", {}):
+                if name.startswith(verify):
+                    read_file(path, name, raw, storage)
+        try:
+            run = RunState(**{k: raw[k] for k in own if k in raw}, extra={k: v for k, v in raw.items() if k not in own and k != "sha256"})
+        except TypeError as e:  # a state.json without a field every checkpoint has
+            raise unreadable(path, e) from None
+        return path, run, {n: read_tensors(path, n, storage, raw) for n in names}
+
+    return newest_readable(directory, load, storage, warn)
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -125,7 +125,7 @@ class Trainer:
                          workers=workers or rank.world)
         self.byte_lengths = self.device.tensor(token_byte_lengths(spec))
         self.state = TrainState()
-        self.best = Best()
+        self.best = Best(key=self.task.figure_set.loss)
         self.best_weights: dict[str, torch.Tensor] | None = None  # None: the best weights are the current ones
 
     # -- building blocks --
@@ -306,38 +306,28 @@ class Trainer:
             files = {"model": self.checkpoint_weights(), "optimizer": opt,
                      "rng": {f"torch.{r}": t for r, t in enumerate(states)},
                      **self.best.checkpoint_files(self.best_weights, s.step)}
-            checkpoint.save(join(run_dir, "checkpoints"), s.step, keep=self.tc.keep_checkpoints,
-                            storage=self.config.storage, files=files,
-                            state={"strategy": self.tc.strategy, "position": s.position, "tokens_seen": s.tokens_seen,
-                                   "elapsed": s.elapsed, "world": self.rank.world, "param_groups": groups,
-                                   "best": self.best.to_state()})
+            run = checkpoint.RunState(strategy=self.tc.strategy, world=self.rank.world, step=s.step,
+                                      tokens_seen=s.tokens_seen, position=s.position, elapsed=s.elapsed,
+                                      best=self.best.to_state(), extra={"param_groups": groups})
+            checkpoint.save_run(join(run_dir, "checkpoints"), run, files, keep=self.tc.keep_checkpoints,
+                                storage=self.config.storage)
         if self.rank.world > 1:
             dist.barrier()
 
     def restore(self, run_dir: str, warn: Callable[[str], None] | None = None) -> bool:
         """Continue from the newest readable checkpoint, if there is one (weights, optimizer, position, RNG);
         a damaged newest one is skipped with ``warn``."""
-        storage = self.config.storage
-
-        def load(path: str):
-            state = checkpoint.read_state(path, storage)
-            if state.get("world") != self.rank.world:
-                raise SparklmError(f"checkpoint {path} was written by {state.get('world')} workers, not {self.rank.world}",
-                                   hint="resume with the same --workers")
-            files = {n: checkpoint.read_tensors(path, n, storage, state) for n in ("model", "optimizer", "rng", "best")}
-            return path, state, files
-
-        found = checkpoint.newest_readable(join(run_dir, "checkpoints"), load, storage, warn)
+        found = checkpoint.restore_run(join(run_dir, "checkpoints"), world=self.rank.world, warn=warn,
+                                       names=("model", "optimizer", "rng", "best"), storage=self.config.storage)
         if found is None:
             return False
-        path, state, files = found
+        path, run, files = found
         self.load_checkpoint_weights(files["model"], path)
-        checkpoint.load_optimizer(self.optimizer, files["optimizer"], state["param_groups"])
+        checkpoint.load_optimizer(self.optimizer, files["optimizer"], run.extra["param_groups"])
         self.device.set_rng_state(files["rng"][f"torch.{self.rank.rank}"])
-        self.state = TrainState(step=state["step"], position=state["position"], tokens_seen=state["tokens_seen"],
-                                elapsed=state["elapsed"])
-        self.best, self.best_weights = Best.restore(state, files["best"], self.state.step, self.weights,
-                                                    self.tc.keep_best)
+        self.state = TrainState(step=run.step, position=run.position, tokens_seen=run.tokens_seen, elapsed=run.elapsed)
+        self.best, self.best_weights = Best.restore(run.best, files["best"], run.step, self.weights,
+                                                    self.tc.keep_best, self.task.figure_set.loss)
         return True
 
 
@@ -351,11 +341,13 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
     trainer = Trainer(config, dataset, spec, rank=rank)
     tc, is_main = trainer.tc, rank.rank == 0
     epoch_tokens = dataset.manifest["splits"]["train"]["tokens"]
-    rec = Recorder(sink if is_main else None, tc, strategy=tc.strategy, workers=rank.world, epoch_tokens=epoch_tokens)
+    rec = Recorder(sink if is_main else None, tc, strategy=tc.strategy, workers=rank.world, epoch_tokens=epoch_tokens,
+                   figures=trainer.task.figure_set)
     # The launcher refuses a run directory that holds a run unless resuming, so a checkpoint found here is this
     # run's own: from --resume, or from an earlier attempt that Spark (a re-run barrier stage) or the driver
     # (train.ddp.max_restarts) restarted. Either way the run continues from it.
     trainer.restore(run_dir, warn=rec.warn)
+    rec.rewind(trainer.state.step)  # rows an interrupted attempt wrote after its checkpoint come again
     rec.best = trainer.best  # the restored tracker: every rank decides early stopping from the same figures
     trainer.wrap()
     schedule = Schedule(trainer.plan.total_steps, tc.eval_every, tc.checkpoint_every, tc.time_budget)

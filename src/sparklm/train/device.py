@@ -1,32 +1,50 @@
 """The device seam: where tensors live, the autocast dtype and the process-group backend, chosen in one
 place; and the host's memory settings and figures (RSS, the glibc allocator; the matmul peak is peak.py's).
 
-Only the CPU with gloo exists today; a CUDA device (NCCL, Spark's GPU resources) plugs in here.
+Only the CPU with gloo exists today; a CUDA device (NCCL, Spark's GPU resources) plugs in here. The module
+imports torch only where a tensor is made: the driver asks a device how many workers Spark can run at once.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 import platform
+import re
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .peak import matmul_peak
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
 class Device:
     kind: str = "cpu"
-    dtype: torch.dtype = torch.float32  # autocast dtype; float32: no autocast
+    dtype_name: str = "float32"  # autocast dtype (train.dtype as the driver decided it); float32: no autocast
     backend: str = "gloo"  # torch.distributed backend for this device
 
     @property
-    def dtype_name(self) -> str:
-        return str(self.dtype).replace("torch.", "")
+    def dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype_name)
+
+    def slots(self, spark) -> int:
+        """How many workers of this device Spark can run at once (the driver asks before a barrier stage): on the
+        CPU, task slots — cores (local[N]: N) ÷ spark.task.cpus; a GPU device would count Spark's GPU resources."""
+        sc = spark.sparkContext
+        cpus = int(sc.getConf().get("spark.task.cpus", "1"))
+        m = re.match(r"local(?:\[(\*|\d+)(?:,\s*\d+)?\])?$", sc.master)
+        if m:
+            n = 1 if m.group(1) is None else (os.cpu_count() or 1) if m.group(1) == "*" else int(m.group(1))
+            return n // cpus
+        return sc.defaultParallelism // cpus
 
     # Everything a worker places goes through these: on the CPU they are what torch does anyway; a CUDA device
     # overrides them (tensors moved to the card, its RNG state saved beside the CPU's, DDP with device_ids).
@@ -39,26 +57,39 @@ class Device:
             return type(x)(**{f.name: self.put(getattr(x, f.name)) for f in dataclasses.fields(x)})
         return x if x is None else x.to(self.kind)
 
-    def zeros(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A buffer on this device (sums, collective buffers)."""
-        return torch.zeros(shape, dtype=dtype, device=self.kind)
+    def zeros(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A buffer on this device (sums, collective buffers); float32 unless ``dtype`` says."""
+        import torch
 
-    def tensor(self, data, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, device=self.kind)
+        return torch.zeros(shape, dtype=dtype or torch.float32, device=self.kind)
+
+    def tensor(self, data, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``data`` as a tensor on this device (float64 unless ``dtype`` says)."""
+        import torch
+
+        return torch.tensor(data, dtype=dtype or torch.float64, device=self.kind)
 
     def rng_state(self) -> torch.Tensor:
         """This process's random state for a checkpoint (dropout; the data order has its own seed)."""
+        import torch
+
         return torch.get_rng_state()
 
     def set_rng_state(self, state: torch.Tensor) -> None:
+        import torch
+
         torch.set_rng_state(state)
 
     def data_parallel(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` under DistributedDataParallel over this device's process group."""
+        import torch
+
         return torch.nn.parallel.DistributedDataParallel(model)
 
     def autocast(self) -> AbstractContextManager:
-        return torch.autocast(self.kind, dtype=self.dtype, enabled=self.dtype != torch.float32)
+        import torch
+
+        return torch.autocast(self.kind, dtype=self.dtype, enabled=self.dtype_name != "float32")
 
     def peak_flops(self, threads: int) -> float:
         return matmul_peak(threads, self.dtype_name)
@@ -67,7 +98,7 @@ class Device:
 def select(dtype: str) -> Device:
     """The device for a rank: the CPU, with the autocast dtype ``dtype`` names (decided on the driver:
     resolve.settings, which picks bf16 only where its matmuls measure clearly faster than fp32)."""
-    return Device(dtype=getattr(torch, dtype))
+    return Device(dtype_name=dtype)
 
 
 def rss_mb() -> float:

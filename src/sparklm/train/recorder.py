@@ -7,10 +7,13 @@ The DDP rank loop (core.train) and the rounds driver (strategies/rounds.py) both
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..config import TrainConfig
+from ..model.tasks import FigureSet
+from . import rows
 from .sinks import Sink, rank_mb
 
 NOTE_STEP = 20  # the step after which a DDP run says whether its plan covers many epochs (rounds: the first round)
@@ -28,17 +31,19 @@ def epochs_note(epochs: float, epoch_tokens: int) -> str | None:
 
 @dataclass
 class Best:
-    """The evaluation with the lowest validation loss so far, and how many evaluations have not beaten it."""
+    """The evaluation with the lowest validation loss so far (the figure ``key`` names: the task's loss), and how
+    many evaluations have not beaten it."""
 
     step: int | None = None
     figures: dict = field(default_factory=dict)
     stale: int = 0
+    key: str = "val_loss"
 
     def update(self, step: int, figures: dict) -> bool:
         """Record an evaluation; True when it is the new best."""
         if not figures:
             return False
-        if self.step is None or figures["val_loss"] < self.figures["val_loss"]:
+        if self.step is None or figures[self.key] < self.figures[self.key]:
             self.step, self.figures, self.stale = step, dict(figures), 0
             return True
         self.stale += 1
@@ -55,8 +60,8 @@ class Best:
         return {"step": self.step, "figures": self.figures, "stale": self.stale}
 
     @classmethod
-    def from_state(cls, state: dict | None) -> Best:
-        return cls(**state) if state else cls()
+    def from_state(cls, state: dict | None, key: str = "val_loss") -> Best:
+        return cls(**state, key=key) if state else cls(key=key)
 
     def apart(self, weights: dict | None, step: int) -> dict | None:
         """The best ``weights`` when they are not those of step ``step`` (what model/ gets instead of them)."""
@@ -68,15 +73,17 @@ class Best:
         return {"best": kept} if kept is not None else {}
 
     @classmethod
-    def restore(cls, state: dict, saved: dict, step: int, current, keep: bool) -> tuple[Best, dict | None]:
-        """The tracker and best weights a checkpoint of step ``step`` holds: its ``best`` file, else (when the best
-        evaluation is the checkpoint's own step) ``current()``; a best whose weights were not kept starts anew."""
-        best = cls.from_state(state.get("best"))
+    def restore(cls, state: dict, saved: dict, step: int, current, keep: bool, key: str = "val_loss"
+                ) -> tuple[Best, dict | None]:
+        """The tracker (``state``: :meth:`to_state`'s) and best weights a checkpoint of step ``step`` holds: its
+        ``best`` file, else (when the best evaluation is the checkpoint's own step) ``current()``; a best whose
+        weights were not kept starts anew."""
+        best = cls.from_state(state, key)
         if saved:
             return best, saved
         if keep and best.step == step:
             return best, current()
-        return (cls(), None) if best.step is not None else (best, None)
+        return (cls(key=key), None) if best.step is not None else (best, None)
 
 
 @dataclass(frozen=True)
@@ -100,12 +107,13 @@ class RunResult:
     bytes_broadcast: int | None = None
     bytes_returned: int | None = None
 
-    def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    def to_json(self) -> str:
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> RunResult:
-        """From :meth:`to_dict`'s output (a rank's result sent as JSON); other keys are ignored."""
+    def from_json(cls, text: str) -> RunResult:
+        """From :meth:`to_json`'s output (a DDP rank's result, sent to its Spark task and on to the driver)."""
+        raw = json.loads(text)
         return cls(**{f.name: raw[f.name] for f in fields(cls) if f.name in raw})
 
 
@@ -114,54 +122,62 @@ class Recorder:
     best evaluation and early stopping, the epochs note, each worker's peak memory, and the run's result."""
 
     def __init__(self, sink: Sink | None, tc: TrainConfig, *, strategy: str, workers: int, epoch_tokens: int,
-                 best: Best | None = None):
+                 figures: FigureSet):
         self.sink, self.tc, self.strategy, self.workers = sink, tc, strategy, workers
         self.epoch_tokens = max(epoch_tokens, 1)
-        self.best = best if best is not None else Best()
-        self.facts: dict = {}
+        self.best = Best(key=figures.loss)
+        self.facts = rows.Info(strategy=strategy, workers=workers, total_steps=None)  # until info() is called
+        self.has_facts = False
         self.peaks = [0.0] * workers  # each worker's peak resident memory so far, in rank order
         self.last_eval: dict = {}  # the figures of the last evaluation
         self.evaluated_at: int | None = None  # its step
 
-    def write(self, row: dict) -> None:
+    def write(self, row: rows.Row) -> None:
         if self.sink is not None:
             self.sink.write(row)
 
     def info(self, facts: dict, total_steps: int | None, **extra: Any) -> None:
-        """The run's facts (params, FLOPs per token, peak FLOP/s, dtype, optimizer), once."""
-        self.facts = dict(facts)
-        self.write({"kind": "info", **facts, "total_steps": total_steps, "workers": self.workers,
-                    "strategy": self.strategy, **extra})
+        """The run's facts (params, FLOPs per token, peak FLOP/s, dtype, optimizer; a worker's ``facts``), once."""
+        self.facts = rows.Info(strategy=self.strategy, workers=self.workers, total_steps=total_steps, **facts, **extra)
+        self.has_facts = True
+        self.write(self.facts)
+
+    def rewind(self, step: int) -> None:
+        """The run continues from its checkpoint of ``step`` (0: from the start): every sink forgets the rows after
+        it, which the run now writes again (a resumed run, a restarted one)."""
+        if self.sink is not None:
+            self.sink.rewind(step)
 
     def note(self, message: str) -> None:
-        self.write({"kind": "note", "message": message})
+        self.write(rows.Note(message))
 
     def warn(self, message: str) -> None:
-        self.write({"kind": "warning", "message": message})
+        self.write(rows.Warn(message))
 
     def note_peaks(self, peaks: list[float | None]) -> None:
         """Each worker's peak resident memory now (None: a worker that reported nothing)."""
         self.peaks = [max(a, b or 0.0) for a, b in zip(self.peaks, peaks)]
 
     def train(self, *, step: int, tokens: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float,
-              ms_per_step: float, rss_mb: float, peaks: list[float | None], elapsed: float) -> dict:
-        """A train row (the same keys from every strategy); ``peaks``: each worker's peak memory at this row."""
+              ms_per_step: float, rss_mb: float, peaks: list[float | None], elapsed: float) -> rows.Train:
+        """A train row (the same fields from every strategy); ``peaks``: each worker's peak memory at this row."""
         self.note_peaks(peaks)
-        row = {"kind": "train", "step": step, "epoch": tokens / self.epoch_tokens, "tokens": tokens, "loss": loss,
-               "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "ms_per_step": ms_per_step,
-               "mfu": tokens_per_s * self.facts.get("flops_per_token", 0.0)
-               / ((self.facts.get("peak_flops") or 1.0) * self.workers),
-               "rss_mb": rss_mb, "peak_rss_mb": max(p for p in peaks if p is not None),
-               "rank_peak_rss_mb": rank_mb(peaks), "elapsed": elapsed}
+        f = self.facts
+        row = rows.Train(step=step, epoch=tokens / self.epoch_tokens, tokens=tokens, loss=loss, lr=lr,
+                         grad_norm=grad_norm, tokens_per_s=tokens_per_s, ms_per_step=ms_per_step,
+                         mfu=tokens_per_s * (f.flops_per_token or 0.0) / ((f.peak_flops or 1.0) * self.workers),
+                         rss_mb=rss_mb, peak_rss_mb=max(p for p in peaks if p is not None),
+                         rank_peak_rss_mb=rank_mb(peaks), elapsed=elapsed)
         self.write(row)
         return row
 
-    def evaluation(self, step: int, tokens: int, figures: dict) -> bool:
-        """An evaluation's row, and the best one so far; True when this one is the new best."""
+    def evaluation(self, step: int, tokens: int, figures: dict, *, counts: bool = True) -> bool:
+        """An evaluation's row, and the best one so far; True when this one is the new best. One that does not
+        ``counts`` (it scored only part of the split) is recorded and leaves the best and early stopping alone."""
         if figures:
-            self.write({"kind": "eval", "step": step, "tokens": tokens, **figures})
+            self.write(rows.Eval(step=step, tokens=tokens, figures=figures))
         self.last_eval, self.evaluated_at = figures, step
-        return self.best.update(step, figures)
+        return self.best.update(step, figures) if counts else False
 
     def should_stop(self, where: str) -> bool:
         """Early stopping (train.early_stop), with its note; ``where`` names the point (``step 40``, ``round 3``)."""
@@ -179,8 +195,8 @@ class Recorder:
 
     def result(self, *, steps: int, tokens: int, seconds: float, **extra: Any) -> RunResult:
         f = self.facts
-        return RunResult(steps=steps, tokens=tokens, seconds=seconds, params=f.get("params"),
-                         flops_per_token=f.get("flops_per_token"), peak_flops=f.get("peak_flops"),
-                         dtype=f.get("dtype"), final=self.last_eval, best=self.best.summary(),
+        return RunResult(steps=steps, tokens=tokens, seconds=seconds, params=f.params,
+                         flops_per_token=f.flops_per_token, peak_flops=f.peak_flops,
+                         dtype=f.dtype, final=self.last_eval, best=self.best.summary(),
                          peak_rss_mb=max(self.peaks, default=0.0), rank_peak_rss_mb=list(self.peaks),
-                         **{"trainable_params": f.get("trainable_params"), **extra})
+                         **{"trainable_params": f.trainable_params, **extra})

@@ -6,11 +6,13 @@ import io
 
 from ..config import StorageConfig
 from ..fs import join, write_bytes, write_text
+from ..model.tasks import FigureSet
 from .sinks import read_metrics
 
 
-def plot_loss(run_dir: str, storage: StorageConfig | None = None) -> None:
-    """loss.png from the run's metrics.csv."""
+def plot_loss(run_dir: str, figures: FigureSet, storage: StorageConfig | None = None) -> None:
+    """loss.png from the run's metrics.csv: the train loss, and the task's evaluation loss (``figures.loss``)
+    with its headline figure in the title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -18,17 +20,19 @@ def plot_loss(run_dir: str, storage: StorageConfig | None = None) -> None:
 
     rows = read_metrics(join(run_dir, "metrics.csv"), storage)
     train = [r for r in rows if r["kind"] == "train"]
-    val = [r for r in rows if r["kind"] == "eval" and r.get("val_loss") is not None]
+    loss, head = figures.get(figures.loss), figures.main
+    val = [r for r in rows if r["kind"] == "eval" and r.get(loss.key) is not None]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     ax.plot([r["tokens"] for r in train], [r["loss"] for r in train], label="train loss", lw=1)
     if val:
-        ax.plot([r["tokens"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss", ms=4)
+        ax.plot([r["tokens"] for r in val], [r[loss.key] for r in val], "o-", label="validation loss", ms=4)
     ax.set_xlabel("tokens seen")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
     if val:
-        ax.set_title(f"final validation: {val[-1]['val_loss']:.3f} nats/token, {val[-1]['val_bpb']:.3f} bits/byte")
+        last = val[-1]
+        ax.set_title(f"final validation: {loss.label} {last[loss.key]:{loss.fmt}}, {head.label} {last[head.key]:{head.fmt}}")
     fig.tight_layout()
     png = io.BytesIO()
     fig.savefig(png, format="png")

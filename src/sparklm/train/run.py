@@ -19,10 +19,13 @@ from ..data.manifest import PreparedDataset, load_prepared, load_tokenizer
 from ..data.tokenizer import TokenizerSpec
 from ..errors import SparklmError
 from ..fs import effective, exists, join, read_text, write_text
+from ..model.tasks import FigureSet, figures_for
+from ..runlock import RunLock
 from ..version import __version__
 from . import checkpoint, fit, memory, resolve
+from .recorder import RunResult
 from .report import plot_loss
-from .sinks import METRIC_COLUMNS, ConsoleSink, CsvSink, JsonSink, Sinks, read_metrics
+from .sinks import ConsoleSink, CsvSink, JsonSink, Sinks, metric_columns, read_metrics
 
 # Settings that decide which rows each step trains on: a resumed run must keep them.
 DATA_ORDER_KEYS = ("train.seed", "train.batch_size", "train.grad_accum", "train.workers", "train.window_row_groups")
@@ -35,10 +38,16 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
     On ``resume``, the run's saved configuration is used, with ``changes`` (nested settings, as the CLI
     collects what the user set) or else the settings where ``config`` differs from the defaults applied on top.
     """
+    storage = effective((config or Config()).storage)
+    with RunLock(output, storage):  # one writer per run directory
+        return _train(data, output=output, config=config, resume=resume, spark=spark, changes=changes,
+                      storage=storage)
+
+
+def _train(data: str | None, *, output: str, config: Config | None, resume: bool, spark, changes, storage) -> dict:
     from ..spark import check_shared, get_session, planned_master
     from .strategies import Job, get
 
-    storage = effective((config or Config()).storage)
     run_dir = output
     if resume:
         config, data = _resumed(run_dir, config, changes, data, storage)
@@ -83,17 +92,18 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
         tc = config.train
         job = Job(config=memory.apply(config, mem), data=data, run_dir=run_dir, resume=resume, workers=tc.workers,
                   threads=tc.threads, uid=uuid.uuid4().hex, warm=warm)
-        sinks = Sinks([CsvSink(join(run_dir, "metrics.csv"), METRIC_COLUMNS, {"train", "eval"}, storage),
-                       JsonSink(join(run_dir, "run_info.json"), storage), ConsoleSink()])
+        figures = figures_for(config.model.task)
+        sinks = Sinks([CsvSink(join(run_dir, "metrics.csv"), metric_columns(figures), {"train", "eval"}, storage),
+                       JsonSink(join(run_dir, "run_info.json"), storage), ConsoleSink(figures)])
         t0 = time.time()
         try:
             with progress.stage(spark, f"train: {strategy.describe(config)}", quiet=True):
-                result = strategy.run(spark, job, sinks).to_dict()
+                result = strategy.run(spark, job, sinks)
         finally:
             sinks.close()
     summary = _summary(run_dir, config, dataset, result, spark, time.time() - t0, spark_start)
-    plot_loss(run_dir, storage)
-    _report(summary, config)
+    plot_loss(run_dir, figures, storage)
+    _report(summary, config, figures)
     return summary
 
 
@@ -114,15 +124,15 @@ def _resumed(run_dir: str, config: Config | None, changes: dict[str, Any] | None
     return config, data or meta["data"]
 
 
-def _report(summary: dict, config: Config) -> None:
+def _report(summary: dict, config: Config, figures: FigureSet) -> None:
     """The run's closing lines: the final evaluation, and where the best weights went."""
     final, best = summary["final"], summary["best"]
     if final:
-        progress.info(f"validation: loss {final['val_loss']:.3f}, perplexity {final['val_ppl']:.1f}, "
-                      f"{final['val_bpb']:.3f} bits/byte, accuracy {final['val_acc']:.1%}")
+        progress.info(f"validation: {figures.line(final)}")
     if best and best["step"] != summary["steps"] and config.train.keep_best:
-        progress.info(f"model/ holds the best evaluation's weights (step {best['step']}: {best['val_bpb']:.3f} "
-                      f"bits/byte); the final weights (step {summary['steps']}) are in model-final/")
+        head = figures.main
+        progress.info(f"model/ holds the best evaluation's weights (step {best['step']}: {head.label} "
+                      f"{best[head.key]:{head.fmt}}); the final weights (step {summary['steps']}) are in model-final/")
 
 
 def resume_config(saved: Config, changes: dict[str, Any]) -> Config:
@@ -175,28 +185,28 @@ def _check_init_from(config: Config, spec: TokenizerSpec) -> None:
                            hint=f"prepare the data with --tokenizer {name}")
 
 
-def _summary(run_dir: str, config: Config, dataset: PreparedDataset, result: dict, spark, seconds: float,
+def _summary(run_dir: str, config: Config, dataset: PreparedDataset, result: RunResult, spark, seconds: float,
              spark_start: float) -> dict:
     rows = read_metrics(join(run_dir, "metrics.csv"), config.storage)
     train_rows = [r for r in rows if r["kind"] == "train"]
     steady = train_rows[len(train_rows) // 4:] or train_rows  # skip warm-up for the steady-state figures
     epoch_tokens = dataset.manifest["splits"]["train"]["tokens"]
+    r = result
     summary = {
-        "final": result.get("final", {}),
-        "best": result.get("best") or {},
-        "steps": result["steps"], "tokens": result["tokens"], "epochs": result["tokens"] / max(epoch_tokens, 1),
-        "train_seconds": result["seconds"], "wall_seconds": seconds, "spark_start_seconds": spark_start,
-        "seconds_per_epoch": result["seconds"] / max(result["tokens"] / max(epoch_tokens, 1), 1e-9),
+        "task": config.model.task,  # its figures' names: model/tasks.py
+        "final": r.final, "best": r.best,
+        "steps": r.steps, "tokens": r.tokens, "epochs": r.tokens / max(epoch_tokens, 1),
+        "train_seconds": r.seconds, "wall_seconds": seconds, "spark_start_seconds": spark_start,
+        "seconds_per_epoch": r.seconds / max(r.tokens / max(epoch_tokens, 1), 1e-9),
         "tokens_per_s": _mean(steady, "tokens_per_s"), "ms_per_step": _mean(steady, "ms_per_step"),
         "mfu": _mean(steady, "mfu"),
-        "peak_rss_mb": max([result.get("peak_rss_mb") or 0, *(r["rss_mb"] or 0 for r in train_rows)]),
-        "rank_peak_rss_mb": result.get("rank_peak_rss_mb") or [],  # each rank's (round worker's), in rank order
-        "params": result["params"], "trainable_params": result.get("trainable_params"),
-        "flops_per_token": result["flops_per_token"],
-        "peak_flops": result["peak_flops"], "dtype": result["dtype"],
+        "peak_rss_mb": max([r.peak_rss_mb or 0, *(row["rss_mb"] or 0 for row in train_rows)]),
+        "rank_peak_rss_mb": r.rank_peak_rss_mb,  # each rank's (round worker's), in rank order
+        "params": r.params, "trainable_params": r.trainable_params, "flops_per_token": r.flops_per_token,
+        "peak_flops": r.peak_flops, "dtype": r.dtype,
         "workers": config.train.workers, "strategy": config.train.strategy,
-        "bytes_communicated": result.get("bytes_communicated"),
-        **{k: result[k] for k in ("rounds", "bytes_broadcast", "bytes_returned") if result.get(k) is not None},
+        "bytes_communicated": r.bytes_communicated,
+        **{k: getattr(r, k) for k in ("rounds", "bytes_broadcast", "bytes_returned") if getattr(r, k) is not None},
         "spark_application_id": spark.sparkContext.applicationId,
         "spark_master": spark.sparkContext.master, "sparklm_version": __version__,
     }

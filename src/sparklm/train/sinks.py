@@ -1,7 +1,6 @@
-"""Metrics sinks: the training core emits rows (dicts with a ``kind``) and sinks record or show them.
+"""Metrics sinks: the training core emits rows (rows.py: a dataclass per kind) and sinks record or show them.
 
-Kinds: ``info`` (the run's facts, once), ``train`` (a log step), ``eval`` (an evaluation), ``round``
-(a round of average/DiLoCo), ``warning`` (something the user should know, e.g. a skipped checkpoint). Sinks today: ``CsvSink`` (metrics.csv, rounds.csv on any filesystem),
+Sinks today: ``CsvSink`` (metrics.csv, rounds.csv on any filesystem),
 ``JsonSink`` (run_info.json), ``ConsoleSink`` (progress lines); MLflow or TensorBoard sinks plug in the
 same way. DDP ranks run in other processes, maybe on other hosts: rank 0 sends its rows to the driver
 over a TCP ``Channel`` (as TorchDistributor streams rank logs), and the driver feeds its own sinks —
@@ -23,14 +22,21 @@ from typing import Protocol
 from .. import progress
 from ..config import StorageConfig
 from ..fs import exists, local_path, read_text, write_text
+from ..model.tasks import FigureSet
+from . import rows
+from .rows import Row
 
-METRIC_COLUMNS = ["kind", "step", "epoch", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "ms_per_step", "mfu",
-                  "rss_mb", "peak_rss_mb", "rank_peak_rss_mb", "elapsed", "val_loss", "val_ppl", "val_bpb", "val_acc",
-                  "val_tokens"]
+TRAIN_COLUMNS = ["kind", "step", "epoch", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "ms_per_step", "mfu",
+                 "rss_mb", "peak_rss_mb", "rank_peak_rss_mb", "elapsed"]
+
+
+def metric_columns(figures: FigureSet) -> list[str]:
+    """metrics.csv's columns: the train rows' fields, then the task's evaluation figures."""
+    return TRAIN_COLUMNS + figures.keys()
 
 
 class Sink(Protocol):
-    def write(self, row: dict) -> None: ...
+    def write(self, row: Row) -> None: ...
 
     def rewind(self, step: int) -> None:
         """Forget the rows after ``step``: the run continues from a checkpoint there and sends them again."""
@@ -45,7 +51,7 @@ class Sinks:
     def __init__(self, sinks: Iterable[Sink]):
         self.sinks = list(sinks)
 
-    def write(self, row: dict) -> None:
+    def write(self, row: Row) -> None:
         for s in self.sinks:
             s.write(row)
 
@@ -85,10 +91,10 @@ class CsvSink:
             self.writer.writeheader()
             file.flush()
 
-    def write(self, row: dict) -> None:
-        if row.get("kind") not in self.kinds:
+    def write(self, row: Row) -> None:
+        if row.kind not in self.kinds:
             return
-        self.writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
+        self.writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.to_dict().items()})
         if self.path is not None:
             self.file.flush()
             return
@@ -131,9 +137,10 @@ class JsonSink:
     def __init__(self, uri: str, storage: StorageConfig | None = None):
         self.uri, self.storage = uri, storage
 
-    def write(self, row: dict) -> None:
-        if row.get("kind") == "info":
-            write_text(self.uri, json.dumps({k: v for k, v in row.items() if k != "kind"}, indent=2), self.storage)
+    def write(self, row: Row) -> None:
+        if isinstance(row, rows.Info):
+            info = {k: v for k, v in row.to_dict().items() if k != "kind" and v is not None}
+            write_text(self.uri, json.dumps(info, indent=2), self.storage)
 
     def rewind(self, step: int) -> None:
         pass  # nothing kept per step
@@ -143,28 +150,27 @@ class JsonSink:
 
 
 class ConsoleSink:
-    """Progress lines on the console: one per log step, evaluation or round, with an ETA."""
+    """Progress lines on the console: one per log step, evaluation (the task's figures) or round, with an ETA."""
 
-    def __init__(self):
+    def __init__(self, figures: FigureSet):
+        self.figures = figures
         self.total: int | None = None
         self.rounds = False  # in rounds, a round's line says what its train row says
 
-    def write(self, row: dict) -> None:
-        kind = row.get("kind")
-        if kind == "info":
-            self.total = row.get("total_steps")
-            self.rounds = row.get("strategy", "ddp") != "ddp"
-        elif kind == "eval" and row.get("val_loss") is not None:
-            progress.info(f"  eval step {row['step']}: val loss {row['val_loss']:.3f} | ppl {row['val_ppl']:.1f} | "
-                          f"{row['val_bpb']:.3f} bits/byte | acc {row['val_acc']:.1%}")
-        elif kind == "train" and not self.rounds:
+    def write(self, row: Row) -> None:
+        if isinstance(row, rows.Info):
+            self.total = row.total_steps
+            self.rounds = row.strategy != "ddp"
+        elif isinstance(row, rows.Eval) and row.figures:
+            progress.info(f"  eval step {row.step}: {self.figures.line(row.figures)}")
+        elif isinstance(row, rows.Train) and not self.rounds:
             progress.info(train_line(row, self.total))
-        elif kind == "round":
+        elif isinstance(row, rows.Round):
             progress.info(round_line(row))
-        elif kind == "warning":
-            progress.warn(row["message"])
-        elif kind == "note":
-            progress.info(row["message"])
+        elif isinstance(row, rows.Warn):
+            progress.warn(row.message)
+        elif isinstance(row, rows.Note):
+            progress.info(row.message)
 
     def rewind(self, step: int) -> None:
         pass  # nothing kept per step
@@ -178,24 +184,24 @@ def rank_mb(values: Iterable[float | None]) -> str:
     return "/".join("-" if v is None else f"{v:.0f}" for v in values)
 
 
-def _peak(r: dict) -> str:
+def _peak(mb: float | None) -> str:
     """The progress line's peak memory (the largest of any rank's), when the row has it."""
-    return f" | {r['peak_rss_mb'] / 1024:.2f} GB peak" if r.get("peak_rss_mb") else ""
+    return f" | {mb / 1024:.2f} GB peak" if mb else ""
 
 
-def train_line(r: dict, total: int | None) -> str:
+def train_line(r: rows.Train, total: int | None) -> str:
     of = f"/{total}" if total else ""
-    eta = f" | ETA {progress.duration((total - r['step']) * r['ms_per_step'] / 1000)}" if of and r.get("ms_per_step") else ""
-    return (f"step {r['step']}{of} | loss {r['loss']:.3f} | lr {r['lr']:.2e} | {r['tokens_per_s']:,.0f} tok/s | "
-            f"{r['ms_per_step']:.0f} ms/step | MFU {r['mfu']:.0%}{_peak(r)} | {r['elapsed']:.0f}s{eta}")
+    eta = f" | ETA {progress.duration((total - r.step) * r.ms_per_step / 1000)}" if of and r.ms_per_step else ""
+    return (f"step {r.step}{of} | loss {r.loss:.3f} | lr {r.lr:.2e} | {r.tokens_per_s:,.0f} tok/s | "
+            f"{r.ms_per_step:.0f} ms/step | MFU {r.mfu:.0%}{_peak(r.peak_rss_mb)} | {r.elapsed:.0f}s{eta}")
 
 
-def round_line(r: dict) -> str:
-    of = f"/{r['total_steps']}" if r.get("total_steps") else ""
-    who = f" | {r['workers_done']}/{r['workers']} workers" if r["workers_done"] < r["workers"] else ""
-    return (f"round {r['round']} | step {r['step']}{of} | loss {r['loss']:.3f} | {r['tokens_per_s']:,.0f} tok/s | "
-            f"{r['round_s']:.1f} s/round | outer step {r['outer_update_norm']:.3g} | {r['sent_mb']:,.1f} MB sent{who}"
-            f"{_peak(r)} | {r['elapsed']:.0f}s | ETA {progress.duration(r['eta_s'])}")
+def round_line(r: rows.Round) -> str:
+    of = f"/{r.total_steps}" if r.total_steps else ""
+    who = f" | {r.workers_done}/{r.workers} workers" if r.workers_done < r.workers else ""
+    return (f"round {r.round} | step {r.step}{of} | loss {r.loss:.3f} | {r.tokens_per_s:,.0f} tok/s | "
+            f"{r.round_s:.1f} s/round | outer step {r.outer_update_norm:.3g} | {r.sent_mb:,.1f} MB sent{who}"
+            f"{_peak(r.peak_rss_mb)} | {r.elapsed:.0f}s | ETA {progress.duration(r.eta_s)}")
 
 
 def read_metrics(uri: str, storage: StorageConfig | None = None) -> list[dict]:
@@ -260,14 +266,15 @@ class Channel:
                 return
             for line in lines:
                 try:
-                    row = json.loads(line)
-                except ValueError:
+                    raw = json.loads(line)
+                    row = raw["step"] if raw.get("kind") == REWIND else rows.from_dict(raw)
+                except (ValueError, TypeError, KeyError, AttributeError):
                     continue
                 with self._lock:
                     if self.error is not None:
                         continue
                     try:
-                        self.sink.write(row)
+                        self.sink.rewind(row) if isinstance(row, int) else self.sink.write(row)
                     except Exception as e:  # never a traceback from this thread: the launcher reports it
                         self.error = e
 
@@ -289,6 +296,9 @@ class Channel:
             t.join(timeout=30)
 
 
+REWIND = "rewind"  # a channel message that is not a row: the driver's sinks forget the rows after its step
+
+
 class ChannelSink:
     """A rank's end: rows as JSON lines to the driver's :class:`Channel`."""
 
@@ -305,12 +315,16 @@ class ChannelSink:
         self.file.write(token + "\n")
         self.file.flush()
 
-    def write(self, row: dict) -> None:
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+    def write(self, row: Row) -> None:
+        self._send(row.to_dict())
 
     def rewind(self, step: int) -> None:
-        pass  # nothing kept per step
+        """The driver's sinks rewind: the rank continues from its checkpoint of ``step``."""
+        self._send({"kind": REWIND, "step": step})
+
+    def _send(self, message: dict) -> None:
+        self.file.write(json.dumps(message) + "\n")
+        self.file.flush()
 
     def close(self) -> None:
         try:

@@ -118,6 +118,17 @@ class WorkerResult:
         return sum(self.losses) / len(self.losses) if self.losses else float("nan")
 
 
+@dataclass(frozen=True)
+class Partial:
+    """What a round's tasks return, combined pairwise by the tree aggregation (rounds.merge): the sum of the
+    workers' token-weighted deltas (name → array; None when no worker returned one), the results of the workers
+    that finished and those of the workers whose last attempt failed."""
+
+    sum: dict | None = None
+    results: tuple[WorkerResult, ...] = ()
+    errors: tuple[WorkerResult, ...] = ()
+
+
 class Strategy(Protocol):
     name: str
 

@@ -33,8 +33,9 @@ from contextlib import contextmanager
 from ... import progress
 from ...config import Config
 from ...errors import SparklmError, killed_note, known_cause, spark_errors
-from ...fs import join, local_path, write_bytes
+from ...fs import join, local_path, read_text, write_bytes
 from .. import checkpoint
+from ..device import select
 from ..memory import LEAN_ADDRESS_SPACE, process_limit
 from ..sinks import Channel, Sink
 from .base import Job, RankStart, RunResult
@@ -79,9 +80,10 @@ class DDP:
             shutil.rmtree(where, ignore_errors=True)
 
     def run(self, spark, job: Job, sink: Sink) -> RunResult:
-        check_slots(spark, job.workers)
+        check_slots(spark, job.workers, job.config.train.dtype)
         channel = Channel(sink, _driver_host(spark))
         restarts = job.config.train.ddp.max_restarts
+        before = None  # the last restart's (cause, checkpoint step)
         try:
             for attempt in range(restarts + 1):
                 try:
@@ -91,11 +93,19 @@ class DDP:
                     lost = lost_cause(e)
                     if lost is None:
                         raise
+                    fatal = _fatal_cause(job)  # a peer's loss may be the echo of a rank's own error
+                    if fatal is not None:
+                        raise fatal from None
                     if attempt == restarts:
                         raise SparklmError(f"{lost} (after {restarts} restart{'s' * (restarts != 1)} from the last "
                                            "checkpoint)", hint="see the ranks' logs; raise train.ddp.max_restarts, or "
                                            "continue later with --resume") from None
                     step = _restart_step(job)
+                    if before == (lost, step):  # the same loss again before any new checkpoint: a restart cannot help
+                        raise SparklmError(f"{lost}, again before the checkpoint after step {step}",
+                                           hint="see the ranks' logs; a rank that runs out of memory at the same step "
+                                                "needs more memory or a smaller batch") from None
+                    before = (lost, step)
                     progress.warn(f"{lost}; restarting the ranks from "
                                   f"{f'the checkpoint of step {step}' if step else 'the start'} "
                                   f"(restart {attempt + 1} of {restarts})")
@@ -108,11 +118,11 @@ class DDP:
         # gloo has no counters: a ring all-reduce of the fp32 gradients per step sends 2·(N−1)/N of them
         # from each of the N ranks
         # (only the trainable ones: with LoRA, the adapters')
-        traffic = int(r["steps"] * 2 * (job.workers - 1) * 4 * (r.get("trainable_params") or r.get("params") or 0))
-        return dataclasses.replace(RunResult.from_dict(r), bytes_communicated=traffic)
+        traffic = int(r.steps * 2 * (job.workers - 1) * 4 * (r.trainable_params or r.params or 0))
+        return dataclasses.replace(r, bytes_communicated=traffic)
 
 
-def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> dict:
+def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> RunResult:
     """Run ``job`` on ``job.workers`` ranks and return rank 0's result."""
     workers, threads = job.workers, job.threads  # threads: decided on the driver (resolve.threads)
     local_run = local_path(job.run_dir)
@@ -136,7 +146,7 @@ def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> dict:
                 peers = [{"host": host, "port": 0}]
             start = RankStart(job=job_json, rank=rank, world=workers, threads=threads,
                               master_addr=peers[0]["host"], master_port=peers[0]["port"], channel=channel)
-            yield json.dumps(_finish_rank(proc, start, log_path))
+            yield rank, _finish_rank(proc, start, log_path).to_json()
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -146,7 +156,7 @@ def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> dict:
     rdd = spark.sparkContext.parallelize(range(workers), workers).barrier().mapPartitions(task)
     try:
         with spark_errors():
-            results = [json.loads(r) for r in rdd.collect()]
+            results = dict(rdd.collect())
     except SparklmError:
         raise
     except Exception as e:
@@ -154,7 +164,7 @@ def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> dict:
             raise SparklmError(f"--workers {workers} needs {workers} free Spark task slots at once",
                                hint="lower --workers, or give the cluster more cores (local[N], executors)") from None
         raise
-    return next(r for r in results if r.get("rank") == 0)
+    return RunResult.from_json(results[0])
 
 
 def _publish_log(path: str, uri: str, storage) -> None:
@@ -263,7 +273,7 @@ class WarmRank:
             pass
 
 
-def _finish_rank(proc: subprocess.Popen | WarmRank, start: RankStart, log_path: str) -> dict:
+def _finish_rank(proc: subprocess.Popen | WarmRank, start: RankStart, log_path: str) -> RunResult:
     """Send the rank its start message, wait for it, and return its result (or raise its error)."""
     try:
         proc.stdin.write(start.to_json().encode())
@@ -274,12 +284,16 @@ def _finish_rank(proc: subprocess.Popen | WarmRank, start: RankStart, log_path: 
     for line in proc.stdout:
         text = line.decode(errors="replace").rstrip("\n")
         if text.startswith(RESULT):
-            result = json.loads(text[len(RESULT):])
+            result = RunResult.from_json(text[len(RESULT):])
     code = proc.wait()
     if result is not None:
-        return {**result, "rank": start.rank}
+        return result
     error = _last_error(log_path)
     if error is not None:  # the rank said what went wrong (bad input, disk full, …): running again would not help
+        if lost_cause(error) is not None:
+            # "a peer stopped": the peer's own failure is the news. Spark reports a barrier stage's first failed
+            # task and kills the others, so a moment's wait lets the rank that died be the one named.
+            time.sleep(PEER_GRACE)
         raise SparklmError(error.message, hint="; ".join(filter(None, [error.hint, f"see {log_path}"])))
     how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     cause = known_cause(_tail(log_path))
@@ -287,13 +301,13 @@ def _finish_rank(proc: subprocess.Popen | WarmRank, start: RankStart, log_path: 
     raise SparklmError(f"{LOST} {start.rank} on {socket.gethostname()} {how} ({why})", hint=f"see {log_path}")
 
 
-def check_slots(spark, workers: int, wait: float = 30.0) -> None:
+def check_slots(spark, workers: int, dtype: str, wait: float = 30.0) -> None:
     """DDP needs ``workers`` task slots at once: say so in one line before submitting, instead of letting the
     barrier stage wait (Spark retries its slot check for minutes). On a cluster, executors that are still
     registering get ``wait`` seconds."""
     deadline = time.time() + wait
     while True:
-        slots = free_slots(spark)
+        slots = select(dtype).slots(spark)
         if slots >= workers:
             return
         if spark.sparkContext.master.startswith("local") or time.time() > deadline:
@@ -303,17 +317,7 @@ def check_slots(spark, workers: int, wait: float = 30.0) -> None:
         time.sleep(1.0)
 
 
-def free_slots(spark) -> int:
-    """Tasks that can run at once: cores (local[N]: N) ÷ spark.task.cpus."""
-    sc = spark.sparkContext
-    cpus = int(sc.getConf().get("spark.task.cpus", "1"))
-    m = re.match(r"local(?:\[(\*|\d+)(?:,\s*\d+)?\])?$", sc.master)
-    if m:
-        n = 1 if m.group(1) is None else (os.cpu_count() or 1) if m.group(1) == "*" else int(m.group(1))
-        return n // cpus
-    return sc.defaultParallelism // cpus
-
-
+PEER_GRACE = 3.0  # seconds a rank that lost its peer waits before failing its task (see _finish_rank)
 LOST = "training rank"  # "training rank N on HOST killed by …": a lost rank, which a restart may cure
 
 
@@ -328,6 +332,27 @@ def lost_cause(e: Exception) -> str | None:
         note = killed_note(text)
         return "a Spark executor running a training rank was lost" + (f" ({note})" if note else "")
     return None
+
+
+def _fatal_cause(job: Job) -> SparklmError | None:
+    """The error a rank of the failed attempt reported that no restart can cure (disk full, a damaged input, a bad
+    setting), from the ranks' logs the driver can read (local mode, a shared mount, an object store); None if none
+    did (a rank killed from outside, a lost executor: those a restart may cure)."""
+    for rank in range(job.workers):
+        err = _last_error_text(_rank_log_text(job, rank))
+        if err is not None and lost_cause(err) is None:
+            return err
+    return None
+
+
+def _rank_log_text(job: Job, rank: int) -> str:
+    local = local_path(job.run_dir)
+    try:
+        if local is not None:
+            return (local / "logs" / f"rank-{rank}.log").read_text(errors="replace")
+        return read_text(join(job.run_dir, "logs", f"rank-{rank}.log"), job.config.storage)
+    except (OSError, UnicodeDecodeError):
+        return ""
 
 
 def _restart_step(job: Job) -> int:
@@ -351,7 +376,12 @@ def _tail(path: str) -> str:
 
 
 def _last_error(path: str) -> SparklmError | None:
-    for line in reversed(_tail(path).splitlines()):
+    return _last_error_text(_tail(path))
+
+
+def _last_error_text(log: str) -> SparklmError | None:
+    """The ``error:`` line the latest start of a rank wrote (its log holds every start of it)."""
+    for line in reversed(log.rsplit(START_MARK, 1)[-1].splitlines()):
         if line.startswith("error: "):
             return SparklmError.from_line(line)
     return None

@@ -60,7 +60,7 @@ def main() -> None:
         os._exit(1)
     if sink is not None:
         sink.close()
-    print("SPARKLM-RESULT " + json.dumps(result.to_dict()), flush=True)
+    print("SPARKLM-RESULT " + result.to_json(), flush=True)
     if rank.world > 1:
         import torch.distributed as dist
 

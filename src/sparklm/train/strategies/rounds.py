@@ -27,15 +27,12 @@ from dataclasses import dataclass
 from ...config import Config
 from ...errors import SparklmError, killed_note, spark_errors
 from ...fs import delete, join
-from .. import checkpoint
+from .. import checkpoint, rows
 from ..recorder import Best, Recorder
 from ..schedule import Schedule
 from ..sinks import CsvSink, Sink, Sinks
-from .base import BEST, Job, RoundSpec, RunResult, WorkerResult
+from .base import BEST, Job, Partial, RoundSpec, RunResult, WorkerResult
 
-ROUND_COLUMNS = ["round", "step", "workers", "workers_done", "tokens", "loss", "inner_losses", "attempts", "cold",
-                 "broadcast_bytes", "returned_bytes", "broadcast_s", "fetch_s", "compute_s", "aggregate_s", "round_s",
-                 "outer_update_norm", "delta_norm", "elapsed"]
 # A testing aid: "round=R,worker=W[,attempts=K][,at=start|end|crash]" fails that task's first K attempts
 # (default 1) at its start, after its work (default end), or by killing its Python worker after its work.
 FAULT_ENV = "SPARKLM_INJECT_FAULT"
@@ -108,9 +105,9 @@ class _Driver:
         self.ckpt_dir = join(job.run_dir, "checkpoints")
         self.inner_from, self.resumed_at = "", 0
         self.best_params = None  # None: the best weights are the current ones
-        self.rounds_csv = CsvSink(join(job.run_dir, "rounds.csv"), ROUND_COLUMNS, {"round"}, self.storage)
+        self.rounds_csv = CsvSink(join(job.run_dir, "rounds.csv"), rows.ROUND_COLUMNS, {"round"}, self.storage)
         self.rec = Recorder(Sinks([sink, self.rounds_csv]), self.tc, strategy=name, workers=job.workers,
-                            epoch_tokens=self.dataset.manifest["splits"]["train"]["tokens"])
+                            epoch_tokens=self.dataset.manifest["splits"]["train"]["tokens"], figures=task.figure_set)
         self.fault = parse_fault(os.environ.get(FAULT_ENV, ""))
         self.max_failures = _max_failures(spark)
         self.shards = tuple(tuple(s) for s in (shards or [(w, job.workers) for w in range(job.workers)]))
@@ -123,37 +120,29 @@ class _Driver:
     def restore(self) -> None:
         """With --resume: the newest readable checkpoint's weights, momentum, counters and best evaluation."""
         found = None
-        if self.job.resume:
-            found = checkpoint.newest_readable(self.ckpt_dir, self._load, self.storage, warn=self.rec.warn)
+        if self.job.resume:  # the workers' inner states too are verified here, once
+            found = checkpoint.restore_run(self.ckpt_dir, world=self.job.workers, names=("model", "outer", "best"),
+                                           storage=self.storage, warn=self.rec.warn, verify="inner/")
         if found is not None:
-            last, state, files = found
+            last, run, files = found
             saved, saved_outer = files["model"], files["outer"]
             params = self.params
             if set(params) - set(saved) or any(saved[n].shape != params[n].shape for n in params):
                 raise SparklmError(f"checkpoint {last} does not fit the model", hint="resume with the same model config")
             self.params = {n: saved[n].float() for n in params}
             self.momentum = {n: saved_outer[n] for n in params} if saved_outer else None
-            self.step, self.tokens_seen, self.elapsed_before, self.rnd = (state["step"], state["tokens_seen"],
-                                                                          state["elapsed"], state["round"])
+            self.step, self.tokens_seen, self.elapsed_before = run.step, run.tokens_seen, run.elapsed
+            self.rnd = run.extra["round"]
             self.inner_from = last
             saved_best = {n: files["best"][n].float() for n in params} if files["best"] else {}
-            self.rec.best, self.best_params = Best.restore(state, saved_best, self.step, lambda: self.params,
-                                                           self.tc.keep_best)
+            self.rec.best, self.best_params = Best.restore(run.best, saved_best, self.step, lambda: self.params,
+                                                           self.tc.keep_best, self.task.figure_set.loss)
         self.resumed_at = self.step
+        self.rec.rewind(self.step)  # rows an interrupted run wrote after its checkpoint come again
         self.started = time.time() - self.elapsed_before
 
-    def _load(self, path: str):
-        state = checkpoint.read_state(path, self.storage)
-        if state.get("world") != self.job.workers:
-            raise SparklmError(f"checkpoint {path} was written by {state.get('world')} workers, not {self.job.workers}",
-                               hint="resume with the same --workers")
-        for name in state.get("sha256", {}):  # the workers' inner states too: all verified here, once
-            if name.startswith("inner/"):
-                checkpoint.read_file(path, name, state, self.storage)
-        return path, state, {n: checkpoint.read_tensors(path, n, self.storage, state) for n in ("model", "outer", "best")}
-
     def launch(self, steps: int, *, do_eval: bool, persist: str, finish: bool, also: dict | None = None
-               ) -> tuple[dict, float, float, int]:
+               ) -> tuple[Partial, float, float, int]:
         """One round's Spark job: (its aggregated partial, broadcast seconds, round seconds, bytes broadcast)."""
         from safetensors.torch import save as save_bytes
 
@@ -175,17 +164,25 @@ class _Driver:
             bc.destroy()
         return partial, broadcast_s, time.time() - t0, len(payload)
 
-    def record_eval(self, partial: dict) -> None:
-        """The evaluation the round's workers made of the weights they received (those of ``self.step``)."""
-        if self.rec.evaluation(self.step, self.tokens_seen, self._figures(partial)) and self.tc.keep_best:
+    def record_eval(self, partial: Partial) -> None:
+        """The evaluation the round's workers made of the weights they received (those of ``self.step``). Each worker
+        scores its part of the validation split: when a worker failed, the figures cover only the others' parts,
+        so they are recorded with a warning and do not choose the best model or stop the run early."""
+        evaluated = sorted(r.worker for r in partial.results if r.eval_sums)
+        whole = len(evaluated) == self.job.workers
+        if not whole and evaluated:
+            self.rec.warn(f"the evaluation at step {self.step} covers the validation rows of {len(evaluated)} of "
+                          f"{self.job.workers} workers (a worker failed): recorded, not used to choose the best "
+                          "model or to stop early")
+        if self.rec.evaluation(self.step, self.tokens_seen, self._figures(partial), counts=whole) and self.tc.keep_best:
             self.best_params = self.params  # outer steps make new tensors, never change these
 
-    def _figures(self, partial: dict) -> dict:
+    def _figures(self, partial: Partial) -> dict:
         """The task's figures from the workers' summed evaluation sums."""
-        sums = [sum(v) for v in zip(*(r.eval_sums for r in partial["results"] if r.eval_sums))]
+        sums = [sum(v) for v in zip(*(r.eval_sums for r in partial.results if r.eval_sums))]
         return self.task.figures(sums) if sums else {}
 
-    def note_peaks(self, results: list[WorkerResult]) -> list[float | None]:
+    def note_peaks(self, results: tuple[WorkerResult, ...]) -> list[float | None]:
         got = {r.worker: r.peak_rss_mb for r in results}
         return [got.get(w) for w in range(self.job.workers)]
 
@@ -203,15 +200,15 @@ class _Driver:
         partial, broadcast_s, round_s, nbytes = self.launch(steps, do_eval=self.pending_eval, persist=persist,
                                                             finish=False)
         t_agg = time.time()
-        done: list[WorkerResult] = partial["results"]
-        if not self.rec.facts:
+        done = partial.results
+        if not self.rec.has_facts:
             self.rec.info(next((r.facts for r in done if r.facts), {}), self.schedule.total_steps,
                           sync_every=self.tc.rounds.sync_every)
         if self.pending_eval:
             self.record_eval(partial)
         stop = self.pending_eval and self.rec.best.should_stop(self.tc.early_stop)  # decided on this evaluation
         self._check_dropped(partial, done)
-        avg = {n: torch.from_numpy(a) / sum(r.weight for r in done) for n, a in partial["sum"].items()}
+        avg = {n: torch.from_numpy(a) / sum(r.weight for r in done) for n, a in partial.sum.items()}
         new_params, self.momentum = outer.outer_step(self.params, avg, self.momentum, lr=self.lr, mu=self.mu)
         update_norm = outer.norm({n: new_params[n] - self.params[n] for n in self.params})
         self.params = new_params
@@ -224,18 +221,18 @@ class _Driver:
             self.save(persist)
         return stop and self.rec.should_stop(f"round {self.rnd}")
 
-    def _check_dropped(self, partial: dict, done: list[WorkerResult]) -> None:
-        dropped: list[WorkerResult] = partial["errors"]
+    def _check_dropped(self, partial: Partial, done: tuple[WorkerResult, ...]) -> None:
+        dropped = partial.errors
         self.dropped_last = sorted(e.worker for e in dropped)
         if not done:
-            raise SparklmError(f"round {self.rnd}: every worker failed; first error: {dropped[0].error}",
+            raise SparklmError(f"round {self.rnd + 1}: every worker failed; first error: {dropped[0].error}",
                                hint="see the Spark log (--debug shows more)")
         if dropped:
-            self.rec.warn(f"round {self.rnd}: {len(done)} of {self.job.workers} workers returned a delta (worker "
+            self.rec.warn(f"round {self.rnd + 1}: {len(done)} of {self.job.workers} workers returned a delta (worker "
                           f"{', '.join(str(e.worker) for e in dropped)} failed: {dropped[0].error}); averaging "
                           "over those that arrived, weighted by tokens")
 
-    def _record_round(self, done: list[WorkerResult], steps: int, nbytes: int, broadcast_s: float, round_s: float,
+    def _record_round(self, done: tuple[WorkerResult, ...], steps: int, nbytes: int, broadcast_s: float, round_s: float,
                       t_agg: float, aggregate_s: float, update_norm: float, delta_norm: float) -> None:
         """The round's train row (the same keys as a DDP step's), its round row, and the epochs note."""
         round_tokens = sum(r.tokens for r in done)
@@ -253,18 +250,15 @@ class _Driver:
                              peaks=self.note_peaks(done), elapsed=elapsed)
         total = self.schedule.total_steps
         left = (total - self.step) * self.per_step_s if total else max(self.tc.time_budget - elapsed, 0)
-        self.rec.write({
-            "kind": "round", "round": self.rnd, "step": self.step, "workers": self.job.workers,
-            "workers_done": len(done), "tokens": round_tokens, "loss": loss,
-            "inner_losses": ";".join(f"{r.mean_loss:.5f}" for r in done),
-            "attempts": ";".join(str(r.attempt) for r in done), "cold": ";".join(str(r.worker) for r in done if r.cold),
-            "broadcast_bytes": nbytes * len(done), "returned_bytes": returned, "broadcast_s": broadcast_s,
-            "fetch_s": max(r.load_s for r in done), "compute_s": max(r.compute_s for r in done),
-            "aggregate_s": aggregate_s, "round_s": wall, "outer_update_norm": update_norm, "delta_norm": delta_norm,
-            "elapsed": elapsed,
-            # for the progress line only
-            "total_steps": total, "tokens_per_s": tps, "eta_s": left,
-            "sent_mb": (self.comm["broadcast"] + self.comm["returned"]) / 1e6, "peak_rss_mb": row["peak_rss_mb"]})
+        self.rec.write(rows.Round(
+            round=self.rnd, step=self.step, workers=self.job.workers, workers_done=len(done), tokens=round_tokens,
+            loss=loss, inner_losses=";".join(f"{r.mean_loss:.5f}" for r in done),
+            attempts=";".join(str(r.attempt) for r in done), cold=";".join(str(r.worker) for r in done if r.cold),
+            broadcast_bytes=nbytes * len(done), returned_bytes=returned, broadcast_s=broadcast_s,
+            fetch_s=max(r.load_s for r in done), compute_s=max(r.compute_s for r in done), aggregate_s=aggregate_s,
+            round_s=wall, outer_update_norm=update_norm, delta_norm=delta_norm, elapsed=elapsed,
+            total_steps=total, tokens_per_s=tps, eta_s=left,
+            sent_mb=(self.comm["broadcast"] + self.comm["returned"]) / 1e6, peak_rss_mb=row.peak_rss_mb))
         if self.rnd == 1:  # the first round's pace projects a time budget
             planned = total or (self.tc.time_budget / max(self.per_step_s, 1e-9))
             self.rec.epochs(planned * self.plan.tokens_per_step)
@@ -275,12 +269,12 @@ class _Driver:
         if self.momentum is not None:
             files["outer"] = self.momentum
         files.update(self.rec.best.checkpoint_files(self.best_params, step))
-        checkpoint.save(self.ckpt_dir, step, files=files, keep=tc.keep_checkpoints, storage=self.storage,
-                        adopt={"inner": inner},
-                        state={"strategy": self.name, "round": self.rnd, "tokens_seen": self.tokens_seen,
-                               "elapsed": time.time() - self.started, "world": self.job.workers,
-                               "sync_every": tc.rounds.sync_every, "best": self.rec.best.to_state(),
-                               "position": step * self.job.workers * tc.batch_size * tc.grad_accum})
+        run = checkpoint.RunState(strategy=self.name, world=self.job.workers, step=step, tokens_seen=self.tokens_seen,
+                                  position=step * self.plan.rows_per_step, elapsed=time.time() - self.started,
+                                  best=self.rec.best.to_state(),
+                                  extra={"round": self.rnd, "sync_every": tc.rounds.sync_every})
+        checkpoint.save_run(self.ckpt_dir, run, files, keep=tc.keep_checkpoints, storage=self.storage,
+                            adopt={"inner": inner})
 
     def finish(self) -> RunResult:
         """Evaluate the final weights, checkpoint, export model/ (the best weights) and samples. With earlier best
@@ -290,18 +284,18 @@ class _Driver:
         persist = join(self.ckpt_dir, f".inner-step-{self.step:07d}")
         earlier = self.best_params is not None
         partial, *_, nbytes = self.launch(0, do_eval=True, persist=persist, finish=not earlier)
-        self.comm["broadcast"] += nbytes * len(partial["results"])
-        self.rec.note_peaks(self.note_peaks(partial["results"]))  # the final evaluation and export count too
-        if partial["results"]:
+        self.comm["broadcast"] += nbytes * len(partial.results)
+        self.rec.note_peaks(self.note_peaks(partial.results))  # the final evaluation and export count too
+        if partial.results:
             self.record_eval(partial)
         self.save(persist)
         if earlier:
             keep = self.rec.best.apart(self.best_params, self.step) or {}
             partial, *_, nbytes = self.launch(0, do_eval=False, persist="", finish=True,
                                               also={f"{BEST}{n}": t for n, t in keep.items()})
-            self.comm["broadcast"] += nbytes * len(partial["results"])
-            self.rec.note_peaks(self.note_peaks(partial["results"]))
-        if not any(r.worker == 0 for r in partial["results"]):
+            self.comm["broadcast"] += nbytes * len(partial.results)
+            self.rec.note_peaks(self.note_peaks(partial.results))
+        if not any(r.worker == 0 for r in partial.results):
             raise SparklmError("the final task of worker 0 (export of model/ and samples) failed",
                                hint="see the Spark log; --resume runs it again")
         self.rounds_csv.close()
@@ -312,7 +306,7 @@ class _Driver:
                                bytes_communicated=comm["broadcast"] + comm["returned"])
 
 
-def _round_job(spark, job: Job, bc, spec: RoundSpec, fault: FaultSpec | None, max_failures: int) -> dict:
+def _round_job(spark, job: Job, bc, spec: RoundSpec, fault: FaultSpec | None, max_failures: int) -> Partial:
     """One round: a task per worker, their deltas summed by a tree aggregation.
 
     A worker whose last attempt raises is reported by its task. One whose process dies (a crash, an
@@ -329,20 +323,20 @@ def _round_job(spark, job: Job, bc, spec: RoundSpec, fault: FaultSpec | None, ma
         except Exception as e:
             m = re.search(r"Task (\d+) in stage [\d.]+ failed", str(e))
             if m is None or int(m.group(1)) >= len(alive):
-                raise SparklmError(f"round {spec.round}: the Spark job failed: {_first_line(e)}",
+                raise SparklmError(f"round {spec.round + 1}: the Spark job failed: {_first_line(e)}",
                                    hint="see the Spark log (--debug shows more)") from None
             worker = alive.pop(int(m.group(1)))
             note = killed_note(str(e))
             lost.append(WorkerResult(worker=worker, attempt=max_failures - 1,
-                                     error=f"its task failed {max_failures} time(s): {_first_line(e)}"
+                                     error=f"its task failed {max_failures} time(s): {_task_cause(str(e))}"
                                            + (f" ({note})" if note else "")))
             continue
-        return {**partial, "errors": partial["errors"] + lost}
-    return {"sum": None, "results": [], "errors": lost}
+        return dataclasses.replace(partial, errors=partial.errors + tuple(lost))
+    return Partial(errors=tuple(lost))
 
 
 def _aggregate(spark, job: Job, bc, spec: RoundSpec, workers: list[int], fault: FaultSpec | None, max_failures: int
-               ) -> dict:
+               ) -> Partial:
     def task(it):
         import signal
 
@@ -371,10 +365,10 @@ def _aggregate(spark, job: Job, bc, spec: RoundSpec, workers: list[int], fault: 
             except Exception as e:
                 if attempt + 1 < max_failures:
                     raise  # Spark retries the task; it recomputes the same result
-                yield {"sum": None, "results": [], "errors": [
-                    WorkerResult(worker=worker, attempt=attempt, error=f"{type(e).__name__}: {e}"[:300])]}
+                yield Partial(errors=(WorkerResult(worker=worker, attempt=attempt,
+                                                   error=f"{type(e).__name__}: {e}"[:300]),))
                 continue
-            yield {"sum": delta, "results": [result], "errors": []}
+            yield Partial(sum=delta, results=(result,))
 
     rdd = spark.sparkContext.parallelize(workers, len(workers)).mapPartitions(task)
     return rdd.treeAggregate(None, merge, merge, depth=2)
@@ -383,21 +377,38 @@ def _aggregate(spark, job: Job, bc, spec: RoundSpec, workers: list[int], fault: 
 def _first_line(e: BaseException) -> str:
     for line in str(e).splitlines():
         if "failed" in line or "Error" in line:
-            return " ".join(line.split())[:300]
-    return " ".join(str(e).split())[:300]
+            return clip(" ".join(line.split()))
+    return clip(" ".join(str(e).split()))
 
 
-def merge(a: dict | None, b: dict | None) -> dict | None:
+def _task_cause(text: str) -> str:
+    """What happened to a task whose process died, in words (Spark's own line is a stage and task dump)."""
+    if "Python worker exited unexpectedly" in text:
+        return "its Python worker exited unexpectedly"
+    if "ExecutorLostFailure" in text:
+        return "its executor was lost"
+    m = re.search(r"most recent failure: (.*)", text)
+    return clip(" ".join((m.group(1) if m else text).split()))
+
+
+def clip(text: str, limit: int = 300) -> str:
+    """``text`` cut to ``limit`` characters at a word's end, with an ellipsis when cut."""
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0] + " …"
+
+
+def merge(a: Partial | None, b: Partial | None) -> Partial | None:
     """Associative: adds weighted deltas and concatenates figures (the tree aggregation's combine)."""
     from .outer import weighted_sum
 
     if a is None or b is None:
         return b if a is None else a
-    if a["sum"] is None or b["sum"] is None:
-        total = b["sum"] if a["sum"] is None else a["sum"]
+    if a.sum is None or b.sum is None:
+        total = b.sum if a.sum is None else a.sum
     else:  # the tasks already weighted their deltas by tokens
-        total = weighted_sum([(a["sum"], 1.0), (b["sum"], 1.0)])
-    return {"sum": total, "results": a["results"] + b["results"], "errors": a["errors"] + b["errors"]}
+        total = weighted_sum([(a.sum, 1.0), (b.sum, 1.0)])
+    return Partial(sum=total, results=a.results + b.results, errors=a.errors + b.errors)
 
 
 @dataclass(frozen=True)

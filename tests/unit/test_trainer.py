@@ -1,0 +1,79 @@
+"""A worker's Trainer driven directly, without Spark: steps on a dataset written here with pyarrow, an evaluation
+with the task's named figures, and a checkpoint that a new Trainer resumes from bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from sparklm.config import TokenizerConfig, from_dict
+from sparklm.data import tokenizer
+from sparklm.data.manifest import PreparedDataset
+from sparklm.model.tasks import LM_FIGURES
+from sparklm.train.core import Trainer
+
+SEQ = 16
+
+
+def _dataset(tmp_path, spec, text: str) -> PreparedDataset:
+    """A prepared dataset as prepare lays it out (Parquet rows of SEQ token ids per split, a manifest), made without
+    Spark: the training split from the first 80% of ``text``, the validation split from the rest."""
+    ids = np.array(spec.tokenizer().encode(text, add_special_tokens=False).ids, dtype=np.int32)
+    rows = ids[:len(ids) // SEQ * SEQ].reshape(-1, SEQ)
+    cut = int(len(rows) * 0.8)
+    splits = {}
+    for split, part in (("train", rows[:cut]), ("validation", rows[cut:])):
+        path = tmp_path / "data" / split / "part-0.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        table = pa.table({"input_ids": pa.array(list(part), type=pa.list_(pa.int32())),
+                          "doc_id": pa.array(np.zeros(len(part), dtype=np.int64))})
+        pq.write_table(table, path, row_group_size=8)
+        splits[split] = {"sequences": len(part), "tokens": int(part.size),
+                         "files": [{"path": f"{split}/part-0.parquet", "rows": len(part), "bytes": path.stat().st_size}]}
+    manifest = {"splits": splits, "packing": {"seq_len": SEQ}}
+    (tmp_path / "data" / "manifest.json").write_text(json.dumps(manifest))
+    return PreparedDataset(uri=str(tmp_path / "data"), manifest=manifest)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from conftest import make_text
+
+    text = make_text(60, seed=3)
+    spec = tokenizer.train([text], TokenizerConfig(vocab_size=300))
+    data = _dataset(tmp_path_factory.mktemp("trainer"), spec, text)
+    # every setting a driver would decide, decided: nothing is measured here
+    config = from_dict({"model": {"n_layer": 1, "n_head": 2, "n_embd": 32},
+                        "train": {"batch_size": 4, "max_steps": 6, "eval_batches": 2, "dtype": "float32",
+                                  "optimizer": "adamw", "lr": 1e-3, "threads": 1, "samples": 0}})
+    return config, data, spec
+
+
+def _steps(trainer: Trainer, n: int) -> list[float]:
+    return [loss.item() for loss, _, _ in trainer.run_steps(trainer.batches(trainer.state.position), n,
+                                                            lambda _: trainer.state.step / 6)]
+
+
+def test_a_trainer_steps_evaluates_and_resumes_bitwise_without_spark(setup, tmp_path):
+    config, data, spec = setup
+    torch.set_num_threads(1)
+    trainer = Trainer(config, data, spec)
+    first = _steps(trainer, 3)
+    assert len(first) == 3 and all(np.isfinite(first)) and trainer.state.step == 3
+    assert trainer.state.position == 3 * trainer.plan.rows_per_step == 12
+    figures = trainer.evaluate()
+    assert set(figures) == set(LM_FIGURES.keys()) and figures["val_tokens"] == 2 * 4 * (SEQ - 1)
+    assert figures["val_ppl"] == pytest.approx(np.exp(figures["val_loss"]))
+    trainer.save(str(tmp_path))
+
+    rest = _steps(trainer, 3)  # the uninterrupted run
+    again = Trainer(config, data, spec)
+    assert again.restore(str(tmp_path)) and again.state.step == 3 and again.state.position == 12
+    assert _steps(again, 3) == rest  # the same losses, bit for bit: weights, optimizer state and data position
+    for (name, a), b in zip(trainer.model.state_dict().items(), again.model.state_dict().values()):
+        assert torch.equal(a, b), name
