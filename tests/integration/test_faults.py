@@ -97,29 +97,6 @@ def test_overwrite_of_a_dataset_refuses_files_it_did_not_write(spark, dataset, t
         prepare([str(tmp_path / "in.txt")], output=str(own), config=conf, overwrite=True, spark=spark)
 
 
-def test_a_second_writer_of_a_run_directory_is_refused_naming_the_holder(dataset, tmp_path):
-    """Two `sparklm train --output X` at once: the second stops with one line naming the first (host, pid) and writes
-    nothing; the first ends as if alone (each step's row once)."""
-    run = tmp_path / "run"
-    args = ["train", "--data", dataset, "-o", str(run), "--max-steps", "40", "--set", "train.log_every=1", *TINY_FLAGS]
-    first = subprocess.Popen([sys.executable, "-m", "sparklm", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
-    try:
-        deadline = time.time() + 120
-        while not (run / ".sparklm.lock").exists() and first.poll() is None and time.time() < deadline:
-            time.sleep(0.2)
-        second = cli(*args[:-len(TINY_FLAGS)], "--set", "train.seed=7", *TINY_FLAGS)
-        assert f"is in use by another sparklm run (host {os.uname().nodename}, pid {first.pid}" in one_error_line(second)
-        _, err = first.communicate(timeout=300)
-    finally:
-        if first.poll() is None:
-            first.kill()
-    assert first.returncode == 0, err[-2000:]
-    steps = [r["step"] for r in read_metrics(str(run / "metrics.csv")) if r["kind"] == "train"]
-    assert steps == list(range(1, 41)) and json.loads((run / "config.json").read_text())["config"]["train"]["seed"] != 7
-    assert not (run / ".sparklm.lock").exists()
-
-
 def test_stale_staging_of_a_killed_prepare_is_removed(spark, tmp_path):
     from sparklm.config import from_dict
     from sparklm.data.prepare import prepare
@@ -283,9 +260,10 @@ def test_flipped_bytes_in_model_weights_are_found(spark, dataset, tmp_path):
 # -- Ctrl-C ----------------------------------------------------------------------------------------
 
 
-def _interrupt(args: list[str], started) -> subprocess.CompletedProcess:
-    """Run ``sparklm ARGS`` in its own process group, send the group SIGINT (what a terminal's Ctrl-C does) once
-    ``started()`` holds, and return the finished process once every process of the group is gone."""
+def _interrupt(args: list[str], started, during=None) -> subprocess.CompletedProcess:
+    """Run ``sparklm ARGS`` in its own process group, call ``during()`` once ``started()`` holds, then send the group
+    SIGINT (what a terminal's Ctrl-C does); return the finished process (``pid`` set) once every process of the group
+    is gone."""
     import signal
 
     proc = subprocess.Popen([sys.executable, "-m", "sparklm", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -295,6 +273,8 @@ def _interrupt(args: list[str], started) -> subprocess.CompletedProcess:
         while not started() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.1)
         assert proc.poll() is None, proc.communicate()[1][-2000:]
+        if during is not None:
+            during()
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=60)
         gone = time.time() + 30
@@ -309,7 +289,9 @@ def _interrupt(args: list[str], started) -> subprocess.CompletedProcess:
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    done.pid = proc.pid
+    return done
 
 
 def _one_line_interrupt(r) -> None:
@@ -318,29 +300,31 @@ def _one_line_interrupt(r) -> None:
     assert not any(word in r.stderr for word in ("Py4J", "Error", "Exception")), r.stderr[-3000:]
 
 
-def test_ctrl_c_during_training_is_one_line_and_the_run_resumes(dataset, tmp_path):
+def test_one_writer_per_run_directory_ctrl_c_is_one_line_and_the_run_resumes(dataset, tmp_path):
+    """Two `sparklm train --output X` at once: the second stops with one line naming the first (host, pid). Ctrl-C
+    (SIGINT to the command's process group, as a terminal sends it) then ends the first with one line, exit 130 and
+    no process left; `--resume` takes the dead run's lock over, continues from its last checkpoint, and each step's
+    row is in metrics.csv once."""
     run = tmp_path / "run"
     flags = ["--set", "train.checkpoint_every=10", "--set", "train.keep_checkpoints=100", "--set", "train.log_every=1",
              *TINY_FLAGS]
-    r = _interrupt(["train", "--data", dataset, "-o", str(run), "--max-steps", "100000", *flags],
-                   lambda: len(list((run / "checkpoints").glob("step-*"))) >= 2)
+    args = ["train", "--data", dataset, "-o", str(run), "--max-steps", "100000", *flags]
+    refused = []
+
+    def second_writer():
+        refused.append(cli(*args[:-len(TINY_FLAGS)], "--set", "train.seed=7", *TINY_FLAGS))
+
+    r = _interrupt(args, lambda: len(list((run / "checkpoints").glob("step-*"))) >= 2, during=second_writer)
+    line = one_error_line(refused[0])
+    assert f"is in use by another sparklm run (host {os.uname().nodename}, pid {r.pid}" in line, line
     _one_line_interrupt(r)
     last = max(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
-    # the checkpoints are whole, the dead run's lock is taken over, and each step's row is there once
     resumed = cli("train", "-o", str(run), "--resume", "--max-steps", str(last + 5), *flags)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     steps = [row["step"] for row in read_metrics(str(run / "metrics.csv")) if row["kind"] == "train"]
     assert steps == list(range(1, last + 6))
-
-
-def test_ctrl_c_during_prepare_is_one_line_and_leaves_no_dataset(tmp_path):
-    (tmp_path / "big.txt").write_text(make_text(8000, seed=4))
-    out = tmp_path / "out"
-    r = _interrupt(["prepare", str(tmp_path / "big.txt"), "-o", str(out), "--seq-len", "32", "--vocab-size", "300",
-                    "--master", "local[2]", "--set", "spark.ui=false"],
-                   lambda: any(p.name.startswith(".out.sparklm-tmp") for p in tmp_path.iterdir()))
-    _one_line_interrupt(r)
-    assert not out.exists()
+    assert json.loads((run / "config.json").read_text())["config"]["train"]["seed"] != 7
+    assert not (run / ".sparklm.lock").exists()
 
 
 # -- disk full -------------------------------------------------------------------------------------
