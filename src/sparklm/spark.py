@@ -9,7 +9,7 @@ import time
 from contextlib import contextmanager
 from importlib import resources
 
-from . import environment, progress
+from . import environment, progress, redact
 from .cache import cache_dir
 from .config import SparkConfig
 from .errors import SparklmError, spark_errors
@@ -271,6 +271,7 @@ def _start(master: str, confs: dict[str, str], pending, config: SparkConfig, jvm
         builder = builder.config(key, value)
     try:
         with _stderr_to(jvm_log):
+            _context_with_secrets_off_the_command_line(master, confs)
             spark = builder.getOrCreate()
     except Exception as e:  # the JVM did not start or the master is unreachable
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -282,6 +283,24 @@ def _start(master: str, confs: dict[str, str], pending, config: SparkConfig, jvm
         note_class_cache_writer(pending, getattr(getattr(spark.sparkContext._gateway, "proc", None), "pid", None))
     spark.sparkContext.setLogLevel(config.log_level)
     return spark
+
+
+def _context_with_secrets_off_the_command_line(master: str, confs: dict[str, str]) -> None:
+    """pyspark hands every setting to spark-submit as ``--conf KEY=VALUE``: on the JVM's command line, which anyone
+    on the host reads with ``ps``. With a secret among them (an S3 key given with ``--conf``), the JVM starts with
+    the other settings only, and the context gets the whole configuration over py4j (``SparkContext``'s public
+    ``gateway`` parameter); the session then takes that context over."""
+    from pyspark import SparkConf, SparkContext
+
+    secret = {k for k in confs if redact.is_secret(k)}
+    if not secret or SparkContext._active_spark_context is not None:  # a running context: getOrCreate takes it
+        return
+    from pyspark.java_gateway import launch_gateway
+
+    public = [(k, v) for k, v in confs.items() if k not in secret]
+    running = SparkContext._gateway  # a JVM this process started before (a session stopped and started again)
+    gateway = running or launch_gateway(SparkConf(loadDefaults=False).setMaster(master).setAll(public))
+    SparkContext(conf=SparkConf(loadDefaults=False).setMaster(master).setAll(list(confs.items())), gateway=gateway)
 
 
 def default_jvm_log() -> str:

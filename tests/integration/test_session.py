@@ -70,6 +70,42 @@ def test_spark_defaults_conf_wins_over_sparklm_defaults(tmp_path):
     assert got["spark.barrier.sync.timeout"] == "600s"
 
 
+SECRET_JOB = """
+import glob, json, os
+from sparklm.config import SparkConfig
+from sparklm.spark import get_session
+
+secret = os.environ["THE_SECRET"]  # not on this script's own command line
+spark = get_session(SparkConfig(master="local[1]", ui=False, class_cache=False, conf={
+    "spark.hadoop.fs.s3a.secret.key": secret, "spark.sql.shuffle.partitions": "3", "spark.driver.memory": "1g"}))
+seen = []
+for path in glob.glob("/proc/[0-9]*/cmdline"):
+    try:
+        if secret.encode() in open(path, "rb").read():
+            seen.append(path)
+    except OSError:
+        pass
+conf = spark.sparkContext.getConf()
+print(json.dumps({"seen": seen, "conf": conf.get("spark.hadoop.fs.s3a.secret.key") == secret,
+                  "hadoop": spark.sparkContext._jsc.hadoopConfiguration().get("fs.s3a.secret.key") == secret,
+                  "partitions": conf.get("spark.sql.shuffle.partitions"), "memory": conf.get("spark.driver.memory"),
+                  "works": spark.range(10).count()}))
+spark.stop()
+"""
+
+
+def test_a_secret_setting_reaches_spark_but_not_the_jvms_command_line(tmp_path):
+    """pyspark passes settings to spark-submit on the command line, which `ps` shows to anyone on the host: a secret
+    (an S3 key given with --conf) goes to the context over py4j instead, and Spark (and Hadoop) still get it."""
+    script = tmp_path / "job.py"
+    script.write_text(SECRET_JOB)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                       env=_env(THE_SECRET="Sekr3t-b7f2e1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _last_json(r.stdout) == {"seen": [], "conf": True, "hadoop": True, "partitions": "3", "memory": "1g",
+                                    "works": 10}
+
+
 def test_the_cli_runs_under_spark_submit_from_its_entry_file(tmp_path):
     (tmp_path / "a.txt").write_text(make_text(80, seed=3))
     entry = Path(sparklm.__file__).with_name("__main__.py")
