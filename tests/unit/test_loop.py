@@ -56,6 +56,9 @@ class Rows:
     def rewind(self, step):
         self.rows = [r for r in self.rows if getattr(r, "step", 0) <= step]
 
+    def flush(self):
+        pass
+
     def close(self):
         pass
 

@@ -96,6 +96,70 @@ def test_rows_travel_from_a_rank_to_the_driver_sinks(tmp_path, capsys):
     assert "step 99" not in err
 
 
+class _Uploads:
+    """A sink that counts flushes and can fail one (a full disk on the driver)."""
+
+    def __init__(self, fail: bool = False):
+        self.rows, self.flushed, self.fail = [], [], fail
+
+    def write(self, row):
+        self.rows.append(row)
+
+    def rewind(self, step):
+        pass
+
+    def flush(self):
+        if self.fail:
+            raise OSError(28, "No space left on device")
+        self.flushed.append(len(self.rows))
+
+    def close(self):
+        pass
+
+
+def test_a_rank_checkpoints_only_after_the_driver_made_its_rows_durable():
+    """Before each checkpoint a rank asks the driver to flush its sinks and waits for the answer; a driver that
+    cannot write makes the rank stop there (found by benchmarks/kill_campaign.py: see the next test)."""
+    from sparklm.errors import SparklmError
+
+    sink = _Uploads()
+    channel = Channel(sink)
+    rank = ChannelSink(*channel.address, channel.token)
+    for step in (1, 2, 3):
+        rank.write(_train(step))
+    rank.flush()  # returns once the driver's sinks were flushed after the three rows
+    assert sink.flushed == [3] and [r.step for r in sink.rows] == [1, 2, 3]
+    rank.close()
+    channel.close()
+    failing = _Uploads(fail=True)
+    broken = Channel(failing)
+    other = ChannelSink(*broken.address, broken.token)
+    other.write(_train(1))
+    with pytest.raises(SparklmError, match="could not write its files"):
+        other.flush()
+    other.close()
+    broken.close()
+    assert isinstance(broken.error, OSError)  # the launcher raises the driver's own cause
+
+
+def test_a_rank_whose_driver_died_does_not_checkpoint():
+    """A rank on a cluster runs on after its driver died, until its executor is stopped: it must not checkpoint steps
+    whose rows were lost with the driver, since a run resumed from that checkpoint would lack them."""
+    import socket
+
+    from sparklm.errors import SparklmError
+
+    driver = socket.create_server(("127.0.0.1", 0))
+    rank = ChannelSink(*driver.getsockname(), "token")
+    conn, _ = driver.accept()
+    conn.close()  # the driver process is gone: the kernel closes its sockets
+    driver.close()
+    with pytest.raises(SparklmError, match="stopped answering"):  # at the write, or at the latest at the flush
+        rank.write(_train(1))
+        rank.flush()
+    rank.close()
+
+
 def test_peak_memory_per_rank_in_a_csv_cell_and_the_progress_lines(tmp_path):
     assert rank_mb([812.4, 790.6]) == "812/791" and rank_mb([812.0, None]) == "812/-"
     csv_path = tmp_path / "metrics.csv"

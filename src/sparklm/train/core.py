@@ -373,6 +373,7 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
                 break
         if schedule.checkpoint(step - 1, step):
             trainer.state.elapsed = time.time() - started
+            rec.flush()  # the rows of the steps it holds first: a resume from it must find them
             trainer.save(run_dir)
     return _finish(trainer, rec, run_dir, started)
 
@@ -396,6 +397,7 @@ def _finish(trainer: Trainer, rec: Recorder, run_dir: str, started: float) -> Ru
     step = trainer.state.step
     if rec.evaluated_at != step:  # after the last step a new best is the current weights themselves: no copy
         trainer.record_eval(rec, trainer.evaluate(), snapshot=False)
+    rec.flush()
     trainer.save(run_dir)
     if trainer.rank.rank == 0:
         trainer.export(run_dir, trainer.best.apart(trainer.best_weights, step))

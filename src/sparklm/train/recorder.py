@@ -148,6 +148,11 @@ class Recorder:
         if self.sink is not None:
             self.sink.rewind(step)
 
+    def flush(self) -> None:
+        """Every row so far made durable: called before each checkpoint (see ``Sink.flush``)."""
+        if self.sink is not None:
+            self.sink.flush()
+
     def note(self, message: str) -> None:
         self.write(rows.Note(message))
 

@@ -42,6 +42,11 @@ class Sink(Protocol):
         """Forget the rows after ``step``: the run continues from a checkpoint there and sends them again."""
         ...
 
+    def flush(self) -> None:
+        """Make every row written so far durable. A checkpoint is written only after this returns, so a run resumed
+        from it (which forgets the rows after its step) never lacks a row of the steps before it."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -59,6 +64,10 @@ class Sinks:
         """Forget rows after ``step`` (the run continues from a checkpoint there and emits them again)."""
         for s in self.sinks:
             s.rewind(step)
+
+    def flush(self) -> None:
+        for s in self.sinks:
+            s.flush()
 
     def close(self) -> None:
         for s in self.sinks:
@@ -119,6 +128,11 @@ class CsvSink:
         else:
             self.dirty = True
 
+    def flush(self) -> None:
+        """A local file is flushed row by row; an object-store file is uploaded now if rows came since."""
+        if self.path is None and self.dirty:
+            self._upload()
+
     def _upload(self) -> None:
         write_text(self.uri, self.file.getvalue(), self.storage)
         self.last_flush, self.dirty = time.monotonic(), False
@@ -144,6 +158,9 @@ class JsonSink:
 
     def rewind(self, step: int) -> None:
         pass  # nothing kept per step
+
+    def flush(self) -> None:
+        pass  # written as it comes
 
     def close(self) -> None:
         pass
@@ -174,6 +191,9 @@ class ConsoleSink:
 
     def rewind(self, step: int) -> None:
         pass  # nothing kept per step
+
+    def flush(self) -> None:
+        pass  # written as it comes
 
     def close(self) -> None:
         pass
@@ -267,9 +287,14 @@ class Channel:
             for line in lines:
                 try:
                     raw = json.loads(line)
+                    if raw.get("kind") == FLUSH:
+                        conn.sendall(self._flush())
+                        continue
                     row = raw["step"] if raw.get("kind") == REWIND else rows.from_dict(raw)
                 except (ValueError, TypeError, KeyError, AttributeError):
                     continue
+                except OSError:  # the rank is gone: the launcher reports why
+                    return
                 with self._lock:
                     if self.error is not None:
                         continue
@@ -277,6 +302,16 @@ class Channel:
                         self.sink.rewind(row) if isinstance(row, int) else self.sink.write(row)
                     except Exception as e:  # never a traceback from this thread: the launcher reports it
                         self.error = e
+
+    def _flush(self) -> bytes:
+        """A rank asked before a checkpoint: are its rows so far durable? (the answer it waits for)"""
+        with self._lock:
+            if self.error is None:
+                try:
+                    self.sink.flush()
+                except Exception as e:  # reported by the launcher, as a failed write is
+                    self.error = e
+            return FLUSHED if self.error is None else NOT_FLUSHED
 
     def close(self) -> None:
         """Stop listening, after every connected rank has closed its end (its rows are all in)."""
@@ -296,7 +331,16 @@ class Channel:
             t.join(timeout=30)
 
 
+def _not_recorded(why: str):
+    from ..errors import SparklmError
+
+    return SparklmError(f"the driver did not record this run's progress ({why})",
+                        hint="the run can continue with --resume from its last checkpoint")
+
+
 REWIND = "rewind"  # a channel message that is not a row: the driver's sinks forget the rows after its step
+FLUSH = "flush"  # another: the driver makes the rows durable and answers FLUSHED (or NOT_FLUSHED)
+FLUSHED, NOT_FLUSHED = b"flushed\n", b"not flushed\n"
 
 
 class ChannelSink:
@@ -322,9 +366,29 @@ class ChannelSink:
         """The driver's sinks rewind: the rank continues from its checkpoint of ``step``."""
         self._send({"kind": REWIND, "step": step})
 
+    def flush(self) -> None:
+        """Wait until the driver has made every row sent so far durable. A driver that died (its rank goes on until
+        its executor is stopped) never answers: the rank then stops here instead of checkpointing steps whose rows
+        were lost, which a resumed run would lack."""
+        self._send({"kind": FLUSH})
+        answer = b""
+        try:
+            while not answer.endswith(b"\n"):
+                chunk = self.sock.recv(64)
+                if not chunk:
+                    break
+                answer += chunk
+        except OSError:
+            pass
+        if answer != FLUSHED:
+            raise _not_recorded("it stopped answering" if not answer else "it could not write its files")
+
     def _send(self, message: dict) -> None:
-        self.file.write(json.dumps(message) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(message) + "\n")
+            self.file.flush()
+        except OSError:
+            raise _not_recorded("it stopped answering") from None
 
     def close(self) -> None:
         try:

@@ -273,6 +273,7 @@ class _Driver:
                                   position=step * self.plan.rows_per_step, elapsed=time.time() - self.started,
                                   best=self.rec.best.to_state(),
                                   extra={"round": self.rnd, "sync_every": tc.rounds.sync_every})
+        self.rec.flush()  # the rows of the rounds it holds first: a resume from it must find them
         checkpoint.save_run(self.ckpt_dir, run, files, keep=tc.keep_checkpoints, storage=self.storage,
                             adopt={"inner": inner})
 
