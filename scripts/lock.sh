@@ -2,14 +2,17 @@
 # Regenerates constraints.txt, the lock the README's set-up commands install through: a clean virtual environment
 # takes the project with every extra (test, export) and torch's CPU build, and `pip freeze` records every package
 # it resolved, direct and transitive. Run it when a dependency should move, then run the suite before committing.
-#   bash scripts/lock.sh
+#   bash scripts/lock.sh                # everything resolved anew (today's releases)
+#   KEEP=1 bash scripts/lock.sh         # the current pins kept; only packages the lock lacks are resolved
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 "$python" -m venv "$tmp/venv"
-"$tmp/venv/bin/pip" install -q --disable-pip-version-check 'torch==2.13.0' -e '.[test,export]'
+keep=()
+if [[ "${KEEP:-0}" == 1 ]]; then keep=(-c constraints.txt); fi
+"$tmp/venv/bin/pip" install -q --disable-pip-version-check "${keep[@]}" 'torch==2.13.0' -e '.[test,export]'
 version=$("$tmp/venv/bin/python" -c 'import platform; print(platform.python_version())')
 {
   echo "# The lock: every package the set-up installs, at the versions the test suite passed on."

@@ -15,6 +15,26 @@ import pytest
 
 from sparklm.config import Config, SparkConfig
 
+
+def _private_temp_dir() -> None:
+    """Under pytest-xdist (CI runs two test processes), each process and everything it starts (the CLI, the JVM,
+    Python workers, ranks) gets its own temp dir: tests that check what a job left there see only their own."""
+    import tempfile
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        private = Path(tempfile.gettempdir()) / f"sparklm-tests-{os.getpid()}-{worker}"
+        private.mkdir(parents=True, exist_ok=True)
+        import atexit
+        import shutil
+
+        atexit.register(shutil.rmtree, private, ignore_errors=True)
+        os.environ["TMPDIR"] = str(private)
+        tempfile.tempdir = None  # computed again from TMPDIR
+
+
+_private_temp_dir()
+
 # A few scripts and shapes the product must handle, not just the shared English corpora.
 MULTILINGUAL = [
     "The quick brown fox jumps over the lazy dog.\nIt was the best of times.",
