@@ -53,7 +53,7 @@ class Rows:
     def write(self, row):
         self.rows.append(row)
 
-    def rewind(self, step):
+    def rewind(self, step, evaluated=True):
         self.rows = [r for r in self.rows if getattr(r, "step", 0) <= step]
 
     def flush(self):

@@ -96,6 +96,24 @@ def test_rows_travel_from_a_rank_to_the_driver_sinks(tmp_path, capsys):
     assert "step 99" not in err
 
 
+def test_rewind_keeps_the_rows_up_to_the_checkpoint_and_its_evaluation_only_if_the_checkpoint_holds_it(tmp_path):
+    """DDP evaluates before it checkpoints; rounds evaluate a step's weights in the next round, after the checkpoint:
+    a run resumed there evaluates them again, so the eval row of the checkpoint's own step goes with the later ones
+    (found by benchmarks/kill_campaign.py: the DiLoCo driver killed between the two lost the eval row)."""
+    csv_path = tmp_path / "metrics.csv"
+    sink = CsvSink(str(csv_path), metric_columns(LM_FIGURES), {"train", "eval"})
+    for step in (1, 2, 3):
+        sink.write(_train(step))
+        sink.write(rows.Eval(step=step, tokens=32 * step, figures={"val_loss": 2.0}))
+    sink.rewind(3)
+    assert [(r["kind"], r["step"]) for r in read_metrics(str(csv_path))][-2:] == [("train", 3), ("eval", 3)]
+    sink.rewind(2, evaluated=False)
+    sink.write(rows.Eval(step=2, tokens=64, figures={"val_loss": 1.5}))
+    sink.close()
+    assert [(r["kind"], r["step"], r["val_loss"]) for r in read_metrics(str(csv_path))] == [
+        ("train", 1, None), ("eval", 1, 2), ("train", 2, None), ("eval", 2, 1.5)]
+
+
 class _Uploads:
     """A sink that counts flushes and can fail one (a full disk on the driver)."""
 
@@ -105,7 +123,7 @@ class _Uploads:
     def write(self, row):
         self.rows.append(row)
 
-    def rewind(self, step):
+    def rewind(self, step, evaluated=True):
         pass
 
     def flush(self):

@@ -142,11 +142,12 @@ class Recorder:
         self.has_facts = True
         self.write(self.facts)
 
-    def rewind(self, step: int) -> None:
+    def rewind(self, step: int, evaluated: bool = True) -> None:
         """The run continues from its checkpoint of ``step`` (0: from the start): every sink forgets the rows after
-        it, which the run now writes again (a resumed run, a restarted one)."""
+        it, which the run now writes again (a resumed run, a restarted one); ``evaluated`` False: and the rows of
+        the evaluation of ``step``'s weights, which that checkpoint precedes."""
         if self.sink is not None:
-            self.sink.rewind(step)
+            self.sink.rewind(step, evaluated)
 
     def flush(self) -> None:
         """Every row so far made durable: called before each checkpoint (see ``Sink.flush``)."""

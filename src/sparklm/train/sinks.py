@@ -38,8 +38,10 @@ def metric_columns(figures: FigureSet) -> list[str]:
 class Sink(Protocol):
     def write(self, row: Row) -> None: ...
 
-    def rewind(self, step: int) -> None:
-        """Forget the rows after ``step``: the run continues from a checkpoint there and sends them again."""
+    def rewind(self, step: int, evaluated: bool = True) -> None:
+        """Forget the rows after ``step``: the run continues from a checkpoint there and sends them again. With
+        ``evaluated`` False the checkpoint precedes the evaluation of its own step's weights (rounds evaluate a round
+        behind): the run makes that evaluation again, so its rows go too."""
         ...
 
     def flush(self) -> None:
@@ -60,10 +62,10 @@ class Sinks:
         for s in self.sinks:
             s.write(row)
 
-    def rewind(self, step: int) -> None:
+    def rewind(self, step: int, evaluated: bool = True) -> None:
         """Forget rows after ``step`` (the run continues from a checkpoint there and emits them again)."""
         for s in self.sinks:
-            s.rewind(step)
+            s.rewind(step, evaluated)
 
     def flush(self) -> None:
         for s in self.sinks:
@@ -111,14 +113,19 @@ class CsvSink:
         if time.monotonic() - self.last_flush >= self.every:
             self._upload()
 
-    def rewind(self, step: int) -> None:
-        """Drop the rows after ``step``."""
+    def rewind(self, step: int, evaluated: bool = True) -> None:
+        """Drop the rows after ``step`` (and its evaluation's, unless ``evaluated``)."""
         if self.path is not None:
             self.file.close()
             text = self.path.read_text()
         else:
             text = self.file.getvalue()
-        rows = [r for r in csv.DictReader(io.StringIO(text)) if _num(r.get("step")) is None or _num(r["step"]) <= step]
+
+        def kept(r: dict) -> bool:
+            at = _num(r.get("step"))
+            return at is None or at < step or (at == step and (evaluated or r.get("kind") != "eval"))
+
+        rows = [r for r in csv.DictReader(io.StringIO(text)) if kept(r)]
         out = io.StringIO()
         self._attach(out, fresh=True)
         self.writer.writerows(rows)
@@ -156,7 +163,7 @@ class JsonSink:
             info = {k: v for k, v in row.to_dict().items() if k != "kind" and v is not None}
             write_text(self.uri, json.dumps(info, indent=2), self.storage)
 
-    def rewind(self, step: int) -> None:
+    def rewind(self, step: int, evaluated: bool = True) -> None:
         pass  # nothing kept per step
 
     def flush(self) -> None:
@@ -189,7 +196,7 @@ class ConsoleSink:
         elif isinstance(row, rows.Note):
             progress.info(row.message)
 
-    def rewind(self, step: int) -> None:
+    def rewind(self, step: int, evaluated: bool = True) -> None:
         pass  # nothing kept per step
 
     def flush(self) -> None:
@@ -362,8 +369,9 @@ class ChannelSink:
     def write(self, row: Row) -> None:
         self._send(row.to_dict())
 
-    def rewind(self, step: int) -> None:
-        """The driver's sinks rewind: the rank continues from its checkpoint of ``step``."""
+    def rewind(self, step: int, evaluated: bool = True) -> None:
+        """The driver's sinks rewind: the rank continues from its checkpoint of ``step`` (a rank evaluates before it
+        checkpoints: ``evaluated`` is always true here)."""
         self._send({"kind": REWIND, "step": step})
 
     def flush(self) -> None:

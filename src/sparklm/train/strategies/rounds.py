@@ -133,12 +133,15 @@ class _Driver:
             self.momentum = {n: saved_outer[n] for n in params} if saved_outer else None
             self.step, self.tokens_seen, self.elapsed_before = run.step, run.tokens_seen, run.elapsed
             self.rnd = run.extra["round"]
+            # the schedule asked for an evaluation of these weights, which the next round was to make: it still must
+            self.pending_eval = bool(run.extra.get("pending_eval", False))
             self.inner_from = last
             saved_best = {n: files["best"][n].float() for n in params} if files["best"] else {}
             self.rec.best, self.best_params = Best.restore(run.best, saved_best, self.step, lambda: self.params,
                                                            self.tc.keep_best, self.task.figure_set.loss)
         self.resumed_at = self.step
-        self.rec.rewind(self.step)  # rows an interrupted run wrote after its checkpoint come again
+        # rows an interrupted run wrote after its checkpoint come again (a pending evaluation's too)
+        self.rec.rewind(self.step, evaluated=not self.pending_eval)
         self.started = time.time() - self.elapsed_before
 
     def launch(self, steps: int, *, do_eval: bool, persist: str, finish: bool, also: dict | None = None
@@ -272,7 +275,8 @@ class _Driver:
         run = checkpoint.RunState(strategy=self.name, world=self.job.workers, step=step, tokens_seen=self.tokens_seen,
                                   position=step * self.plan.rows_per_step, elapsed=time.time() - self.started,
                                   best=self.rec.best.to_state(),
-                                  extra={"round": self.rnd, "sync_every": tc.rounds.sync_every})
+                                  extra={"round": self.rnd, "sync_every": tc.rounds.sync_every,
+                                         "pending_eval": self.pending_eval})
         self.rec.flush()  # the rows of the rounds it holds first: a resume from it must find them
         checkpoint.save_run(self.ckpt_dir, run, files, keep=tc.keep_checkpoints, storage=self.storage,
                             adopt={"inner": inner})
