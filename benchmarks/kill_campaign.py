@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/kill_campaign.py --points 54            # local mode and a standalone cluster
     .venv/bin/python benchmarks/kill_campaign.py --points 6 --seed 17   # repeat one draw
     .venv/bin/python benchmarks/kill_campaign.py --modes local --points 3
+    .venv/bin/python benchmarks/kill_campaign.py --points 54 --seed 675085 --only 4,14   # two points of a draw again
 
 Each kill point is drawn at random (the seed is printed; `--seed` repeats a campaign): a strategy (ddp, average,
 diloco), a mode (local[2,2], or a standalone master with two 1-core workers started here from the pyspark package on
@@ -310,14 +311,18 @@ def prepared(work: Path) -> str:
 
 
 def campaign(points: int, seed: int, modes: list[str], strategies: list[str], work: Path,
-             report=print) -> list[Outcome]:
+             report=print, only: set[int] | None = None, data: str | None = None) -> list[Outcome]:
+    """The outcomes of ``points`` kill points drawn with ``seed``; ``data``: a prepared dataset to train on (else one
+    is prepared here from the bundled corpus)."""
     if "cluster" in modes:
         (work / "cluster").mkdir(exist_ok=True)
     cluster = Cluster(work / "cluster") if "cluster" in modes else None
     try:
-        runs = Campaign(work, prepared(work), cluster)
+        runs = Campaign(work, data or prepared(work), cluster)
         outcomes = []
         for i, p in enumerate(draw(random.Random(seed), points, modes, strategies)):
+            if only is not None and i + 1 not in only:
+                continue
             o = runs.run(i, p)
             outcomes.append(o)
             report(f"[{i + 1}/{points}] {p.strategy:7} {p.mode:7} kill {p.target:8} after step {p.step:2} "
@@ -359,14 +364,16 @@ def main() -> None:
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--json", default=None, help="also write every outcome here")
     ap.add_argument("--keep", action="store_true", help="keep the runs (their directory is printed)")
+    ap.add_argument("--only", default=None, help="run only these points of the draw (numbers as printed: 4,14)")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
     print(f"kill campaign: seed {seed} (repeat with --seed {seed}), {args.points} points", flush=True)
     work = Path(tempfile.mkdtemp(prefix="kill-campaign-"))
     t0 = time.time()
     try:
+        only = {int(n) for n in args.only.split(",")} if args.only else None
         outcomes = campaign(args.points, seed, args.modes.split(","), args.strategies.split(","), work,
-                            report=lambda line: print(line, flush=True))
+                            report=lambda line: print(line, flush=True), only=only)
     finally:
         if args.keep:
             print(f"runs kept in {work}")

@@ -1,7 +1,8 @@
 """Spark standalone: a master and two workers started from the pyspark package on 127.0.0.1.
 
-The same `sparklm train` command that runs in local mode trains with 2 workers on this cluster,
-and its loss curve matches local mode's with the same seed.
+A DiLoCo task that fails is recomputed exactly by Spark's retry, and a capped Python worker trains with the planned
+micro-batch. (That the same `sparklm train` command trains DDP and DiLoCo on a standalone cluster with the losses of
+local mode is shown by tests/integration/test_hosts.py, on workers that share nothing with the driver.)
 """
 
 from __future__ import annotations
@@ -47,33 +48,6 @@ def standalone(tmp_path_factory):
         yield url
     finally:
         stop_processes(procs)
-
-
-def test_train_on_a_standalone_cluster_matches_local_mode(spark, standalone, tmp_path):
-    (tmp_path / "a.txt").write_text(make_text(300, seed=10))
-    settings = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "train.batch_size=4", "train.max_steps=6",
-                "train.log_every=1", "train.eval_every=0", "train.eval_batches=2", "train.dtype=\"float32\"",
-                "train.samples=1", "train.sample_tokens=4", "train.threads=1", "data.seq_len=32",
-                "tokenizer.vocab_size=300"]
-    data = prepare([str(tmp_path / "a.txt")], output=str(tmp_path / "data"), spark=spark,
-                   config=from_dict({"data": {"seq_len": 32}, "tokenizer": {"vocab_size": 300}}))
-    local = tmp_path / "local"
-    config = from_dict(_nest(settings + ["train.workers=2"]))
-    train(data.uri, output=str(local), config=config, spark=spark)
-
-    remote = tmp_path / "remote"
-    args = [sys.executable, "-m", "sparklm", "train", "--data", data.uri, "--output", str(remote), "--workers", "2",
-            "--master", standalone, "--conf", "spark.executor.memory=2g", "--conf", "spark.ui.enabled=false"]
-    for s in settings:
-        args += ["--set", s]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    summary = json.loads((remote / "summary.json").read_text())
-    assert summary["spark_master"] == standalone and summary["workers"] == 2
-    a = [row["loss"] for row in read_metrics(local / "metrics.csv") if row["kind"] == "train"]
-    b = [row["loss"] for row in read_metrics(remote / "metrics.csv") if row["kind"] == "train"]
-    assert len(a) == 6 and a == pytest.approx(b, abs=1e-4)
 
 
 def _nest(settings):

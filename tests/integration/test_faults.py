@@ -144,7 +144,7 @@ def test_a_crashed_worker_is_left_out_of_its_round_and_nothing_leaks(spark, data
 # -- DDP: rank loss, slots, stuck collectives -------------------------------------------------------
 
 
-def test_kill_campaign_short_form(tmp_path):
+def test_kill_campaign_short_form(dataset, tmp_path):
     """benchmarks/kill_campaign.py's short form (its full form, N >= 50 random points on local mode and a standalone
     cluster, is in RELIABILITY.md): seed 12 draws DDP rank 1 SIGKILLed after step 5 (the ranks restart from the
     checkpoint of step 4) and the DiLoCo driver SIGKILLed after step 7, then `--resume`; both end with the weights
@@ -152,7 +152,7 @@ def test_kill_campaign_short_form(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import kill_campaign
 
-    outcomes = kill_campaign.campaign(2, 12, ["local"], ["ddp", "diloco"], tmp_path, report=print)
+    outcomes = kill_campaign.campaign(2, 12, ["local"], ["ddp", "diloco"], tmp_path, report=print, data=dataset)
     by = {o.point.strategy: o for o in outcomes}
     assert (by["ddp"].point.target, by["ddp"].point.rank, by["diloco"].point.target) == ("rank", 1, "driver")
     for o in outcomes:
