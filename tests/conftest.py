@@ -36,12 +36,6 @@ def _private_temp_dir() -> None:
 _private_temp_dir()
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist each test file runs in one process (--dist loadfile), in the order collected: the files
-    that take longest (the clusters, then the other slow cases) go first, so that no process is left running a
-    long file alone at the end."""
-    items.sort(key=lambda item: (item.get_closest_marker("cluster") is None, item.get_closest_marker("slow") is None))
-
 # A few scripts and shapes the product must handle, not just the shared English corpora.
 MULTILINGUAL = [
     "The quick brown fox jumps over the lazy dog.\nIt was the best of times.",
