@@ -152,7 +152,20 @@ class CsvSink:
             self.file.close()
 
 
-class JsonSink:
+class _WrittenAsItComes:
+    """A sink that keeps nothing per step and writes each row as it comes: no rewind, flush or close to do."""
+
+    def rewind(self, step: int, evaluated: bool = True) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class JsonSink(_WrittenAsItComes):
     """The ``info`` row as a JSON file (run_info.json)."""
 
     def __init__(self, uri: str, storage: StorageConfig | None = None):
@@ -163,17 +176,9 @@ class JsonSink:
             info = {k: v for k, v in row.to_dict().items() if k != "kind" and v is not None}
             write_text(self.uri, json.dumps(info, indent=2), self.storage)
 
-    def rewind(self, step: int, evaluated: bool = True) -> None:
-        pass  # nothing kept per step
-
-    def flush(self) -> None:
-        pass  # written as it comes
-
-    def close(self) -> None:
-        pass
 
 
-class ConsoleSink:
+class ConsoleSink(_WrittenAsItComes):
     """Progress lines on the console: one per log step, evaluation (the task's figures) or round, with an ETA."""
 
     def __init__(self, figures: FigureSet):
@@ -196,14 +201,6 @@ class ConsoleSink:
         elif isinstance(row, rows.Note):
             progress.info(row.message)
 
-    def rewind(self, step: int, evaluated: bool = True) -> None:
-        pass  # nothing kept per step
-
-    def flush(self) -> None:
-        pass  # written as it comes
-
-    def close(self) -> None:
-        pass
 
 
 def rank_mb(values: Iterable[float | None]) -> str:
