@@ -464,8 +464,7 @@ def _interrupted(signum, frame) -> None:
     clean-up: every output sparklm writes appears whole or not at all (an interrupted checkpoint or dataset is a
     hidden staging name, removed by the next run), and the JVM exits when this process does (its gateway watches
     our pipe), ending its executors' work with it."""
-    sys.stderr.write("interrupted\n")
-    sys.stderr.flush()
+    progress.last_words("interrupted")
     os._exit(130)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -13,6 +14,22 @@ from rich.table import Table
 from . import redact
 
 console = Console(stderr=True, highlight=False)
+# Every line goes out under this lock, so last_words() can be the last line even while other threads (the sink
+# that prints ranks' progress) are printing. Reentrant: a signal handler runs on the main thread, maybe mid-print.
+_out = threading.RLock()
+
+
+def _print(*objects, **kwargs) -> None:
+    with _out:
+        console.print(*objects, **kwargs)
+
+
+def last_words(line: str) -> None:
+    """Write ``line`` as the console's last line (before ``os._exit``): no other thread prints after it."""
+    _out.acquire(timeout=2)  # a thread stuck mid-write must not keep us from exiting; never released on purpose
+    console.quiet = True
+    sys.stderr.flush()
+    os.write(2, (line + "\n").encode())
 
 
 @contextmanager
@@ -45,7 +62,7 @@ def stage(spark, name: str, *, quiet: bool = False):
             except Exception:  # the JVM is gone (its failure is what is being reported): nothing to reset
                 pass
     if not quiet:
-        console.print(f"[green]✓[/green] {name} [dim]{time.monotonic() - start:.1f}s[/dim]")
+        _print(f"[green]✓[/green] {name} [dim]{time.monotonic() - start:.1f}s[/dim]")
 
 
 def _tasks(sc) -> str:
@@ -70,15 +87,15 @@ def table(title: str, rows: list[tuple[str, ...]], header: tuple[str, ...]) -> N
         t.add_column(h, justify="left" if i == 0 else "right")
     for row in rows:
         t.add_row(*row)
-    console.print(t)
+    _print(t)
 
 
 def warn(message: str) -> None:
-    console.print(f"[yellow]warning:[/yellow] {redact.text(message)}", soft_wrap=True)
+    _print(f"[yellow]warning:[/yellow] {redact.text(message)}", soft_wrap=True)
 
 
 def info(message: str) -> None:
-    console.print(redact.text(message), soft_wrap=True)
+    _print(redact.text(message), soft_wrap=True)
 
 
 def plain(message: str) -> None:

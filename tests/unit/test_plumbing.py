@@ -311,3 +311,33 @@ def test_the_daemon_path_puts_the_installed_pyspark_first_only_at_the_zips_versi
     assert installed_first(["/cwd", other, py4j, site]) == ["/cwd", other, py4j, site]  # another Spark's zip
     assert installed_first(["/cwd", same, py4j, str(tmp_path)]) == ["/cwd", same, py4j, str(tmp_path)]  # none
     assert installed_first(["/cwd", site]) == ["/cwd", site]  # no zip: nothing to move
+
+
+LAST_WORDS = """
+import os, threading, time
+from sparklm import progress
+
+def spam():
+    i = 0
+    while True:
+        progress.info(f"step {i}")
+        i += 1
+
+for _ in range(3):
+    threading.Thread(target=spam, daemon=True).start()
+time.sleep(0.2)
+progress.last_words("interrupted")
+time.sleep(0.3)  # the other threads keep trying to print
+os._exit(130)
+"""
+
+
+def test_last_words_are_the_last_line_while_other_threads_print():
+    """Ctrl-C's one line stays last although the sink's thread prints ranks' progress at the same moment."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", LAST_WORDS], capture_output=True, text=True, timeout=60)
+    lines = r.stderr.splitlines()
+    assert r.returncode == 130 and lines[-1] == "interrupted", lines[-5:]
+    assert len(lines) > 2 and lines[0] == "step 0"
