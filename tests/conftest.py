@@ -36,6 +36,19 @@ def _private_temp_dir() -> None:
 _private_temp_dir()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Longest first: the clusters, then the slow cases, then the rest (each group in collection order).
+
+    CI runs two test processes (``-n 2 --dist loadgroup --no-loadscope-reorder``) that take work in this order, so
+    the five-minute share-nothing cluster starts at once instead of running alone at the end."""
+    def rank(item) -> int:
+        if item.get_closest_marker("cluster"):
+            return 0 if item.get_closest_marker("slow") else 1
+        return 2 if item.get_closest_marker("slow") else 3
+
+    items.sort(key=rank)  # stable
+
+
 # A few scripts and shapes the product must handle, not just the shared English corpora.
 MULTILINGUAL = [
     "The quick brown fox jumps over the lazy dog.\nIt was the best of times.",
@@ -56,6 +69,59 @@ def run_sparklm(*args: str, cwd=None, timeout: float = 600, env: dict | None = N
     env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "sparklm", *args], capture_output=True, text=True, cwd=cwd,
                           timeout=timeout, env=env)
+
+
+def interrupt(args: list[str], started, during=None) -> subprocess.CompletedProcess:
+    """Run ``sparklm ARGS`` in its own process group, call ``during()`` once ``started(stderr so far)`` holds, then
+    send the group SIGINT (what a terminal's Ctrl-C does); return the finished process (``pid`` set) once every
+    process of the group (the JVM, DDP ranks) is gone."""
+    import signal
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as err_file:
+        proc = subprocess.Popen([sys.executable, "-m", "sparklm", *args], stdout=subprocess.PIPE, stderr=err_file,
+                                text=True, start_new_session=True, env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
+
+        def err() -> str:
+            err_file.seek(0)
+            return err_file.read()
+
+        try:
+            deadline = time.time() + 180
+            while not started(err()) and proc.poll() is None and time.time() < deadline:
+                time.sleep(0.1)
+            assert proc.poll() is None, err()[-2000:]
+            if during is not None:
+                during()
+            os.killpg(proc.pid, signal.SIGINT)
+            out, _ = proc.communicate(timeout=60)
+            gone = time.time() + 30
+            while time.time() < gone:  # none of its processes outlives the command
+                try:
+                    os.killpg(proc.pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.2)
+            else:
+                raise AssertionError("processes of the interrupted command are still running")
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err())
+    done.pid = proc.pid
+    return done
+
+
+def spark_started(stderr: str) -> bool:
+    """The command has started its Spark session (and its Ctrl-C handler with it): its jobs are next."""
+    return "Spark " in stderr and " started in " in stderr
+
+
+def assert_one_line_interrupt(r: subprocess.CompletedProcess) -> None:
+    """Ctrl-C ended the command with exit 130 and one line, ``interrupted``, last: no traceback, no Spark noise."""
+    assert r.returncode == 130, r.stderr[-3000:]
+    assert r.stderr.splitlines()[-1] == "interrupted" and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert not any(word in r.stderr for word in ("Py4J", "Error", "Exception")), r.stderr[-3000:]
 
 
 def make_text(n_paragraphs: int = 40, seed: int = 0) -> str:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import make_text, run_sparklm
+from conftest import assert_one_line_interrupt, interrupt, make_text, run_sparklm, spark_started
 from sparklm.cli import build_parser, main
 
 
@@ -38,6 +38,7 @@ def test_debug_shows_the_traceback(tmp_path):
     assert r.returncode != 0 and "Traceback" in r.stderr
 
 
+@pytest.mark.slow
 def test_prepare_cli_end_to_end_and_kill_midway(tmp_path):
     src = tmp_path / "in.txt"
     src.write_text(make_text(300, seed=6))
@@ -59,6 +60,13 @@ def test_prepare_cli_end_to_end_and_kill_midway(tmp_path):
     assert (out / "manifest.json").read_text() == manifest
     accepted = [p for p in tmp_path.iterdir() if (p / "manifest.json").exists()]
     assert accepted == [out]
+    # Ctrl-C in a third one (a longer input), once its tasks run: one line, exit 130, the first output intact
+    (tmp_path / "big.txt").write_text(make_text(6000, seed=7))
+    r = interrupt(["prepare", str(tmp_path / "big.txt"), "-o", str(out), "--overwrite", *common],
+                  spark_started)
+    assert_one_line_interrupt(r)
+    assert (out / "manifest.json").read_text() == manifest
+    assert [p for p in tmp_path.iterdir() if (p / "manifest.json").exists()] == [out]
 
 
 def test_main_returns_exit_code_in_process(tmp_path, capsys):

@@ -12,19 +12,30 @@ import os
 import re
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import free_port, make_text, spark_master, stop_processes, wait_for_workers
+from conftest import (
+    assert_one_line_interrupt,
+    free_port,
+    interrupt,
+    make_text,
+    spark_master,
+    stop_processes,
+    wait_for_workers,
+)
 from sparklm.config import from_dict
 from sparklm.data.prepare import prepare
 from sparklm.java import find_java_home
 from sparklm.train.run import train
 from sparklm.train.sinks import read_metrics
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("standalone")]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +56,7 @@ def standalone(tmp_path_factory):
             env=env, stdout=open(work / f"worker{i}.log", "wb"), stderr=subprocess.STDOUT))
     try:
         wait_for_workers(ui, 2, procs, f"standalone cluster (logs in {work})")
-        yield url
+        yield SimpleNamespace(url=url, ui=ui)
     finally:
         stop_processes(procs)
 
@@ -79,7 +90,7 @@ def test_diloco_on_a_standalone_cluster_recomputes_a_failed_task_exactly(spark, 
     def remote(name, fault=None):
         out = tmp_path / name
         args = [sys.executable, "-m", "sparklm", "train", "--data", data.uri, "--output", str(out), "--workers", "2",
-                "--master", standalone, "--conf", "spark.executor.memory=1g", "--conf", "spark.ui.enabled=false"]
+                "--master", standalone.url, "--conf", "spark.executor.memory=1g", "--conf", "spark.ui.enabled=false"]
         for s in settings:
             args += ["--set", s]
         env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
@@ -114,7 +125,7 @@ def test_a_capped_python_worker_trains_with_the_planned_micro_batch(spark, stand
 
     def run(name: str, *extra: str) -> subprocess.CompletedProcess:
         args = [sys.executable, "-m", "sparklm", "train", "--data", data.uri, "--output", str(tmp_path / name),
-                "--master", standalone, "--threads", "1", "--max-steps", "2", "--eval-every", "0",
+                "--master", standalone.url, "--threads", "1", "--max-steps", "2", "--eval-every", "0",
                 "--conf", "spark.executor.pyspark.memory=1900m", "--conf", "spark.ui.enabled=false",
                 "--set", "model.n_embd=256", "--set", "model.n_layer=4", "--set", "model.n_head=4",
                 "--set", "train.batch_size=16", "--set", "train.eval_batches=1", "--set", "train.samples=0",
@@ -138,3 +149,29 @@ def test_a_capped_python_worker_trains_with_the_planned_micro_batch(spark, stand
     summary = json.loads((tmp_path / "planned" / "summary.json").read_text())
     assert summary["steps"] == 2 and 0 < summary["peak_rss_mb"] < 1900
     assert json.loads((tmp_path / "planned" / "config.json").read_text())["config"]["train"]["batch_size"] == 16
+
+
+def test_ctrl_c_on_a_standalone_cluster_is_one_line_and_the_checkpoint_resumes(spark, standalone, dataset, tmp_path):
+    """DDP ranks on the cluster's executors; Ctrl-C on the driver: one line, exit 130, the master lets the
+    application's executors go, and the last checkpoint resumes (here in local mode) to the end."""
+    run = tmp_path / "run"
+    args = ["train", "--data", dataset, "-o", str(run), "--workers", "2", "--max-steps", "100000", "--master",
+            standalone.url, "--conf", "spark.executor.memory=1g", "--conf", "spark.ui.enabled=false", "--threads", "1",
+            "--set", "train.checkpoint_every=5", "--set", "train.log_every=1", "--set", "train.eval_batches=2", "--set", "train.samples=0",
+            "--set", "model.n_layer=1", "--set", "model.n_head=2", "--set", "model.n_embd=32",
+            "--set", "train.batch_size=4", "--set", 'train.dtype="float32"']
+    r = interrupt(args, lambda err: any((run / "checkpoints").glob("step-*")))
+    assert_one_line_interrupt(r)
+
+    deadline = time.time() + 60
+    while True:  # the driver is gone: the master ends its application and the executors with it
+        state = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{standalone.ui}/json/", timeout=5).read())
+        if not state["activeapps"]:
+            break
+        assert time.time() < deadline, state["activeapps"]
+        time.sleep(1)
+    last = max(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
+    summary = train(None, output=str(run), resume=True, spark=spark, changes={"train": {"max_steps": last + 3}})
+    assert summary["steps"] == last + 3
+    steps = [row["step"] for row in read_metrics(str(run / "metrics.csv")) if row["kind"] == "train"]
+    assert steps == list(range(1, last + 4))  # each step once: the rows after the checkpoint rewound

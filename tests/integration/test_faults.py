@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cfg, figures, make_text, weights
+from conftest import assert_one_line_interrupt, cfg, figures, interrupt, make_text, weights
 from sparklm.errors import SparklmError
 from sparklm.train.run import train
 from sparklm.train.sinks import read_metrics
@@ -144,6 +144,7 @@ def test_a_crashed_worker_is_left_out_of_its_round_and_nothing_leaks(spark, data
 # -- DDP: rank loss, slots, stuck collectives -------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_kill_campaign_short_form(dataset, tmp_path):
     """benchmarks/kill_campaign.py's short form (its full form, N >= 50 random points on local mode and a standalone
     cluster, is in RELIABILITY.md): seed 12 draws DDP rank 1 SIGKILLed after step 5 (the ranks restart from the
@@ -162,6 +163,7 @@ def test_kill_campaign_short_form(dataset, tmp_path):
     assert "warning: training rank 1 on " in rank  # the rank that died is named, not the one that lost it
 
 
+@pytest.mark.slow
 def test_a_stuck_rank_fails_within_the_collective_timeout_naming_rank_and_host(dataset, tmp_path):
     t0 = time.time()
     r = cli("train", "--data", dataset, "-o", str(tmp_path / "hang"), "--max-steps", "8", "--workers", "2",
@@ -182,6 +184,7 @@ def test_too_few_slots_is_one_line_before_submitting(spark, dataset, tmp_path):
 # -- secrets ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_secrets_reach_neither_disk_nor_console(tmp_path):
     secret = "SuperSecretValue-8c1f"
     (tmp_path / "in.txt").write_text(make_text(200))
@@ -261,46 +264,7 @@ def test_flipped_bytes_in_model_weights_are_found(spark, dataset, tmp_path):
 # -- Ctrl-C ----------------------------------------------------------------------------------------
 
 
-def _interrupt(args: list[str], started, during=None) -> subprocess.CompletedProcess:
-    """Run ``sparklm ARGS`` in its own process group, call ``during()`` once ``started()`` holds, then send the group
-    SIGINT (what a terminal's Ctrl-C does); return the finished process (``pid`` set) once every process of the group
-    is gone."""
-    import signal
-
-    proc = subprocess.Popen([sys.executable, "-m", "sparklm", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
-    try:
-        deadline = time.time() + 180
-        while not started() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.1)
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        if during is not None:
-            during()
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-        gone = time.time() + 30
-        while time.time() < gone:  # the JVM, its Python workers, the ranks: none outlives the command
-            try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.2)
-        else:
-            raise AssertionError("processes of the interrupted command are still running")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    done.pid = proc.pid
-    return done
-
-
-def _one_line_interrupt(r) -> None:
-    assert r.returncode == 130, r.stderr[-3000:]
-    assert r.stderr.splitlines()[-1] == "interrupted" and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert not any(word in r.stderr for word in ("Py4J", "Error", "Exception")), r.stderr[-3000:]
-
-
+@pytest.mark.slow
 def test_one_writer_per_run_directory_ctrl_c_is_one_line_and_the_run_resumes(dataset, tmp_path):
     """Two `sparklm train --output X` at once: the second stops with one line naming the first (host, pid). Ctrl-C
     (SIGINT to the command's process group, as a terminal sends it) then ends the first with one line, exit 130 and
@@ -315,10 +279,10 @@ def test_one_writer_per_run_directory_ctrl_c_is_one_line_and_the_run_resumes(dat
     def second_writer():
         refused.append(cli(*args[:-len(TINY_FLAGS)], "--set", "train.seed=7", *TINY_FLAGS))
 
-    r = _interrupt(args, lambda: len(list((run / "checkpoints").glob("step-*"))) >= 2, during=second_writer)
+    r = interrupt(args, lambda err: len(list((run / "checkpoints").glob("step-*"))) >= 2, during=second_writer)
     line = one_error_line(refused[0])
     assert f"is in use by another sparklm run (host {os.uname().nodename}, pid {r.pid}" in line, line
-    _one_line_interrupt(r)
+    assert_one_line_interrupt(r)
     last = max(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
     resumed = cli("train", "-o", str(run), "--resume", "--max-steps", str(last + 5), *flags)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

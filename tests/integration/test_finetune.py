@@ -12,6 +12,8 @@ from conftest import make_text
 from sparklm.config import from_dict
 from sparklm.errors import SparklmError
 
+# one test process takes the whole file: the module's models and datasets (`bases`) are made once
+pytestmark = pytest.mark.xdist_group("finetune")
 TEXTS = [make_text(300, seed=s) for s in (21, 22)]
 
 

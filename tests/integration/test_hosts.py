@@ -27,7 +27,7 @@ from sparklm.java import find_java_home
 from sparklm.train.run import train
 from sparklm.train.sinks import read_metrics
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("hosts")]
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32},
             "train": {"batch_size": 4, "max_steps": 6, "log_every": 1, "eval_every": 3, "eval_batches": 2,

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import make_text, run_sparklm
+from conftest import assert_one_line_interrupt, interrupt, make_text, run_sparklm, spark_started
 from sparklm.errors import SparklmError
 from sparklm.infer.evaluate import windows
 from sparklm.infer.sampling import (
@@ -310,6 +310,7 @@ def no_deprecation(out: subprocess.CompletedProcess) -> bool:
     return not any(word in out.stderr for word in ("deprecated", "FutureWarning", "DeprecationWarning"))
 
 
+@pytest.mark.slow
 def test_cli_generate_streams_and_writes(run_dir, tmp_path):
     out = run_sparklm("generate", str(run_dir), "--prompt", "The quick", "--temperature", "0", "--max-new-tokens", "5")
     assert out.returncode == 0, out.stderr
@@ -343,6 +344,7 @@ def test_cli_missing_model_is_one_line(tmp_path):
     assert out.returncode == 2 and "not found" in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_cli_batch_generation_eval_and_export(run_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"id": 7, "prompt": "The quick"}\n{"id": 3, "prompt": "Москва"}\n\n{"id": 5, "text": "東京"}\n')
@@ -380,6 +382,21 @@ def test_cli_batch_generation_eval_and_export(run_dir, tmp_path, capsys):
     assert gen.returncode == 0 and gen.stdout.startswith("The quick") and no_deprecation(gen), gen.stderr
     assert main(["export", str(run_dir), "--output", str(tmp_path / "onnx")]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_eval_and_generate_is_one_line(run_dir, tmp_path):
+    """Ctrl-C (SIGINT to the command's process group) once the Spark tasks run: one line, exit 130, no process left
+    and no output file."""
+    (tmp_path / "text.txt").write_text(make_text(20000, seed=4))
+    (tmp_path / "prompts.txt").write_text("".join(f"{i} {p}\n" for i in range(500) for p in PROMPTS))
+    spark = ["--master", "local[2]", "--set", "spark.ui=false"]
+    for command, output, args in (
+            ("eval", tmp_path / "eval.json", ["--input", str(tmp_path / "text.txt")]),
+            ("generate", tmp_path / "gen.jsonl", ["--input", str(tmp_path / "prompts.txt"), "--max-new-tokens", "48"])):
+        r = interrupt([command, str(run_dir), *args, "--output", str(output), *spark], spark_started)
+        assert_one_line_interrupt(r)
+        assert not output.exists()
 
 
 def test_eval_reads_the_inputs_as_its_flags_say(spark, run_dir, tmp_path):

@@ -44,6 +44,7 @@ def test_unreachable_or_missing_object_store_is_one_line(spark, s3_server, confi
         expand("s3://corpus/books", dead)
 
 
+@pytest.mark.slow
 def test_run_directory_on_s3(spark, dataset, s3_server, tmp_path):
     """A run written to S3 by the rounds strategy; a stopped run resumed there; models read from there."""
     import pyarrow.fs as pafs

@@ -106,6 +106,7 @@ def test_a_secret_setting_reaches_spark_but_not_the_jvms_command_line(tmp_path):
                                     "works": 10}
 
 
+@pytest.mark.slow
 def test_the_cli_runs_under_spark_submit_from_its_entry_file(tmp_path):
     (tmp_path / "a.txt").write_text(make_text(80, seed=3))
     entry = Path(sparklm.__file__).with_name("__main__.py")

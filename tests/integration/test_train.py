@@ -210,6 +210,7 @@ def test_init_from_continues_a_model_and_checks_its_tokenizer(spark, dataset, tm
         train(dataset, output=str(tmp_path / "bad"), config=from_dict(raw), spark=spark)
 
 
+@pytest.mark.slow
 def test_cli_resume_keeps_the_saved_settings_and_refuses_a_new_data_order(dataset, tmp_path):
     """The regression: `--resume` rebuilt a complete default Config, so lr, batch size and seed of the run
     reverted to the defaults. Now only what the user sets on the resuming command is applied."""
