@@ -47,7 +47,7 @@ def _inputs(args: argparse.Namespace) -> list[str]:
 
 def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("configuration")
-    g.add_argument("--config", metavar="FILE", help="TOML config file (see configs/default.toml)")
+    g.add_argument("--config", metavar="FILE", help="TOML config file (`sparklm config` prints every key)")
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value, e.g. --set data.seq_len=128 (repeatable)")
     g.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE", help="Spark configuration (repeatable)")
@@ -148,6 +148,12 @@ def _add_inference(sub) -> None:
     i.add_argument("--output", "-o", required=True, metavar="DIR")
     i.add_argument("--overwrite", action="store_true", help="replace an earlier import in --output")
     _common(i)
+
+    c = sub.add_parser("config", help="print every configuration key with its default and help, as TOML",
+                       description="Print the default configuration: every section and key that --config files and "
+                                   "--set take, with its type, default and help (the text of configs/default.toml). "
+                                   "`sparklm config > my.toml`, edit, then `--config my.toml`.")
+    c.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
 def _config_flags(group, sections: tuple[str, ...] = (), keys: tuple[str, ...] = ()) -> None:
@@ -418,6 +424,13 @@ def _import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_config(args: argparse.Namespace) -> int:
+    from .config import describe
+
+    sys.stdout.write(describe())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     for name in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
         redact.remember(os.environ.get(name, ""))
@@ -425,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         commands = {"prepare": _prepare, "train": _train, "run": _run, "generate": _generate, "eval": _eval,
-                    "export": _export, "import": _import}
+                    "export": _export, "import": _import, "config": _print_config}
         return commands[args.command](args)
     except SparklmError as e:
         if args.debug:

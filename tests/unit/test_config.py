@@ -81,3 +81,14 @@ def test_mlp_hidden_resolves_zero_by_the_architectures_rule():
     assert ModelConfig(n_embd=256).mlp_hidden == 704  # llama: 8/3 of the width, rounded up to 64
     assert ModelConfig(arch="gpt2", n_embd=256).mlp_hidden == 1024
     assert ModelConfig(n_embd=256, intermediate=300).mlp_hidden == 300
+
+
+def test_sparklm_config_prints_the_defaults_as_toml_a_config_file_takes(tmp_path, capsys):
+    """Installed from a wheel there is no configs/ directory: `sparklm config` prints the same text."""
+    from sparklm.cli import main
+
+    assert main(["config"]) == 0
+    out = capsys.readouterr().out
+    assert out == describe()
+    (tmp_path / "mine.toml").write_text(out)
+    assert load_config(tmp_path / "mine.toml") == Config()
