@@ -118,22 +118,6 @@ def newest_step(run: Path) -> int:
     return max(steps, default=0)
 
 
-def group_gone(pgid: int, wait: float = 60) -> bool:
-    """Every process of the group has exited within ``wait`` seconds; those left are then SIGKILLed."""
-    deadline = time.time() + wait
-    while time.time() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.2)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 def children(pid: int) -> list[int]:
     """The PIDs whose parent is ``pid`` (read from /proc), zombies (exited, not yet reaped) left out."""
     out = []
@@ -148,26 +132,12 @@ def children(pid: int) -> list[int]:
 
 
 class Cluster:
-    """A standalone master and two 1-core workers on 127.0.0.1, from the pyspark package (as tests/test_cluster)."""
+    """A standalone master and two 1-core workers on 127.0.0.1, from the pyspark package (conftest.start_standalone)."""
 
     def __init__(self, work: Path):
-        import pyspark
+        from conftest import start_standalone
 
-        from conftest import free_port, spark_master, wait_for_workers
-        from sparklm.java import find_java_home
-
-        home = Path(pyspark.__file__).parent
-        env = {**os.environ, "JAVA_HOME": find_java_home(), "SPARK_HOME": str(home), "SPARK_LOCAL_IP": "127.0.0.1",
-               "PYSPARK_PYTHON": sys.executable, "SPARK_LOG_DIR": str(work)}
-        master, self.url, ui = spark_master(work, env)
-        self.procs = [master]
-        for i in range(2):
-            self.procs.append(subprocess.Popen(
-                [str(home / "bin" / "spark-class"), "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
-                 "--cores", "1", "--memory", "3g", "--webui-port", str(free_port()), "--work-dir",
-                 str(work / f"w{i}"), self.url], env=env, stdout=open(work / f"worker{i}.log", "wb"),
-                stderr=subprocess.STDOUT))
-        wait_for_workers(ui, 2, self.procs, f"standalone cluster (logs in {work})")
+        self.procs, self.url, _ = start_standalone(work)
 
     def executors(self) -> list[int]:
         """PIDs of the executor JVMs the workers run now (their children)."""
@@ -200,6 +170,8 @@ class Campaign:
 
     def finish(self, proc: subprocess.Popen, mode: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, int]:
         """Wait for the command; (its result, how many of its processes or executors outlived it)."""
+        from conftest import group_gone
+
         out, err = proc.communicate(timeout=timeout)
         left = 0 if group_gone(proc.pid) else 1
         if mode == "cluster":

@@ -103,21 +103,31 @@ def interrupt(args: list[str], started, during=None) -> subprocess.CompletedProc
                 during()
             os.killpg(proc.pid, signal.SIGINT)
             out, _ = proc.communicate(timeout=60)
-            gone = time.time() + 30
-            while time.time() < gone:  # none of its processes outlives the command
-                try:
-                    os.killpg(proc.pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.2)
-            else:
-                raise AssertionError("processes of the interrupted command are still running")
+            assert group_gone(proc.pid, 30), "processes of the interrupted command were still running"
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
         done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err())
     done.pid = proc.pid
     return done
+
+
+def group_gone(pgid: int, wait: float = 60) -> bool:
+    """Every process of the group has exited within ``wait`` seconds; those left are then SIGKILLed."""
+    import signal
+
+    deadline = time.time() + wait
+    while time.time() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 def spark_started(stderr: str) -> bool:
@@ -182,6 +192,32 @@ def spark_master(work: Path, env: dict) -> tuple[subprocess.Popen, str, int]:
                              "--webui-port", str(ui)],
                             env=env, stdout=open(work / "master.log", "wb"), stderr=subprocess.STDOUT)
     return proc, f"spark://127.0.0.1:{port}", ui
+
+
+def start_standalone(work: Path) -> tuple[list[subprocess.Popen], str, int]:
+    """A master and two 1-core workers from the pyspark package on 127.0.0.1, up: (processes, master URL, UI port);
+    logs and work dirs under ``work``."""
+    import pyspark
+
+    from sparklm.java import find_java_home
+
+    home = Path(pyspark.__file__).parent
+    env = {**os.environ, "JAVA_HOME": find_java_home(), "SPARK_HOME": str(home), "SPARK_LOCAL_IP": "127.0.0.1",
+           "PYSPARK_PYTHON": sys.executable, "SPARK_LOG_DIR": str(work)}
+    master, url, ui = spark_master(work, env)
+    procs = [master]
+    for i in range(2):
+        procs.append(subprocess.Popen(
+            [str(home / "bin" / "spark-class"), "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
+             "--cores", "1", "--memory", "3g", "--webui-port", str(free_port()), "--work-dir", str(work / f"w{i}"),
+             url],
+            env=env, stdout=open(work / f"worker{i}.log", "wb"), stderr=subprocess.STDOUT))
+    try:
+        wait_for_workers(ui, 2, procs, f"standalone cluster (logs in {work})")
+    except BaseException:  # pytest.fail or Ctrl-C: leave no JVM behind
+        stop_processes(procs)
+        raise
+    return procs, url, ui
 
 
 def wait_for_workers(ui: int, n: int, procs: list[subprocess.Popen], what: str) -> None:

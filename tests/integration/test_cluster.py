@@ -14,24 +14,14 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import (
-    assert_one_line_interrupt,
-    free_port,
-    interrupt,
-    make_text,
-    spark_master,
-    stop_processes,
-    wait_for_workers,
-)
+from conftest import assert_one_line_interrupt, interrupt, make_text, start_standalone, stop_processes
 from sparklm.config import from_dict
 from sparklm.data.prepare import prepare
-from sparklm.java import find_java_home
 from sparklm.train.run import train
 from sparklm.train.sinks import read_metrics
 
@@ -40,22 +30,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("standalone")]
 
 @pytest.fixture(scope="module")
 def standalone(tmp_path_factory):
-    import pyspark
-
-    home = Path(pyspark.__file__).parent
-    work = tmp_path_factory.mktemp("standalone")
-    env = {**os.environ, "JAVA_HOME": find_java_home(), "SPARK_HOME": str(home), "SPARK_LOCAL_IP": "127.0.0.1",
-           "PYSPARK_PYTHON": sys.executable, "SPARK_LOG_DIR": str(work)}
-    master, url, ui = spark_master(work, env)
-    procs = [master]
-    for i in range(2):
-        procs.append(subprocess.Popen(
-            [str(home / "bin" / "spark-class"), "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
-             "--cores", "1", "--memory", "3g", "--webui-port", str(free_port()), "--work-dir", str(work / f"w{i}"),
-             url],
-            env=env, stdout=open(work / f"worker{i}.log", "wb"), stderr=subprocess.STDOUT))
+    procs, url, ui = start_standalone(tmp_path_factory.mktemp("standalone"))
     try:
-        wait_for_workers(ui, 2, procs, f"standalone cluster (logs in {work})")
         yield SimpleNamespace(url=url, ui=ui)
     finally:
         stop_processes(procs)
@@ -157,7 +133,8 @@ def test_ctrl_c_on_a_standalone_cluster_is_one_line_and_the_checkpoint_resumes(s
     run = tmp_path / "run"
     args = ["train", "--data", dataset, "-o", str(run), "--workers", "2", "--max-steps", "100000", "--master",
             standalone.url, "--conf", "spark.executor.memory=1g", "--conf", "spark.ui.enabled=false", "--threads", "1",
-            "--set", "train.checkpoint_every=5", "--set", "train.log_every=1", "--set", "train.eval_batches=2", "--set", "train.samples=0",
+            "--set", "train.checkpoint_every=5", "--set", "train.log_every=1", "--set", "train.eval_batches=2",
+            "--set", "train.samples=0",
             "--set", "model.n_layer=1", "--set", "model.n_head=2", "--set", "model.n_embd=32",
             "--set", "train.batch_size=4", "--set", 'train.dtype="float32"']
     r = interrupt(args, lambda err: any((run / "checkpoints").glob("step-*")))

@@ -177,7 +177,6 @@ class JsonSink(_WrittenAsItComes):
             write_text(self.uri, json.dumps(info, indent=2), self.storage)
 
 
-
 class ConsoleSink(_WrittenAsItComes):
     """Progress lines on the console: one per log step, evaluation (the task's figures) or round, with an ETA."""
 
@@ -200,7 +199,6 @@ class ConsoleSink(_WrittenAsItComes):
             progress.warn(row.message)
         elif isinstance(row, rows.Note):
             progress.info(row.message)
-
 
 
 def rank_mb(values: Iterable[float | None]) -> str:
