@@ -35,6 +35,11 @@ def _private_temp_dir() -> None:
 
 _private_temp_dir()
 
+# Where PYTHONDONTWRITEBYTECODE is set (many container images), every process the suite starts (CLI calls, Spark's
+# Python workers, ranks, the share-nothing cluster's executors) would compile sparklm's modules again: keep bytecode.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 # The suite starts ~100 short-lived driver JVMs (each CLI call, spark-submit) that do little work each: the client
 # JIT alone and the serial collector start them ~4 s sooner on 2 cores and leave the cores to the tests. Test
 # processes only (spark-submit reads SPARK_SUBMIT_OPTS); users' Spark keeps the JVM's defaults.

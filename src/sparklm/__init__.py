@@ -1,15 +1,34 @@
-"""sparklm: train and fine-tune transformer language models on Apache Spark, end to end."""
+"""sparklm: train and fine-tune transformer language models on Apache Spark, end to end.
+
+In a notebook::
+
+    import sparklm
+    ds = sparklm.prepare(df, output="s3://bucket/data", text_col="body")   # or paths, or a table name
+    result = sparklm.fit(data=ds, output="s3://bucket/runs/first", settings={"train.max_steps": 200})
+    result.generate("Once upon a time", max_new_tokens=40)
+    out = sparklm.generate_dataframe(prompts_df, model=result.run_dir)      # lazy, keeps prompts_df's columns
+"""
 
 from .config import Config, load_config  # noqa: E402
 from .errors import SparklmError  # noqa: E402
 from .version import __version__  # noqa: E402
 
+# The API's functions are imported on first use: `import sparklm` stays light (no torch, no pyspark).
+_LAZY = {"prepare": "api", "fit": "api", "FitResult": "api", "generate": "api", "evaluate": "api", "export": "api",
+         "generate_dataframe": "infer.batch", "Sampling": "infer.sampling"}
 
-def prepare(*args, **kwargs):
-    """Raw text → tokenized, packed Parquet; see :func:`sparklm.data.prepare.prepare`."""
-    from .data.prepare import prepare as _prepare
-
-    return _prepare(*args, **kwargs)
+__all__ = ["Config", "SparklmError", "load_config", "__version__", *_LAZY]
 
 
-__all__ = ["Config", "SparklmError", "load_config", "prepare", "__version__"]
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'sparklm' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

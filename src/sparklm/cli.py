@@ -369,10 +369,9 @@ def _generate_on_spark(args: argparse.Namespace, sampling) -> int:
     df = spark.createDataFrame(prompts, "id long, prompt string")
     df = df.repartition(min(len(prompts), spark.sparkContext.defaultParallelism))
     with progress.stage(spark, f"generate ({len(prompts)} prompts)", quiet=True):
-        rows = [r.asDict() for r in batch.generate_dataframe(df, model=args.model, sampling=sampling,
-                                                              batch_size=args.batch_size,
-                                                              threads=args.threads,
-                                                              storage=config.storage).collect()]
+        out = batch.generate_dataframe(df, model=args.model, id_col="id", output_col="text", sampling=sampling,
+                                       batch_size=args.batch_size, threads=args.threads, storage=config.storage)
+        rows = [r.asDict() for r in out.select(*batch.OUTPUT_COLUMNS).collect()]
     rows.sort(key=lambda r: (r["id"], r["sample"]))
     batch.write_generations(rows, args.output)
     progress.plain(args.output)

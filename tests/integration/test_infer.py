@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 from pathlib import Path
 
@@ -219,18 +220,43 @@ def test_show_top_and_truncation_and_bad_prompts(run_dir):
 
 
 def test_batch_generation_on_spark_equals_one_by_one(spark, run_dir):
-    from sparklm.infer.batch import generate_dataframe
+    from sparklm.infer.batch import generate_dataframe, row_key
     from sparklm.infer.generate import generate, load
 
     s = Sampling(temperature=0.9, top_p=0.9, max_new_tokens=8, num_samples=2, seed=11)
-    rows = [(10 + i, p) for i, p in enumerate(PROMPTS * 2)]
-    df = spark.createDataFrame(rows, "id long, prompt string").repartition(3)
-    out = sorted((r.id, r.sample, r.text) for r in generate_dataframe(df, model=str(run_dir), sampling=s,
-                                                                        batch_size=3).collect())
+    rows = [(10 + i, p, f"extra {i}") for i, p in enumerate(PROMPTS * 2)]
+    df = spark.createDataFrame(rows, "id long, prompt string, note string").repartition(3)
+    got = generate_dataframe(df, model=str(run_dir), sampling=s, batch_size=3)
+    assert got.columns == ["id", "prompt", "note", "sample", "generated", "prompt_tokens", "new_tokens", "truncated"]
+    out = sorted((r.id, r.sample, r.generated, r.note) for r in got.collect())
     lm = load(str(run_dir))
-    ref = sorted((g.key, g.sample, g.text) for i, p in rows
+    ref = sorted((g.key, g.sample, g.text, f"extra {i - 10}") for i, p, _ in rows
                  for g in generate(lm, [p], keys=[i], sampling=s, batch_size=1))
     assert out == ref and len(out) == 16
+
+    # any id type, or none (rows keyed by their prompt), and null prompts stay row-aligned; nothing is joined back
+    one = Sampling(temperature=0.9, max_new_tokens=5, seed=3)
+    keyed = spark.createDataFrame([("a-1", "The"), ("b-2", None), ("c-3", "Москва")], "key string, prompt string")
+    by_key = {r.key: r for r in generate_dataframe(keyed.repartition(2), model=str(run_dir), id_col="key",
+                                                   sampling=one).collect()}
+    assert by_key["b-2"].generated is None and by_key["b-2"].new_tokens == 0
+    for key, prompt in (("a-1", "The"), ("c-3", "Москва")):
+        assert by_key[key].generated == generate(lm, [prompt], keys=[row_key(key, prompt)], sampling=one)[0].text
+    no_id = spark.createDataFrame([("The",), ("Москва",)], "prompt string")
+    texts = {r.prompt: r.generated for r in generate_dataframe(no_id, model=str(run_dir), sampling=one).collect()}
+    assert texts == {p: generate(lm, [p], keys=[row_key(None, p)], sampling=one)[0].text for p in ("The", "Москва")}
+    empty = generate_dataframe(no_id.limit(0), model=str(run_dir), sampling=one).collect()
+    assert empty == []
+
+    # mistakes are one line before any job runs
+    for frame, kwargs, message in (
+            (no_id, {"prompt_col": "text"}, "has no column 'text' (columns: prompt)"),
+            (no_id, {"id_col": "nope"}, "has no column 'nope'"),
+            (spark.createDataFrame([(1,)], "prompt int"), {}, "column 'prompt' holds int, not text"),
+            (spark.createDataFrame([("x", 1)], "prompt string, sample int"), {}, "already has column(s) 'sample'"),
+            (no_id, {"model": str(run_dir) + "-missing"}, "not found")):
+        with pytest.raises(SparklmError, match=re.escape(message)):
+            generate_dataframe(frame, **{"model": str(run_dir), "sampling": one, **kwargs})
 
 
 def test_eval_equals_a_direct_computation(spark, run_dir, tmp_path):

@@ -92,7 +92,7 @@ def test_run_directory_on_s3(spark, dataset, s3_server, tmp_path):
     assert [g.text for g in generate(here, ["The"], sampling=greedy)] == \
            [g.text for g in generate(there, ["The"], sampling=greedy)]
     df = spark.createDataFrame([(1, "The"), (2, "Москва")], "id long, prompt string")
-    texts = sorted((r.id, r.text) for r in generate_dataframe(df, model="s3://runs/stopped", sampling=greedy,
+    texts = sorted((r.id, r.generated) for r in generate_dataframe(df, model="s3://runs/stopped", sampling=greedy,
                                                                storage=storage).collect())
     assert texts == sorted((i, generate(here, [p], sampling=greedy)[0].text) for i, p in [(1, "The"), (2, "Москва")])
     (tmp_path / "t.txt").write_text(make_text(5, seed=2))

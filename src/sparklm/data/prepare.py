@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -37,24 +37,34 @@ from .packing import Packed, Packer, PackSpec
 
 
 def prepare(
-    inputs: Sequence[str],
+    inputs,
     *,
     output: str,
     config: Config | None = None,
-    validation_inputs: Sequence[str] = (),
+    validation_inputs=(),
     overwrite: bool = False,
     spark=None,
+    described: str | None = None,
 ) -> PreparedDataset:
     """Prepare ``inputs`` into a dataset at ``output`` and return it (see the README for the format).
 
-    ``spark`` is a SparkSession, a function that starts one (called once the inputs are checked),
-    or None for the active session or a new local one.
+    ``inputs`` are paths (files, directories, globs; local or on an object store) or a Spark DataFrame with a
+    ``data.text_field`` column (or the record fields of ``data.format``), each row a document; its text is read by
+    the executors, never collected to the driver. ``validation_inputs`` are paths, or a DataFrame when ``inputs``
+    is one. ``spark`` is a SparkSession, a function that starts one (called once the inputs are checked),
+    or None for the active session or a new local one (a DataFrame brings its own). ``described``: how the
+    manifest names a DataFrame source (e.g. ``table db.docs``).
     """
     from ..spark import check_shared, get_session
 
     config = config or Config()
     config = config.replace(storage=effective(config.storage))
     data, storage = config.data, config.storage
+    if is_dataframe(inputs) or is_dataframe(validation_inputs):
+        return _prepare_frame(inputs, output=output, config=config, validation=validation_inputs,
+                              overwrite=overwrite, described=described)
+    if isinstance(inputs, str):
+        inputs = [inputs]
     if not inputs:
         raise SparklmError("no input given", hint="pass text files, directories or globs")
     if data.stride > data.seq_len:
@@ -77,18 +87,126 @@ def prepare(
     spark = spark() if callable(spark) else get_session(config.spark, spark=spark)  # started after the checks
     check_shared(spark, {"input": str(inputs[0]), "output": output})
     spark_start = time.time() - t_spark
-    bins = _bins(units, spark.sparkContext.defaultParallelism * 4)
-    n_files = len({u.uri for u in units})
+    source = Source.of_files(spark, _bins(units, spark.sparkContext.defaultParallelism * 4), data, storage)
+    return _run(spark, source, config, list(inputs), list(validation_inputs), output, started, spark_start)
+
+
+def is_dataframe(value) -> bool:
+    """A Spark DataFrame (classic or Spark Connect), told apart without importing pyspark for paths."""
+    return type(value).__name__ == "DataFrame" and hasattr(value, "sparkSession")
+
+
+def _prepare_frame(frame, *, output: str, config: Config, validation, overwrite: bool, described: str | None):
+    """:func:`prepare` from a DataFrame (and optionally a validation DataFrame)."""
+    from pyspark.sql import functions as F
+
+    from ..spark import check_shared
+
+    data = config.data
+    if not is_dataframe(frame) or not (is_dataframe(validation) or validation in ((), [], None)):
+        raise SparklmError("the inputs and the validation inputs are of different kinds",
+                           hint="pass DataFrames for both, or paths for both")
+    held = validation if is_dataframe(validation) else None
+    frames = [(frame, "auto" if held is None else "train"), *([(held, "validation")] if held is not None else [])]
+    for df, role in frames:
+        missing = [c for c in sources.record_fields(data) if c not in df.columns]
+        if missing:
+            flag = "text_col" if data.format == "text" else "the record fields (data.prompt_field, ...)"
+            raise SparklmError(f"the {'validation ' if role == 'validation' else ''}DataFrame has no column "
+                               f"{', '.join(map(repr, missing))} (columns: {', '.join(df.columns) or 'none'})",
+                               hint=f"name its text column with {flag}, e.g. text_col='body'")
+    if data.format == "chat" and not (data.chat_template and config.tokenizer.path):
+        raise SparklmError("format 'chat' renders each conversation with the tokenizer's chat template",
+                           hint="pass a model's tokenizer directory that has one (tokenizer.path)")
+    started = time.time()
+    fs, out_path = resolve(output, config.storage)
+    _check_output(fs, out_path, output, overwrite)
+    for name in remove_stale(output, config.storage, before=started):
+        progress.info(f"[dim]removed {name}, left by an earlier prepare that did not finish[/dim]")
+    spark = frame.sparkSession
+    check_shared(spark, {"output": output})
+    # Only the columns read, and the group ("auto" is split by hash, as a path's documents are) beside them.
+    cols = sources.record_fields(data)
+    rows = None
+    for df, role in frames:
+        part = df.select(F.lit(role).alias("_group"),
+                         F.struct(*[F.col(c) for c in cols]).alias("_values"))
+        rows = part if rows is None else rows.unionByName(part)
+    name = described or "dataframe"
+    names = [name] if held is None else [name, f"{name} (validation)"]
+    with spark_errors():
+        source = Source.of_frame(spark, rows, cols, data)
+    try:
+        return _run(spark, source, config, names[:1], names[1:], output, started, 0.0)
+    finally:
+        source.release()
+
+
+@dataclass
+class Source:
+    """What both passes read, as an RDD whose partitions the executor-side ``read(partition)`` turns into
+    :func:`sources.documents`' tuples: bins of file read units, or a DataFrame's rows (persisted, so that both
+    passes see the same rows in the same partitions)."""
+
+    rdd: object
+    partitions: int
+    read: object  # Iterator of the RDD's partition -> Iterator of documents' tuples
+    planned_bytes: int  # a rough size of the text, to bound the tokenizer's sample
+    label: str  # "3 files", "the DataFrame"
+    count: int  # input files (DataFrames)
+    bins: list | None = None  # files only: the read units, by task
+    cached: object = None
+
+    @classmethod
+    def of_files(cls, spark, bins: list[list[sources.ReadUnit]], data, storage) -> Source:
+        def read(it):
+            for bin_ in it:
+                yield from sources.documents(bin_, data, storage)
+
+        n = len({u.uri for b in bins for u in b})
+        # Compressed files hold about 3x their size in text: a rough guess is enough to bound the sample.
+        planned = sum(u.nbytes * (3 if u.compression else 1) for b in bins for u in b)
+        return cls(spark.sparkContext.parallelize(bins, len(bins)), len(bins), read, planned, f"{n} files", n, bins)
+
+    @classmethod
+    def of_frame(cls, spark, rows, cols: list[str], data) -> Source:
+        from pyspark import StorageLevel
+        from pyspark.sql import functions as F
+
+        rows = rows.persist(StorageLevel.MEMORY_AND_DISK)
+        sizes = [F.coalesce(F.octet_length(F.col("_values").getField(c).cast("string")), F.lit(0)) for c in cols]
+        planned = rows.select(sum(sizes[1:], sizes[0]).alias("n")).agg(F.sum("n")).first()[0] or 0
+
+        def read(it):
+            from pyspark import TaskContext
+
+            yield from sources.frame_documents(((r[0], r[1].asDict()) for r in it), TaskContext.get().partitionId(),
+                                               data)
+
+        parts = max(1, rows.rdd.getNumPartitions())  # an empty DataFrame may have none
+        return cls(rows.rdd, parts, read, planned, "the DataFrame", 1, None, rows)
+
+    def release(self) -> None:
+        if self.cached is not None:
+            self.cached.unpersist()
+
+
+def _run(spark, source: Source, config: Config, inputs: list[str], validation_inputs: list[str], output: str,
+         started: float, spark_start: float) -> PreparedDataset:
+    """Both passes over ``source``, then the atomic commit of the dataset at ``output``."""
+    data, storage = config.data, config.storage
+    fs, out_path = resolve(output, storage)
+    n_files = source.count
     staged = staging_path(out_path)
     staging = uri_like(output, staged)
     try:
         with spark_errors():
             if data.dedup:  # duplicates are only known after a look at everything
-                agg, losers, sample, cached = _scan(spark, bins, config, sample_only=False)
+                agg, losers, sample, cached = _scan(spark, source, config, sample_only=False)
                 stats = _stats(agg, n_files, data.encoding)
             else:
                 agg, losers = None, {}
-                sample, cached = _tokenizer_sample(spark, bins, config)
+                sample, cached = _tokenizer_sample(spark, source, config)
             spec = _tokenizer(spark, sample, config)
             if data.format == "chat" and not spec.chat_template:
                 raise SparklmError(f"tokenizer {config.tokenizer.path} has no chat template to render --format chat "
@@ -100,7 +218,7 @@ def prepare(
             fs.create_dir(staged, recursive=True)
             with progress.stage(spark, "read + clean + tokenize + pack + write" if agg is None else
                                 "tokenize + pack + write"):
-                files, write_agg = _write(spark, bins, config, spec, pack, losers, staging)
+                files, write_agg = _write(spark, source, config, spec, pack, losers, staging)
             if agg is None:  # one pass did it all: its counts are the statistics
                 stats = _stats(write_agg, n_files, data.encoding)
         manifest = _manifest(config, inputs, validation_inputs, stats, files, spec, pack, started, spark_start)
@@ -132,35 +250,37 @@ def _split_of(unit: sources.ReadUnit, dig: bytes, val_fraction: float) -> str:
     return "validation" if clean.is_validation(dig, val_fraction) else "train"
 
 
-def _scan(spark, bins, config: Config, *, sample_only: bool):
+def _scan(spark, source: Source, config: Config, *, sample_only: bool):
     """Read and clean, keeping only metadata and a bounded text sample for the tokenizer; decide
     duplicates on that small table. Returns (counts, duplicates to skip, tokenizer sample)."""
     from pyspark import StorageLevel
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    data, storage = config.data, config.storage
-    # Compressed files hold about 3x their size in text: a rough guess is enough to bound the sample.
-    planned = sum(u.nbytes * (3 if u.compression else 1) for b in bins for u in b) or 1
+    data = config.data
+    planned = source.planned_bytes or 1
     sample_fraction = 1.0 if config.tokenizer.path else min(1.0, config.tokenizer.sample_mb * 2**20 / planned)
     want_sample = not config.tokenizer.path
+    read = source.read
 
     def scan(it):
-        for bin_ in it:
-            for unit, pos, status, text, invalid, dig in sources.documents(bin_, data, storage):
-                ok = status == sources.OK
-                split = _split_of(unit, dig, data.val_fraction) if ok else None
-                doc = clean.doc_id(dig) if ok else None
-                # A deterministic sample by content hash; its size is bounded for the driver.
-                sampled = want_sample and ok and split == "train" and (doc & 0xFFFFFF) < sample_fraction * 2**24
-                text = sources.text_of(text) if ok else None
-                yield (unit.uri, pos, status, split, len(text.encode("utf-8", "surrogatepass")) if ok else 0,
-                       invalid, doc, dig, text if sampled else None)
+        for unit, pos, status, text, invalid, dig in read(it):
+            ok = status == sources.OK
+            split = _split_of(unit, dig, data.val_fraction) if ok else None
+            doc = clean.doc_id(dig) if ok else None
+            # A deterministic sample by content hash; its size is bounded for the driver.
+            sampled = want_sample and ok and split == "train" and (doc & 0xFFFFFF) < sample_fraction * 2**24
+            text = sources.text_of(text) if ok else None
+            yield (unit.uri, pos, status, split, len(text.encode("utf-8", "surrogatepass")) if ok else 0,
+                   invalid, doc, dig, text if sampled else None)
 
     ddl = ("source string, pos long, status string, split string, n_bytes long, n_invalid long, doc_id long, "
            "digest binary, sample string")
-    meta = spark.createDataFrame(spark.sparkContext.parallelize(bins, len(bins)).mapPartitions(scan), ddl)
+    meta = spark.createDataFrame(source.rdd.mapPartitions(scan), ddl)
     if config.data.dedup and not sample_only:  # keep one copy per content hash: the validation one, then the first by (source, pos)
+        # as many partitions as scan tasks, not spark.sql.shuffle.partitions (200): the rows are small, and the
+        # persisted frame keeps its partitioning for each of the jobs below (adaptive execution cannot coalesce it)
+        meta = meta.repartition(source.partitions, "digest")
         order = Window.partitionBy("digest").orderBy((F.col("split") == "train").asc(), "source", "pos")
         meta = meta.withColumn("copy", F.when(F.col("digest").isNull(), 1).otherwise(F.row_number().over(order)))
     else:
@@ -169,7 +289,7 @@ def _scan(spark, bins, config: Config, *, sample_only: bool):
     losers: dict[str, list[int]] = defaultdict(list)
     agg = []
     if not sample_only:
-        with progress.stage(spark, f"read + clean + deduplicate {len({u.uri for b in bins for u in b})} files"):
+        with progress.stage(spark, f"read + clean + deduplicate {source.label}"):
             agg = [r.asDict() for r in meta.groupBy("source", "status", "split", (F.col("copy") == 1).alias("kept"))
                    .agg(F.count("*").alias("n"), F.sum("n_bytes").alias("bytes"), F.sum("n_invalid").alias("invalid"))
                    .collect()]
@@ -179,11 +299,14 @@ def _scan(spark, bins, config: Config, *, sample_only: bool):
     sample = meta.where((F.col("copy") == 1) & F.col("sample").isNotNull()).select("source", "pos", "sample")
     return agg, {k: frozenset(v) for k, v in losers.items()}, sample, meta
 
-def _tokenizer_sample(spark, bins, config: Config):
-    """Without dedup there is no full scan: read just enough units (chosen by hash) for the sample.
-    Returns (sample, the frame to unpersist once the tokenizer is trained)."""
+def _tokenizer_sample(spark, source: Source, config: Config):
+    """Without dedup there is no full scan: read just enough units (chosen by hash) for the sample (all of a
+    DataFrame). Returns (sample, the frame to unpersist once the tokenizer is trained)."""
     if config.tokenizer.path:
         return None, None
+    if source.bins is None:
+        return _scan(spark, source, config, sample_only=True)[2:]
+    bins = source.bins
     units = sorted((u for b in bins for u in b), key=lambda u: clean.digest(f"{u.uri}@{u.start}"))
     budget = 2 * config.tokenizer.sample_mb * 2**20  # twice the sample: the split and hashing thin it out
     chosen, total = [], 0
@@ -192,7 +315,8 @@ def _tokenizer_sample(spark, bins, config: Config):
             break
         chosen.append(u)
         total += u.nbytes * (3 if u.compression else 1)
-    return _scan(spark, _bins(chosen, len(bins)), config, sample_only=True)[2:]
+    return _scan(spark, Source.of_files(spark, _bins(chosen, len(bins)), config.data, config.storage), config,
+                 sample_only=True)[2:]
 
 
 def _stats(agg: list[dict], files: int, encoding: str) -> dict:
@@ -245,13 +369,14 @@ def _pack_spec(config: Config, spec: tokenizers_mod.TokenizerSpec) -> PackSpec:
                     concat=data.concat, pad_last=pad_last)
 
 
-def _write(spark, bins, config: Config, spec, pack: PackSpec, losers: dict, staging: str) -> dict[str, list[dict]]:
+def _write(spark, source: Source, config: Config, spec, pack: PackSpec, losers: dict, staging: str) -> dict[str, list[dict]]:
     """Pass 2: read and clean again, skip duplicates, tokenize, pack and write each split's file."""
     sc = spark.sparkContext
     spec_bc, losers_bc = sc.broadcast(spec), sc.broadcast(losers)
     rows_per_group = max(16, config.output.row_group_mb * 1024 * 1024 // (pack.seq_len * 4))
     data, storage = config.data, config.storage
     templated = _templated(data, spec)
+    read = source.read
 
     def write(it):
         from pyspark import TaskContext
@@ -266,32 +391,31 @@ def _write(spark, bins, config: Config, spec, pack: PackSpec, losers: dict, stag
         batch: dict[str, tuple[list, list]] = {s: ([], []) for s in SPLITS}
         counts: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0])  # (source, status, split, kept) -> n, bytes, invalid
         size = 0
-        for bin_ in it:
-            for unit, pos, status, doc, invalid, dig in sources.documents(bin_, data, storage):
-                split = _split_of(unit, dig, data.val_fraction) if status == sources.OK else None
-                kept = status == sources.OK and pos not in drop.get(unit.uri, ())
-                c = counts[(unit.uri, status, split, kept or status != sources.OK)]
-                c[0] += 1
-                c[2] += invalid
-                if not kept:
-                    continue
-                c[1] += len(sources.text_of(doc).encode("utf-8", "surrogatepass"))
-                if isinstance(doc, instruct.Record):  # → (piece, trains) pairs
-                    doc = _segments(doc, render, data, unit, pos, storage)
-                docs, ids = batch[split]
-                docs.append(doc)
-                ids.append(clean.doc_id(dig))
-                size += len(doc) if isinstance(doc, str) else sum(len(piece) for piece, _ in doc)
-                if size > 4 * 2**20:  # tokenize in batches of a few MB: the tokenizer parallelises inside
-                    for s, (docs, ids) in batch.items():
-                        writers[s].add(tok, docs, ids)
-                    batch, size = {s: ([], []) for s in SPLITS}, 0
+        for unit, pos, status, doc, invalid, dig in read(it):
+            split = _split_of(unit, dig, data.val_fraction) if status == sources.OK else None
+            kept = status == sources.OK and pos not in drop.get(unit.uri, ())
+            c = counts[(unit.uri, status, split, kept or status != sources.OK)]
+            c[0] += 1
+            c[2] += invalid
+            if not kept:
+                continue
+            c[1] += len(sources.text_of(doc).encode("utf-8", "surrogatepass"))
+            if isinstance(doc, instruct.Record):  # → (piece, trains) pairs
+                doc = _segments(doc, render, data, unit, pos, storage)
+            docs, ids = batch[split]
+            docs.append(doc)
+            ids.append(clean.doc_id(dig))
+            size += len(doc) if isinstance(doc, str) else sum(len(piece) for piece, _ in doc)
+            if size > 4 * 2**20:  # tokenize in batches of a few MB: the tokenizer parallelises inside
+                for s, (docs, ids) in batch.items():
+                    writers[s].add(tok, docs, ids)
+                batch, size = {s: ([], []) for s in SPLITS}, 0
         for s, (docs, ids) in batch.items():
             writers[s].add(tok, docs, ids)
         yield from (w.close() for w in writers.values())
         yield {"split": "", "counts": [(*k, *v) for k, v in counts.items()]}
 
-    metas = sc.parallelize(bins, len(bins)).mapPartitions(write).collect()
+    metas = source.rdd.mapPartitions(write).collect()
     files = {s: sorted((m for m in metas if m["split"] == s and m["rows"] > 0), key=lambda m: m["path"])
              for s in SPLITS}
     agg = [dict(zip(("source", "status", "split", "kept", "n", "bytes", "invalid"), c))

@@ -12,7 +12,7 @@ import csv
 import io
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -30,13 +30,14 @@ _FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "cs
 
 # Document statuses: "ok" or the reason a document (or a whole file) was dropped.
 OK, EMPTY, TOO_SHORT, MALFORMED, BINARY, DUPLICATE = "ok", "empty", "too_short", "malformed", "binary_file", "duplicate"
+DATAFRAME = "dataframe"  # the format of a read unit that is a DataFrame partition's rows
 
 
 
 @dataclass(frozen=True)
 class ReadUnit:
     uri: str
-    fmt: str  # text | jsonl | csv | tsv | parquet
+    fmt: str  # text | jsonl | csv | tsv | parquet | dataframe
     compression: str  # "" or a pyarrow codec name
     start: int = 0
     end: int = -1  # -1: to the end of the file
@@ -95,17 +96,52 @@ def documents(units: list[ReadUnit], data: DataConfig, storage: StorageConfig) -
     (instruction and chat records: every content cleaned; one without assistant content is empty).
     """
     for unit in units:
-        for pos, status, doc, invalid in _read_unit(unit, data, storage):
-            if status == OK:
-                if isinstance(doc, instruct.Record):
-                    doc = doc.map(lambda text: clean.clean_text(text, data.normalize))
-                    status = EMPTY if not doc.trains else TOO_SHORT if len(doc.text) < data.min_chars else OK
-                else:
-                    doc = clean.clean_text(doc, data.normalize)
-                    status = EMPTY if not doc else TOO_SHORT if len(doc) < data.min_chars else OK
-            ok = status == OK
-            digest = clean.digest(doc if isinstance(doc, str) else doc.key()) if ok else None
-            yield unit, pos, status, doc if ok else None, invalid, digest
+        yield from _cleaned(((unit, *raw) for raw in _read_unit(unit, data, storage)), data)
+
+
+def frame_documents(rows: Iterator[tuple[str, dict]], partition: int, data: DataConfig) -> Iterator[tuple]:
+    """:func:`documents` for one partition of a DataFrame's rows ``(group, {column: value})``, in order: each row is a
+    document (or a record), read as a Parquet file's row is; the unit is the partition's rows of one group."""
+    units = {g: ReadUnit(f"dataframe:{g}:part-{partition:05d}", DATAFRAME, "", group=g) for g in ("auto", "train", "validation")}
+    counters = {g: 0 for g in units}
+
+    def raw() -> Iterator[tuple[ReadUnit, int, str, object, int]]:
+        for group, values in rows:
+            unit, pos = units[group], counters[group]
+            counters[group] += 1
+            if data.format != "text":
+                yield unit, pos, OK, _record(values, data, partial(_where, None, "", unit, pos, by_line=True)), 0
+            else:
+                yield (unit, pos, *_value(values[data.text_field], data))
+
+    yield from _cleaned(raw(), data)
+
+
+def _value(value, data: DataConfig) -> tuple[str, str | None, int]:
+    """(status, text, invalid bytes) of one text cell of a Parquet file or a DataFrame."""
+    if value is None:
+        return EMPTY, None, 0
+    if isinstance(value, bytes):
+        text, invalid = clean.decode(value, data.encoding)
+        return OK, text, invalid
+    if isinstance(value, str):
+        return OK, value, 0
+    return MALFORMED, None, 0
+
+
+def _cleaned(raw: Iterable[tuple], data: DataConfig) -> Iterator[tuple]:
+    """Clean raw ``(unit, pos, status, text or record, invalid bytes)`` into :func:`documents`' tuples."""
+    for unit, pos, status, doc, invalid in raw:
+        if status == OK:
+            if isinstance(doc, instruct.Record):
+                doc = doc.map(lambda text: clean.clean_text(text, data.normalize))
+                status = EMPTY if not doc.trains else TOO_SHORT if len(doc.text) < data.min_chars else OK
+            else:
+                doc = clean.clean_text(doc, data.normalize)
+                status = EMPTY if not doc else TOO_SHORT if len(doc) < data.min_chars else OK
+        ok = status == OK
+        digest = clean.digest(doc if isinstance(doc, str) else doc.key()) if ok else None
+        yield unit, pos, status, doc if ok else None, invalid, digest
 
 
 def text_of(doc: str | instruct.Record) -> str:
@@ -128,7 +164,7 @@ def _where(fs, path: str, unit: ReadUnit, pos: int, *, by_line: bool) -> str:
     (from 1) or a Parquet row index (from 0); else a byte offset, turned into a line number by counting."""
     if unit.fmt in ("csv", "tsv"):
         return f"{unit.uri} row {pos}"
-    if unit.fmt == "parquet":
+    if unit.fmt in ("parquet", DATAFRAME):
         return f"{unit.uri} row {pos + 1}"
     if by_line:
         return f"{unit.uri} line {pos + 1}"
@@ -158,7 +194,7 @@ def _fields_hint(data: DataConfig) -> str:
             "or fix the record")
 
 
-def _record_fields(data: DataConfig) -> list[str]:
+def record_fields(data: DataConfig) -> list[str]:
     """The columns a record format needs: the text, the prompt and response, or the messages."""
     return {"text": [data.text_field], "instruction": [data.prompt_field, data.response_field],
             "chat": [data.messages_field]}[data.format]
@@ -305,7 +341,7 @@ def _read_csv(fs, path: str, unit: ReadUnit, data: DataConfig, encoding: str) ->
             return
         header = [h.lstrip("\ufeff").strip() for h in header]
         _check_columns(unit.uri, header, data)
-        col = header.index(data.text_field) if data.format == "text" else max(map(header.index, _record_fields(data)))
+        col = header.index(data.text_field) if data.format == "text" else max(map(header.index, record_fields(data)))
         before = clean.invalid_total()
         for number, row in enumerate(reader, start=1):
             now = clean.invalid_total()
@@ -321,7 +357,7 @@ def _read_csv(fs, path: str, unit: ReadUnit, data: DataConfig, encoding: str) ->
 
 def _check_columns(uri: str, names: list[str], data: DataConfig) -> None:
     """A CSV or Parquet file must have the columns its format reads (one line naming the file and what it has)."""
-    for name in _record_fields(data):
+    for name in record_fields(data):
         if name not in names:
             hint = "name the text column with --text-field or data.text_field" if data.format == "text" else _fields_hint(data)
             raise SparklmError(f"{uri} has no column '{name}' (columns: {', '.join(names[:20])})", hint=hint)
@@ -338,21 +374,13 @@ def _read_parquet(fs, path: str, unit: ReadUnit, data: DataConfig) -> Iterator[t
         number = 0
         for batch in pf.iter_batches(columns=[data.text_field], batch_size=4096):
             for value in batch.column(0).to_pylist():
-                if value is None:
-                    yield number, EMPTY, None, 0
-                elif isinstance(value, bytes):
-                    text, invalid = clean.decode(value, data.encoding)
-                    yield number, OK, text, invalid
-                elif isinstance(value, str):
-                    yield number, OK, value, 0
-                else:
-                    yield number, MALFORMED, None, 0
+                yield (number, *_value(value, data))
                 number += 1
 
 
 def _parquet_records(pf: pq.ParquetFile, unit: ReadUnit, data: DataConfig) -> Iterator[tuple[int, str, object, int]]:
     number = 0
-    for batch in pf.iter_batches(columns=_record_fields(data), batch_size=1024):
+    for batch in pf.iter_batches(columns=record_fields(data), batch_size=1024):
         for values in batch.to_pylist():
             yield number, OK, _record(values, data, partial(_where, None, "", unit, number, by_line=True)), 0
             number += 1

@@ -19,42 +19,82 @@ OUTPUT_SCHEMA = "id long, sample int, prompt string, text string, prompt_tokens 
 OUTPUT_COLUMNS = [c.split()[0] for c in OUTPUT_SCHEMA.split(", ")]
 
 
-def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: str = "id",
-                       sampling: Sampling = Sampling(), batch_size: int = 8, threads: int = 0,
-                       storage: StorageConfig | None = None):
-    """One output row per (prompt, sample): ``id, sample, prompt, text, prompt_tokens, new_tokens, truncated``.
+def row_key(id_value, prompt: str | None) -> int:
+    """The integer that seeds a row's generators: an integer id itself (as ``sparklm generate --input`` keys its
+    prompts), any other id by a stable hash of its text, no id by the prompt's. It depends on the row only, so the
+    result does not depend on partitioning, batching or retries."""
+    if isinstance(id_value, int) and not isinstance(id_value, bool):
+        return id_value
+    import hashlib
+
+    material = prompt if id_value is None else id_value if isinstance(id_value, (str, bytes)) else repr(id_value)
+    if isinstance(material, str):
+        material = material.encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(material or b"", digest_size=8).digest(), "big") >> 1
+
+
+def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: str | None = None,
+                       output_col: str = "generated", sampling: Sampling = Sampling(), batch_size: int = 8,
+                       threads: int = 0, storage: StorageConfig | None = None):
+    """``df`` with its columns kept and, per row and sample: ``sample``, ``output_col`` (the continuation),
+    ``prompt_tokens``, ``new_tokens`` and ``truncated``; ``sampling.num_samples`` rows per input row.
 
     ``model`` is a sparklm run directory or an HF model directory on an object store (each executor copies it
-    once into its cache) or on a path every executor can read.
-    Ids must be integers; each row's text depends only on (seed, id, sample), so the result does not
-    depend on partitioning, batching or retries.
+    once into its cache) or on a path every executor can read. Each output row draws from its own generator
+    seeded by (seed, the row's key, sample): the key is ``id_col``'s value (any type; by default the ``id``
+    column if there is one), else the prompt, so the result does not depend on partitioning, batching or
+    retries. A null or blank prompt gets a null continuation. Lazy: nothing runs until an action.
     """
-    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
 
-    for name in (prompt_col, id_col):
-        if name not in df.columns:
-            raise SparklmError(f"the prompts have no column {name!r} (columns: {', '.join(df.columns)})",
-                               hint="name the prompt and id columns with prompt_col= / id_col=")
     from .generate import model_uri
 
+    fields = {f.name: f.dataType for f in df.schema.fields}
+    columns = ", ".join(df.columns) or "none"
+    if prompt_col not in fields:
+        raise SparklmError(f"the DataFrame has no column {prompt_col!r} (columns: {columns})",
+                           hint="name the prompt column with prompt_col=")
+    if not isinstance(fields[prompt_col], T.StringType):
+        raise SparklmError(f"column {prompt_col!r} holds {fields[prompt_col].simpleString()}, not text",
+                           hint=f"cast it: df.withColumn({prompt_col!r}, F.col({prompt_col!r}).cast('string'))")
+    if id_col is not None and id_col not in fields:
+        raise SparklmError(f"the DataFrame has no column {id_col!r} (columns: {columns})",
+                           hint="name the id column with id_col=, or leave it out to key rows by their prompt")
+    id_col = id_col if id_col is not None else "id" if "id" in fields else None
+    added = [T.StructField("sample", T.IntegerType()), T.StructField(output_col, T.StringType()),
+             T.StructField("prompt_tokens", T.IntegerType()), T.StructField("new_tokens", T.IntegerType()),
+             T.StructField("truncated", T.BooleanType())]
+    clash = [f.name for f in added if f.name in fields]
+    if clash:
+        raise SparklmError(f"the DataFrame already has column(s) {', '.join(map(repr, clash))}, which "
+                           "generate_dataframe adds", hint="rename or drop them, or choose output_col=")
     storage = effective(storage or StorageConfig())
-    model_path = model_uri(model, storage)
+    model_path = model_uri(model, storage)  # a missing model fails here, not in a task
+    samples = sampling.num_samples
 
-    def run(frames):
-        import pandas as pd
+    def run(batches):
+        import pyarrow as pa
 
         from .generate import generate, load
 
         lm = process_local(("model", model_path, threads), lambda: load(model_path, threads=threads, storage=storage))
-        for frame in frames:
-            if frame.empty:
-                continue
-            gens = generate(lm, [str(p) for p in frame["prompt"]], keys=[int(i) for i in frame["id"]],
-                            sampling=sampling, batch_size=batch_size, warn=False)
-            yield pd.DataFrame([g.record() for g in gens], columns=OUTPUT_COLUMNS)
+        for rb in batches:
+            prompts = rb.column(prompt_col).to_pylist()
+            ids = rb.column(id_col).to_pylist() if id_col else [None] * rb.num_rows
+            todo = [i for i, p in enumerate(prompts) if p is not None and p.strip()]
+            gens = generate(lm, [prompts[i] for i in todo], keys=[row_key(ids[i], prompts[i]) for i in todo],
+                            sampling=sampling, batch_size=batch_size, warn=False) if todo else []
+            done = {(todo[j // samples], g.sample): g for j, g in enumerate(gens)}
+            out = [(i, s, done.get((i, s))) for i in range(rb.num_rows) for s in range(samples)]
+            table = rb.take(pa.array([i for i, _, _ in out], pa.int64()))
+            extra = {"sample": pa.array([s for _, s, _ in out], pa.int32()),
+                     output_col: pa.array([g.text if g else None for *_, g in out], pa.string()),
+                     "prompt_tokens": pa.array([g.prompt_tokens if g else 0 for *_, g in out], pa.int32()),
+                     "new_tokens": pa.array([len(g.token_ids) if g else 0 for *_, g in out], pa.int32()),
+                     "truncated": pa.array([g.truncated if g else False for *_, g in out], pa.bool_())}
+            yield pa.RecordBatch.from_arrays([*table.columns, *extra.values()], [*table.schema.names, *extra])
 
-    prompts = df.select(F.col(id_col).cast("long").alias("id"), F.col(prompt_col).cast("string").alias("prompt"))
-    return prompts.mapInPandas(run, OUTPUT_SCHEMA)
+    return df.mapInArrow(run, T.StructType([*df.schema.fields, *added]))
 
 
 def read_prompts(path: str, *, field: str = "prompt") -> list[tuple[int, str]]:

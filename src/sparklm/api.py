@@ -1,0 +1,173 @@
+"""The Python API a notebook uses: keyword-only functions over paths, DataFrames and tables, run in the caller's
+Spark session (the active one, or ``spark=``), which they leave running.
+
+Each function wraps the one the command line calls; nothing here trains, reads or generates by itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import Config, from_dict, load_config, load_raw, merge
+from .errors import SparklmError
+
+# A table name as Spark SQL writes one: table, db.table or catalog.db.table (backquotes not needed).
+_TABLE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*){0,2}")
+
+
+def settings_of(config: Config | dict | str | Path | None, settings: dict[str, Any] | None = None) -> Config:
+    """A :class:`Config` from a Config, nested settings (as in TOML), a TOML file's path or None (the defaults),
+    with ``settings`` (dotted keys, ``{"train.max_steps": 100}``) on top; unknown keys are one line."""
+    if isinstance(config, Config):
+        base = config
+    elif config is None:
+        base = Config()
+    elif isinstance(config, dict):
+        base = from_dict(config)
+    elif isinstance(config, (str, Path)):
+        base = load_config(config)
+    else:
+        raise SparklmError(f"config= is a {type(config).__name__}",
+                           hint="pass a sparklm.Config, a dict of sections, or a TOML file's path")
+    return merge(base, load_raw(None, (), settings)) if settings else base
+
+
+def _session(config: Config, spark):
+    from .spark import get_session
+
+    return get_session(config.spark, spark=spark)
+
+
+def _source(source, config: Config, spark, role: str):
+    """(what prepare reads, how the manifest names it): a DataFrame, a table's DataFrame, or a list of paths."""
+    from .data.prepare import is_dataframe
+
+    if is_dataframe(source):
+        return source, None
+    if isinstance(source, (str, Path)):
+        source = [str(source)]
+    if not isinstance(source, (list, tuple)) or not all(isinstance(s, (str, Path)) for s in source):
+        raise SparklmError(f"the {role} is a {type(source).__name__}",
+                           hint="pass paths (a str or a list of them), a Spark DataFrame or a table name")
+    paths = [str(s) for s in source]
+    if len(paths) == 1 and _TABLE.fullmatch(paths[0]) and not os.path.exists(paths[0]):
+        spark = _session(config, spark)
+        if spark.catalog.tableExists(paths[0]):
+            return spark.table(paths[0]), f"table {paths[0]}"
+        raise SparklmError(f"{paths[0]} is neither a file nor a table", hint="check the path, or the table's "
+                           "name among spark.catalog.listTables() (db.table for another database)")
+    return paths, None
+
+
+def prepare(source, *, output: str, text_col: str | None = None, validation=None,
+            config: Config | dict | str | None = None, settings: dict[str, Any] | None = None,
+            overwrite: bool = False, spark=None):
+    """Raw text → a tokenized, packed dataset at ``output`` (local or on an object store); returns it.
+
+    ``source`` is paths (files, directories, globs), a Spark DataFrame (a row per document, in ``text_col``,
+    default ``text``) or a table name (``spark.table``); ``validation`` likewise, else documents are split by hash.
+    A DataFrame's text is read by the executors, never collected to the driver.
+    """
+    from .data.prepare import is_dataframe
+    from .data.prepare import prepare as run
+
+    config = settings_of(config, {**(settings or {}), **({"data.text_field": text_col} if text_col else {})})
+    inputs, described = _source(source, config, spark, "source")
+    held_out, _ = _source(validation, config, spark, "validation") if validation is not None else ((), None)
+    if is_dataframe(inputs) != is_dataframe(held_out) and validation is not None:
+        raise SparklmError("the source and the validation input are of different kinds",
+                           hint="pass DataFrames (or table names) for both, or paths for both")
+    return run(inputs, output=output, config=config, validation_inputs=held_out, overwrite=overwrite,
+               spark=spark, described=described)
+
+
+@dataclass
+class FitResult:
+    """What :func:`fit` leaves: the run directory, its summary, and the trained model, loaded on first use."""
+
+    run_dir: str
+    summary: dict[str, Any]
+    _loaded: Any = dataclasses.field(default=None, repr=False)
+
+    @property
+    def model(self):
+        """The kept model (``model/`` of the run) as a loaded handle: ``.model`` (a transformers model),
+        ``.tokenizer``, ``.context``."""
+        if self._loaded is None:
+            from .infer.generate import load
+
+            self._loaded = load(self.run_dir)
+        return self._loaded
+
+    def generate(self, prompts: str | list[str], **sampling: Any) -> str | list[str]:
+        """:func:`generate` with this run's model, kept loaded between calls."""
+        return _generate(self.model, prompts, sampling)
+
+
+def fit(*, data, output: str, config: Config | dict | str | None = None, settings: dict[str, Any] | None = None,
+        resume: bool = False, spark=None) -> FitResult:
+    """Train on a prepared dataset (its path, or what :func:`prepare` returned) into the run directory ``output``,
+    as ``sparklm train`` does; ``resume`` continues the run there from its last checkpoint."""
+    from .data.manifest import PreparedDataset
+    from .train.run import train
+
+    config = settings_of(config, settings)
+    path = data.uri if isinstance(data, PreparedDataset) else data
+    if path is not None and not isinstance(path, (str, Path)):
+        raise SparklmError(f"data= is a {type(data).__name__}",
+                           hint="pass a prepared dataset's path or what sparklm.prepare returned")
+    summary = train(None if path is None else str(path), output=output, config=config, resume=resume, spark=spark,
+                    changes=settings and load_raw(None, (), settings))
+    return FitResult(output, summary)
+
+
+def _generate(lm, prompts: str | list[str], sampling: dict[str, Any]) -> str | list[str]:
+    from .infer.generate import generate as run
+    from .infer.sampling import Sampling
+
+    try:
+        chosen = Sampling(**sampling)
+    except TypeError as e:
+        names = ", ".join(f.name for f in dataclasses.fields(Sampling))
+        raise SparklmError(f"generate: {e}", hint=f"sampling settings are: {names}") from None
+    one = isinstance(prompts, str)
+    texts = [g.text for g in run(lm, [prompts] if one else list(prompts), sampling=chosen, warn=False)]
+    return texts[0] if one and chosen.num_samples == 1 else texts
+
+
+def generate(model: str, prompts: str | list[str], **sampling: Any) -> str | list[str]:
+    """Continuations of ``prompts`` by ``model`` (a run directory, an HF model directory, a GGUF file) in this
+    process; ``sampling`` as ``sparklm generate``'s flags (``max_new_tokens``, ``temperature``, ``top_k``,
+    ``top_p``, ``min_p``, ``repetition_penalty``, ``num_samples``, ``seed``). For a DataFrame of prompts, on
+    Spark, use :func:`generate_dataframe`."""
+    from .infer.generate import load
+
+    return _generate(load(str(model)), prompts, sampling)
+
+
+def evaluate(model: str, source, *, max_length: int = 0, stride: int = 0, batch_size: int = 8,
+             config: Config | dict | str | None = None, settings: dict[str, Any] | None = None, spark=None) -> dict:
+    """Loss, perplexity, bits per byte and accuracy of ``model`` on text files (paths, as ``sparklm eval``), on
+    Spark: each document scored with a sliding window."""
+    from .infer.evaluate import evaluate as run
+
+    config = settings_of(config, settings)
+    inputs, _ = _source(source, config, spark, "source")
+    if not isinstance(inputs, list):
+        raise SparklmError("evaluate reads text files", hint="write the DataFrame's text out, or pass paths")
+    return run(str(model), inputs, config=config, max_length=max_length, stride=stride, batch_size=batch_size,
+               spark=spark)
+
+
+def export(model: str, *, output: str, quantize: str = "none", merge_adapter: bool = False,
+           overwrite: bool = False) -> dict:
+    """``model`` as ONNX (with its tokenizer) in the directory ``output``, as ``sparklm export``; ``quantize``
+    none, int8 or int4; ``merge_adapter`` also writes a LoRA run's merged model as an HF directory."""
+    from .infer.export import export as run
+
+    return run(str(model), output, quantize=quantize, overwrite=overwrite, merge=merge_adapter)

@@ -1,0 +1,143 @@
+"""The Python API a notebook uses: prepare from a DataFrame or a table equals prepare from files of the same text,
+mistakes are one line, and the top-level functions run in a fresh interpreter on the user's own session."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import MULTILINGUAL, make_text
+from sparklm.config import from_dict
+from sparklm.errors import SparklmError
+
+SMALL = {"data": {"seq_len": 32, "val_fraction": 0.2}, "tokenizer": {"vocab_size": 300}}
+
+
+def documents(n: int = 60) -> list[str]:
+    # repeated documents (deduplicated), blank ones (dropped) and every script of MULTILINGUAL
+    texts = make_text(n, seed=5).split("\n\n")
+    return [*texts, texts[3], "   ", *MULTILINGUAL]
+
+
+def sequences(ds, split: str) -> list[list[int]]:
+    return [r["input_ids"] for f in ds.files(split) for r in pq.read_table(f).to_pylist()]
+
+
+def figures(ds) -> dict:
+    """The manifest's counts: documents read, dropped by reason, and per split documents, bytes and tokens."""
+    m = ds.manifest
+    return {"input": m["input"], "splits": {s: {k: v for k, v in e.items() if k != "files"}
+                                            for s, e in m["splits"].items()}}
+
+
+def test_a_dataframe_or_a_table_prepares_as_the_same_text_in_files(spark, tmp_path):
+    import sparklm
+
+    docs = documents()
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"body": t}, ensure_ascii=False) + "\n" for t in docs), encoding="utf-8")
+    df = spark.createDataFrame([(t, i) for i, t in enumerate(docs)], "body string, n long").coalesce(1)
+
+    # one partition each way, documents in the same order: the same packed sequences, tokenizer and figures
+    from_files = sparklm.prepare(str(jsonl), output=str(tmp_path / "files"), text_col="body", config=SMALL,
+                                 spark=spark)
+    from_frame = sparklm.prepare(df, output=str(tmp_path / "frame"), text_col="body", config=SMALL)
+    for split in ("train", "validation"):
+        assert sequences(from_frame, split) == sequences(from_files, split) != []
+    assert (tmp_path / "frame" / "tokenizer.json").read_bytes() == (tmp_path / "files" / "tokenizer.json").read_bytes()
+    assert figures(from_frame) == figures(from_files)
+    assert from_frame.manifest["inputs"] == ["dataframe"]
+
+    # any partitioning, one document per sequence: the same set of sequences (the split is by content)
+    one_each = {"data": {**SMALL["data"], "concat": False}, "tokenizer": {"vocab_size": 300}}
+    a = sparklm.prepare(str(jsonl), output=str(tmp_path / "f2"), text_col="body", config=one_each, spark=spark)
+    df.repartition(3).createOrReplaceTempView("docs")
+    b = sparklm.prepare("docs", output=str(tmp_path / "t2"), text_col="body", config=one_each, spark=spark)
+    for split in ("train", "validation"):
+        assert sorted(sequences(b, split)) == sorted(sequences(a, split))
+    assert b.manifest["inputs"] == ["table docs"]
+
+    # an explicit validation DataFrame: its rows are the validation split, none of them in train
+    held = spark.createDataFrame([(t,) for t in MULTILINGUAL[:4]], "body string")
+    c = sparklm.prepare(df, validation=held, output=str(tmp_path / "v"), text_col="body", config=SMALL)
+    assert c.manifest["splits"]["validation"]["documents"] == 4  # kept there, though train holds them too
+
+
+def test_dataframe_mistakes_are_one_line_and_write_nothing(spark, tmp_path):
+    import sparklm
+
+    df = spark.createDataFrame([("some text here", 1)], "text string, n long")
+    cases = [
+        (df, {"text_col": "body"}, "the DataFrame has no column 'body' (columns: text, n)"),
+        (df.limit(0), {}, "no training documents left after cleaning"),
+        (spark.createDataFrame([(None,), ("   ",)], "text string"), {}, "no training documents left after cleaning"),
+        (df, {"validation": [str(tmp_path)]}, "of different kinds"),
+        (42, {}, "the source is a int"),
+        ("no_such_table_or_file", {}, "no_such_table_or_file is neither a file nor a table"),
+        (str(tmp_path / "missing" / "*.txt"), {}, "no files match"),
+        (df, {"settings": {"data.nope": 1}}, "unknown config key 'data.nope'"),
+    ]
+    for i, (source, kwargs, message) in enumerate(cases):
+        out = tmp_path / f"out{i}"
+        with pytest.raises(SparklmError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            sparklm.prepare(source, output=str(out), config=SMALL, spark=spark, **kwargs)
+        assert not out.exists(), message
+
+
+def test_a_model_fitted_from_python_on_the_users_session(tmp_path):
+    """A fresh interpreter, as a notebook: `import sparklm` loads neither torch nor pyspark; the user's own session
+    prepares a DataFrame, fits, generates (in process and over a DataFrame of prompts, keeping its columns), and is
+    still running afterwards, with its log level as it was."""
+    script = tmp_path / "notebook.py"
+    script.write_text(f"""
+import json, sys
+import sparklm
+assert "torch" not in sys.modules and "pyspark" not in sys.modules, "import sparklm is heavy"
+from pyspark.sql import SparkSession
+spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
+spark.sparkContext.setLogLevel("ERROR")
+texts = {make_text(80, seed=9).split(chr(10) * 2)!r}
+df = spark.createDataFrame([(t, i) for i, t in enumerate(texts)], "body string, n long")
+ds = sparklm.prepare(df, output={str(tmp_path / "data")!r}, text_col="body", config={SMALL!r})
+result = sparklm.fit(data=ds, output={str(tmp_path / "run")!r},
+                     settings={{"model.n_layer": 1, "model.n_head": 2, "model.n_embd": 32, "train.max_steps": 2,
+                               "train.batch_size": 4, "train.samples": 0, "train.dtype": "float32"}})
+text = result.generate("The", max_new_tokens=4, temperature=0)
+assert text == sparklm.generate(result.run_dir, "The", max_new_tokens=4, temperature=0)
+prompts = spark.createDataFrame([("a", "The"), ("b", "Москва")], "tag string, prompt string")
+rows = sparklm.generate_dataframe(prompts, model=result.run_dir,
+                                  sampling=sparklm.Sampling(temperature=0, max_new_tokens=4)).collect()
+assert sorted(r.tag for r in rows) == ["a", "b"] and [r.generated for r in rows if r.tag == "a"] == [text]
+assert spark.range(3).count() == 3  # the session is still the user's, running
+print(json.dumps({{"steps": result.summary["steps"], "text": text,
+                   "level": spark.sparkContext._jvm.org.apache.logging.log4j.LogManager.getRootLogger().getLevel()
+                   .toString()}}))
+""")
+    # the project's environment activated, as a notebook kernel's is: Spark's Python workers run its python3
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PATH": path})
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["steps"] == 2 and out["level"] == "ERROR"
+
+
+def test_settings_of_takes_a_config_a_dict_a_file_or_nothing(tmp_path):
+    from sparklm.api import settings_of
+
+    toml = tmp_path / "c.toml"
+    toml.write_text("[train]\nmax_steps = 7\n")
+    assert settings_of(None).train.max_steps == from_dict({}).train.max_steps
+    assert settings_of(str(toml)).train.max_steps == 7
+    assert settings_of({"train": {"max_steps": 5}}, {"train.lr": 0.01}).train.lr == 0.01
+    assert settings_of(from_dict({"train": {"max_steps": 3}})).train.max_steps == 3
+    with pytest.raises(SparklmError, match="unknown config key 'train.nope'"):
+        settings_of(None, {"train.nope": 1})
+    with pytest.raises(SparklmError, match="config= is a int"):
+        settings_of(3)
