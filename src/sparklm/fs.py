@@ -378,10 +378,10 @@ def expand(uri: str, storage: StorageConfig | None = None) -> list[pafs.FileInfo
     except (OSError, ValueError) as e:
         raise SparklmError(f"cannot list {uri}: {_short(e)}", hint=storage_hint(uri)) from None
     if any("_delta_log" in _relative_parts(i.path, root) for i in found):
-        raise SparklmError(f"{uri} is a Delta table (it has a _delta_log/): its directory also holds files that "
-                           "later versions deleted, so sparklm does not read it as plain files",
-                           hint="export the table's current version to Parquet (e.g. DataFrame.write.parquet) and "
-                                "prepare that")
+        raise SparklmError(f"{uri} holds a Delta table (a _delta_log/ below it): its directory also holds files "
+                           "that later versions deleted, so sparklm does not read it as plain files",
+                           hint="pass the table's own directory (the one holding _delta_log/): sparklm reads its "
+                                "current version")
     return sorted((i for i in found if not _hidden(_relative_parts(i.path, root))), key=lambda i: i.path)
 
 

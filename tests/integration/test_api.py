@@ -19,9 +19,9 @@ from sparklm.errors import SparklmError
 SMALL = {"data": {"seq_len": 32, "val_fraction": 0.2}, "tokenizer": {"vocab_size": 300}}
 
 
-def documents(n: int = 60) -> list[str]:
+def documents(n: int = 60, seed: int = 5) -> list[str]:
     # repeated documents (deduplicated), blank ones (dropped) and every script of MULTILINGUAL
-    texts = make_text(n, seed=5).split("\n\n")
+    texts = make_text(n, seed=seed).split("\n\n")
     return [*texts, texts[3], "   ", *MULTILINGUAL]
 
 
@@ -67,6 +67,30 @@ def test_a_dataframe_or_a_table_prepares_as_the_same_text_in_files(spark, tmp_pa
     held = spark.createDataFrame([(t,) for t in MULTILINGUAL[:4]], "body string")
     c = sparklm.prepare(df, validation=held, output=str(tmp_path / "v"), text_col="body", config=SMALL)
     assert c.manifest["splits"]["validation"]["documents"] == 4  # kept there, though train holds them too
+
+
+def test_a_delta_tables_current_version_is_prepared(spark, tmp_path):
+    """Read through the deltalake package (no jars): the current version's files only, not those an overwrite
+    removed, whose files stay in the directory; the same as a Parquet file of that version's rows."""
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    import sparklm
+
+    table = tmp_path / "table"
+    write_deltalake(str(table), pa.table({"text": documents(40, seed=1)}))
+    current = documents(50, seed=2)
+    write_deltalake(str(table), pa.table({"text": current}), mode="overwrite")
+    assert len(list(table.glob("*.parquet"))) == 2  # version 0's file is still there
+    pq.write_table(pa.table({"text": current}), tmp_path / "current.parquet")
+    ds = sparklm.prepare(str(table), output=str(tmp_path / "from-delta"), config=SMALL, spark=spark)
+    ref = sparklm.prepare(str(tmp_path / "current.parquet"), output=str(tmp_path / "ref"), config=SMALL, spark=spark)
+    for split in ("train", "validation"):
+        assert sequences(ds, split) == sequences(ref, split) != []
+    assert figures(ds) == figures(ref)
+    # a directory above the table is not read as plain files
+    with pytest.raises(SparklmError, match="holds a Delta table"):
+        sparklm.prepare(str(tmp_path), output=str(tmp_path / "no"), config=SMALL, spark=spark)
 
 
 def test_dataframe_mistakes_are_one_line_and_write_nothing(spark, tmp_path):
@@ -141,3 +165,42 @@ def test_settings_of_takes_a_config_a_dict_a_file_or_nothing(tmp_path):
         settings_of(None, {"train.nope": 1})
     with pytest.raises(SparklmError, match="config= is a int"):
         settings_of(3)
+
+
+TINY_LM = {"model.n_layer": 1, "model.n_head": 2, "model.n_embd": 32, "train.max_steps": 2, "train.batch_size": 4,
+           "train.samples": 0, "train.dtype": "float32", "train.threads": 1, "data.seq_len": 32,
+           "tokenizer.vocab_size": 300}
+
+
+def test_a_pipeline_fits_saves_loads_and_transforms(spark, tmp_path):
+    import shutil
+
+    from pyspark.ml import Pipeline, PipelineModel
+
+    from sparklm.ml import CausalLM, CausalLMModel
+
+    docs = spark.createDataFrame([(t,) for t in documents()], "body string")
+    work = tmp_path / "work"
+    lm = CausalLM(textCol="body", workDir=str(work), settings=TINY_LM, sampling={"temperature": 0, "max_new_tokens": 4})
+    model = Pipeline(stages=[lm]).fit(docs)
+    (fitted,) = model.stages
+    assert isinstance(fitted, CausalLMModel) and fitted.getOrDefault("sampling")["max_new_tokens"] == 4
+    assert len(list(work.glob("data-*"))) == 1 and len(list(work.glob("run-*"))) == 1
+    prompts = spark.createDataFrame([("a", "The"), ("b", "Москва")], "tag string, prompt string")
+    first = model.transform(prompts)
+    assert first.columns == ["tag", "prompt", "sample", "generated", "prompt_tokens", "new_tokens", "truncated"]
+    before = sorted((r.tag, r.generated) for r in first.collect())
+
+    # saved with a copy of its model: it loads and transforms the same once the run directory is gone
+    model.write().save(str(tmp_path / "saved"))
+    lm.write().save(str(tmp_path / "estimator"))
+    shutil.rmtree(work)
+    after = sorted((r.tag, r.generated) for r in PipelineModel.load(str(tmp_path / "saved")).transform(prompts).collect())
+    assert after == before and all(text is not None for _, text in after)
+    again = CausalLM.load(str(tmp_path / "estimator"))
+    assert again.getOrDefault("settings") == TINY_LM and again.getOrDefault("textCol") == "body"
+
+    with pytest.raises(SparklmError, match="CausalLM needs workDir="):
+        CausalLM(textCol="body").fit(docs)
+    with pytest.raises(SparklmError, match="has no column 'body'"):
+        CausalLM(textCol="body", workDir=str(work)).fit(prompts)

@@ -68,11 +68,7 @@ def plan_units(inputs: list[str], *, group: str, data: DataConfig, storage: Stor
     units = []
     chunk = data.split_mb * 1024 * 1024
     for uri in inputs:
-        infos = expand(uri, storage)
-        if not infos:
-            raise SparklmError(f"no files match {uri}", hint="check the path or glob")
-        for info in infos:
-            file_uri = uri_like(uri, info.path)
+        for file_uri, info in _files(uri, storage):
             fmt, compression = detect_format(info.path)
             if data.format != "text" and fmt == "text":
                 raise SparklmError(f"{file_uri} is plain text, and --format {data.format} reads records",
@@ -84,6 +80,29 @@ def plan_units(inputs: list[str], *, group: str, data: DataConfig, storage: Stor
             else:
                 units.append(ReadUnit(file_uri, fmt, compression, 0, -1, group, info.size))
     return units
+
+
+def _files(uri: str, storage: StorageConfig) -> list[tuple[str, pa.fs.FileInfo]]:
+    """(file URI, its info) for each file behind one input: a file, a directory's files, a glob's matches, or the
+    Parquet files of a Delta table's current version."""
+    from . import delta
+
+    if delta.is_table(uri, storage):
+        from .. import progress
+
+        version, uris = delta.current_files(uri, storage)
+        progress.info(f"{uri}: Delta table, version {version} ({len(uris)} files)")
+        out = []
+        for file_uri in uris:
+            fs, path = resolve(file_uri, storage)
+            out.append((file_uri, fs.get_file_info(path)))
+        if not out:
+            raise SparklmError(f"the Delta table {uri} holds no files in its current version {version}")
+        return out
+    infos = expand(uri, storage)
+    if not infos:
+        raise SparklmError(f"no files match {uri}", hint="check the path or glob")
+    return [(uri_like(uri, info.path), info) for info in infos]
 
 
 # -- executor side ---------------------------------------------------------------------------
