@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import progress
 from .config import Config, from_dict, load_config, load_raw, merge
 from .errors import SparklmError
 
@@ -35,6 +36,20 @@ def settings_of(config: Config | dict | str | Path | None, settings: dict[str, A
         raise SparklmError(f"config= is a {type(config).__name__}",
                            hint="pass a sparklm.Config, a dict of sections, or a TOML file's path")
     return merge(base, load_raw(None, (), settings)) if settings else base
+
+
+def _running(spark, *frames):
+    """The session a call runs in, if one runs already: ``spark``, a DataFrame's, or the active one."""
+    from .data.prepare import is_dataframe
+
+    if spark is not None:
+        return spark
+    for frame in frames:
+        if is_dataframe(frame):
+            return frame.sparkSession
+    from pyspark.sql import SparkSession
+
+    return SparkSession.getActiveSession()
 
 
 def _session(config: Config, spark):
@@ -82,8 +97,9 @@ def prepare(source, *, output: str, text_col: str | None = None, validation=None
     if is_dataframe(inputs) != is_dataframe(held_out) and validation is not None:
         raise SparklmError("the source and the validation input are of different kinds",
                            hint="pass DataFrames (or table names) for both, or paths for both")
-    return run(inputs, output=output, config=config, validation_inputs=held_out, overwrite=overwrite,
-               spark=spark, described=described)
+    with progress.spark_bar_paused(_running(spark, inputs)):
+        return run(inputs, output=output, config=config, validation_inputs=held_out, overwrite=overwrite,
+                   spark=spark, described=described)
 
 
 @dataclass
@@ -121,8 +137,9 @@ def fit(*, data, output: str, config: Config | dict | str | None = None, setting
     if path is not None and not isinstance(path, (str, Path)):
         raise SparklmError(f"data= is a {type(data).__name__}",
                            hint="pass a prepared dataset's path or what sparklm.prepare returned")
-    summary = train(None if path is None else str(path), output=output, config=config, resume=resume, spark=spark,
-                    changes=settings and load_raw(None, (), settings))
+    with progress.spark_bar_paused(_running(spark)):
+        summary = train(None if path is None else str(path), output=output, config=config, resume=resume,
+                        spark=spark, changes=settings and load_raw(None, (), settings))
     return FitResult(output, summary)
 
 
@@ -160,8 +177,9 @@ def evaluate(model: str, source, *, max_length: int = 0, stride: int = 0, batch_
     inputs, _ = _source(source, config, spark, "source")
     if not isinstance(inputs, list):
         raise SparklmError("evaluate reads text files", hint="write the DataFrame's text out, or pass paths")
-    return run(str(model), inputs, config=config, max_length=max_length, stride=stride, batch_size=batch_size,
-               spark=spark)
+    with progress.spark_bar_paused(_running(spark)):
+        return run(str(model), inputs, config=config, max_length=max_length, stride=stride, batch_size=batch_size,
+                   spark=spark)
 
 
 def export(model: str, *, output: str, quantize: str = "none", merge_adapter: bool = False,

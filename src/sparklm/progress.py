@@ -65,6 +65,49 @@ def stage(spark, name: str, *, quiet: bool = False):
         _print(f"[green]✓[/green] {name} [dim]{time.monotonic() - start:.1f}s[/dim]")
 
 
+@contextmanager
+def spark_bar_paused(spark):
+    """Keep Spark's own console progress bar from drawing over sparklm's lines while the block runs.
+
+    A caller's session may draw one (``spark.ui.showConsoleProgress``, as the pyspark shell does). Its
+    ``ConsoleProgressBar.finishAll()`` clears the bar and holds it back for its first delay (500 ms), and Spark itself
+    calls it after every job; calling it every 200 ms suspends the bar. Nothing is changed: the caller's jobs
+    afterwards draw it again."""
+    bar = _console_bar(spark)
+    if bar is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def hold_back() -> None:
+        while True:
+            try:
+                bar.finishAll()
+            except Exception:  # the JVM is gone: nothing left to hold back
+                return
+            if stop.wait(0.2):
+                return
+
+    thread = threading.Thread(target=hold_back, name="sparklm-spark-bar", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=2)
+
+
+def _console_bar(spark):
+    """The JVM's ConsoleProgressBar of ``spark``'s context, or None (no session, or the bar is off)."""
+    if spark is None:
+        return None
+    try:
+        option = spark.sparkContext._jsc.sc().progressBar()  # Option[ConsoleProgressBar]
+        return option.get() if option.isDefined() else None
+    except Exception:  # Spark Connect or a context without the method: no bar to hold back
+        return None
+
+
 def _tasks(sc) -> str:
     if sc is None:
         return ""

@@ -124,16 +124,28 @@ import json, sys
 import sparklm
 assert "torch" not in sys.modules and "pyspark" not in sys.modules, "import sparklm is heavy"
 from pyspark.sql import SparkSession
-spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
+spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
+         .config("spark.ui.showConsoleProgress", "true").getOrCreate())  # the pyspark shell's console bar
 spark.sparkContext.setLogLevel("ERROR")
+from pyspark.sql import functions as F
+slowly = F.udf(lambda t: (__import__("time").sleep(0.03), t)[1], "string")  # stages that last over 500 ms
 texts = {make_text(80, seed=9).split(chr(10) * 2)!r}
-df = spark.createDataFrame([(t, i) for i, t in enumerate(texts)], "body string, n long")
+df = spark.createDataFrame([(t, i) for i, t in enumerate(texts)], "body string, n long").repartition(2)
+df = df.withColumn("body", slowly("body"))
+def mark(word):
+    print(word, file=sys.stderr, flush=True)
+def own_job():  # the user's own job, over 500 ms: Spark draws its bar
+    df.agg(F.sum(F.length("body"))).collect()
+own_job()
+mark("<<sparklm>>")
 ds = sparklm.prepare(df, output={str(tmp_path / "data")!r}, text_col="body", config={SMALL!r})
 result = sparklm.fit(data=ds, output={str(tmp_path / "run")!r},
                      settings={{"model.n_layer": 1, "model.n_head": 2, "model.n_embd": 32, "train.max_steps": 2,
                                "train.batch_size": 4, "train.samples": 0, "train.dtype": "float32"}})
 text = result.generate("The", max_new_tokens=4, temperature=0)
 assert text == sparklm.generate(result.run_dir, "The", max_new_tokens=4, temperature=0)
+mark("<</sparklm>>")
+own_job()  # the bar is the user's again
 prompts = spark.createDataFrame([("a", "The"), ("b", "Москва")], "tag string, prompt string")
 rows = sparklm.generate_dataframe(prompts, model=result.run_dir,
                                   sampling=sparklm.Sampling(temperature=0, max_new_tokens=4)).collect()
@@ -150,6 +162,11 @@ print(json.dumps({{"steps": result.summary["steps"], "text": text,
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["steps"] == 2 and out["level"] == "ERROR"
+    before, rest = r.stderr.split("<<sparklm>>")
+    during, after = rest.split("<</sparklm>>")
+    assert "[Stage " in before and "[Stage " in after, r.stderr[-2000:]  # the user's bar, left on
+    assert "[Stage " not in during, during[-2000:]  # held back while sparklm reports
+    assert "read + clean + deduplicate the DataFrame" in during
 
 
 def test_settings_of_takes_a_config_a_dict_a_file_or_nothing(tmp_path):
