@@ -182,10 +182,16 @@ def evaluate(model: str, source, *, max_length: int = 0, stride: int = 0, batch_
                    spark=spark)
 
 
-def export(model: str, *, output: str, quantize: str = "none", merge_adapter: bool = False,
+def export(model: str, *, output: str, format: str = "onnx", quantize: str = "none", merge_adapter: bool = False,
            overwrite: bool = False) -> dict:
-    """``model`` as ONNX (with its tokenizer) in the directory ``output``, as ``sparklm export``; ``quantize``
-    none, int8 or int4; ``merge_adapter`` also writes a LoRA run's merged model as an HF directory."""
+    """``model`` in the directory ``output``, as ``sparklm export``: ``format="onnx"`` a graph with its tokenizer
+    (``quantize`` none, int8 or int4; ``merge_adapter`` also writes a LoRA run's merged model as an HF directory),
+    ``format="hub"`` the files of a Hugging Face Hub repository (``merge_adapter``: a LoRA run merged)."""
     from .infer.export import export as run
+    from .infer.export import export_hub
 
+    if format == "hub":
+        return export_hub(str(model), output, overwrite=overwrite, merge=merge_adapter)
+    if format != "onnx":
+        raise SparklmError(f"export format {format!r}: use 'onnx' or 'hub'")
     return run(str(model), output, quantize=quantize, overwrite=overwrite, merge=merge_adapter)

@@ -127,10 +127,11 @@ def _add_inference(sub) -> None:
     e.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     _common(e)
 
-    x = sub.add_parser("export", help="export a model to ONNX (optionally int8 / int4 quantized)",
-                       description="Export a model to an ONNX graph (input ids, attention mask -> logits).")
+    x = sub.add_parser("export", help="export a model to ONNX (optionally int8 / int4 quantized) or for the Hub",
+                       description="Export a model to an ONNX graph (input ids, attention mask -> logits), or with "
+                                   "--format hub as the files of a Hugging Face Hub repository (upload_folder).")
     x.add_argument("model", metavar="MODEL", help="a sparklm run directory or an HF model directory")
-    x.add_argument("--format", choices=["onnx"], default="onnx")
+    x.add_argument("--format", choices=["onnx", "hub"], default="onnx")
     x.add_argument("--output", "-o", required=True, metavar="DIR")
     x.add_argument("--quantize", choices=["none", "int8", "int4"], default="none")
     x.add_argument("--merge", action="store_true",
@@ -404,6 +405,16 @@ def _export(args: argparse.Namespace) -> int:
     from .infer.export import export
 
     config, _ = _config(args)
+    if args.format == "hub":
+        from .infer.export import export_hub
+
+        if args.quantize != "none":
+            raise SparklmError("--quantize applies to --format onnx", hint="drop --quantize for --format hub")
+        info = export_hub(args.model, args.output, overwrite=args.overwrite, merge=args.merge,
+                          storage=effective(config.storage))
+        progress.info(f"Hub repository files: {', '.join(f for f in info['files'])}")
+        progress.plain(info["path"])
+        return 0
     info = export(args.model, args.output, quantize=args.quantize, overwrite=args.overwrite, merge=args.merge,
                   storage=effective(config.storage))
     progress.info(f"ONNX graph ({args.quantize}): {info['bytes'] / 1e6:.1f} MB"

@@ -176,6 +176,14 @@ def test_merged_export_equals_base_plus_adapter(spark, bases, tmp_path):
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model_dir)), str(run / "model")).eval()
     ids = [9, 8, 7, 6, 5]
     torch.testing.assert_close(logits(merged, ids), logits(peft_model, ids), rtol=1e-4, atol=1e-5)
+    # the adapter's card names its base; for the Hub, the merged model with the card made a transformers one
+    card = (run / "model" / "README.md").read_text()
+    assert "library_name: peft" in card and f"base_model: {model_dir}" in card
+    assert main(["export", str(run), "--format", "hub", "--merge", "--output", str(tmp_path / "hub")]) == 0
+    hub = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hub")).eval()
+    assert "library_name: transformers" in (tmp_path / "hub" / "README.md").read_text()
+    assert not (tmp_path / "hub" / "adapter_config.json").exists()
+    torch.testing.assert_close(logits(hub, ids), logits(merged, ids), rtol=0, atol=0)
 
 
 def test_bad_pretrained_models_are_one_line(spark, bases, tmp_path):

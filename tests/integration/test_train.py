@@ -38,6 +38,38 @@ def test_loss_falls_and_the_run_directory_is_complete(spark, dataset, tmp_path):
     with torch.no_grad():
         assert torch.equal(model(x).logits, ref(x).logits)
 
+    # a directory as the Hub's: the context as the tokenizer's limit, a class every transformers loads, sparklm's
+    # sampling in generation_config.json, a model card; pipeline's greedy text is `sparklm generate --temperature 0`'s
+    from transformers import pipeline
+
+    import sparklm
+    from sparklm.infer.generate import generate, load
+    from sparklm.infer.sampling import Sampling
+
+    assert tok.model_max_length == model.config.max_position_embeddings
+    assert json.loads((run / "model" / "tokenizer_config.json").read_text())["tokenizer_class"] == \
+        "PreTrainedTokenizerFast"
+    gc = model.generation_config
+    assert (gc.do_sample, gc.temperature, gc.top_k, gc.min_p) == (True, 0.8, 50, 0.1)
+    card = (run / "model" / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers\npipeline_tag: text-generation")
+    assert "| steps | 60 |" in card and "validation bits per byte" in card and "## How to load" in card
+    generator = pipeline("text-generation", model=model, tokenizer=tok)
+    ours = load(str(run))
+    for prompt in ("Москва", "The quick"):
+        theirs = generator(prompt, max_new_tokens=8, do_sample=False, return_full_text=False)[0]["generated_text"]
+        assert theirs == generate(ours, [prompt], sampling=Sampling(temperature=0, max_new_tokens=8))[0].text
+
+    # `export --format hub`: the files huggingface_hub uploads as they are, without sparklm's checksums
+    hub = sparklm.export(str(run), output=str(tmp_path / "hub"), format="hub")
+    assert {"README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= set(hub["files"]) and "sparklm_checksums.json" not in hub["files"]
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "hub").eval()
+    with torch.no_grad():
+        assert torch.equal(again(x).logits, model(x).logits)
+    with pytest.raises(SparklmError, match="already exists"):
+        sparklm.export(str(run), output=str(tmp_path / "hub"), format="hub")
+
 
 def test_a_short_time_budget_trains_a_smaller_model_and_says_so(spark, dataset, tmp_path, capsys):
     import dataclasses

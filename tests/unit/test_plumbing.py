@@ -341,3 +341,24 @@ def test_last_words_are_the_last_line_while_other_threads_print():
     lines = r.stderr.splitlines()
     assert r.returncode == 130 and lines[-1] == "interrupted", lines[-5:]
     assert len(lines) > 2 and lines[0] == "step 0"
+
+
+def test_model_card_front_matter_and_the_base_models_licence(tmp_path):
+    from sparklm.model.card import base_license, model_card
+
+    base = tmp_path / "base"
+    base.mkdir()
+    assert base_license(str(base)) is None  # no card: no licence guessed
+    (base / "README.md").write_text("---\nlanguage: en\nlicense: apache-2.0\n---\n# Base\nlicense: not-this-one\n")
+    assert base_license(str(base)) == "apache-2.0"
+    summary = {"steps": 12, "tokens": 3072, "epochs": 0.5, "params": 1000, "trainable_params": 40,
+               "strategy": "ddp", "workers": 2, "best": {"val_bpb": 1.25, "val_loss": 2.0, "val_ppl": None}}
+    card = model_card(name="runs/x/model", summary=summary, data="s3://b/data", base=str(base), license="apache-2.0",
+                      adapter=True)
+    front = card.split("---\n")[1]
+    assert front.splitlines() == ["library_name: peft", "pipeline_tag: text-generation", "tags:", "- sparklm",
+                                  "- apache-spark", f"base_model: {base}", "license: apache-2.0"]
+    assert "| validation bits per byte | 1.2500 |" in card and "perplexity" not in card  # None figures left out
+    assert "AutoPeftModelForCausalLM.from_pretrained(\"runs/x/model\")" in card and "| steps | 12 |" in card
+    scratch = model_card(name="m", summary=summary, data="d")
+    assert "library_name: transformers" in scratch and "base_model" not in scratch and "license" not in scratch

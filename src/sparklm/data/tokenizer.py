@@ -60,9 +60,19 @@ class TokenizerSpec:
                                        pad_token=self.pad_token, bos_token=self.bos_token if self.add_bos else None,
                                        chat_template=self.chat_template or None)
 
-    def save(self, directory: str | Path) -> list[Path]:
-        """Write tokenizer.json and the files that let ``AutoTokenizer.from_pretrained(directory)`` load it."""
-        self.hf().save_pretrained(str(directory))
+    def save(self, directory: str | Path, *, context: int | None = None) -> list[Path]:
+        """Write tokenizer.json and the files that let ``AutoTokenizer.from_pretrained(directory)`` load it;
+        ``context``: the model's context length, saved as ``model_max_length`` (what pipelines truncate to)."""
+        tok = self.hf()
+        if context:
+            tok.model_max_length = context
+        tok.save_pretrained(str(directory))
+        # transformers 5 names its class "TokenizersBackend", which 4.x does not know; "PreTrainedTokenizerFast" is
+        # that class in 5.x and the tokenizer.json-backed fast tokenizer in 4.x: the directory loads in either.
+        config_file = Path(directory) / "tokenizer_config.json"
+        saved = json.loads(config_file.read_text(encoding="utf-8"))
+        saved["tokenizer_class"] = "PreTrainedTokenizerFast"
+        config_file.write_text(json.dumps(saved, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         return sorted(Path(directory).iterdir())
 
 

@@ -91,6 +91,49 @@ def export(model: str, output: str, *, quantize: str = "none", overwrite: bool =
     return {**info, "path": str(out), "bytes": (out / ONNX_FILE).stat().st_size}
 
 
+def export_hub(model: str, output: str, *, overwrite: bool = False, merge: bool = False,
+               storage: StorageConfig | None = None) -> dict:
+    """Write ``output`` as a Hugging Face Hub repository's files, ready for ``huggingface_hub.upload_folder``: the
+    model directory (weights, config, generation config, tokenizer, model card) checked against its checksums, and
+    without sparklm's own bookkeeping. With ``merge``, a LoRA adapter is merged into its base and written as a
+    plain model (the Hub cannot resolve a base named by a local path)."""
+    import shutil
+
+    from ..fs import CHECKSUMS, verify_checksums
+    from ..model.build import ADAPTER_CONFIG
+    from .generate import load, model_dir
+
+    out = Path(output)
+    marker = "sparklm_export.json"
+    if out.exists() and (out.is_file() or any(out.iterdir())):
+        if not overwrite:
+            raise SparklmError(f"{output} already exists", hint="pass --overwrite or another --output")
+        if not (out / marker).is_file():  # --overwrite replaces only an export of ours
+            raise SparklmError(f"refusing to --overwrite {output}: it is neither a sparklm export (no "
+                               f"{marker}) nor empty", hint="choose another --output")
+    source = model_dir(model, storage)
+    verify_checksums(source)
+    adapter = (source / ADAPTER_CONFIG).is_file()
+    with staged_dir(str(out), marker=marker) as tmp:
+        if adapter and merge:
+            lm = load(model, storage=storage)  # merged into its base
+            lm.model.config.use_cache = True
+            lm.model.save_pretrained(str(tmp), safe_serialization=True)
+        for f in sorted(source.iterdir()):
+            skip = f.name == CHECKSUMS or (adapter and merge and (f.name == ADAPTER_CONFIG or f.name.startswith(
+                "adapter_model")))
+            if f.is_file() and not skip:
+                shutil.copy2(f, tmp / f.name)
+        if adapter and merge and (tmp / "README.md").is_file():  # the card described the adapter
+            card = (tmp / "README.md").read_text(encoding="utf-8")
+            (tmp / "README.md").write_text(card.replace("library_name: peft", "library_name: transformers", 1),
+                                           encoding="utf-8")
+        info = {"format": "hub", "source": str(source), "adapter": adapter and not merge, "merged": adapter and merge,
+                "files": sorted(f.name for f in tmp.iterdir())}
+        (tmp / marker).write_text(json.dumps(info, indent=2))
+    return {**info, "path": str(out)}
+
+
 @contextlib.contextmanager
 def _quiet_toolchain() -> Iterator[None]:
     """Keep the exporters' notes about their own internals off the user's console: torch.onnx logs every

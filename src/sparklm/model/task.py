@@ -198,10 +198,18 @@ class CausalLM:
         """An HF model directory (config, model.safetensors, tokenizer files, generation config), or with LoRA
         the adapter in PEFT format naming its base, with the tokenizer files."""
         from ..fs import CHECKSUMS, staged_dir, write_checksums
+        from ..infer.sampling import Sampling
 
-        model.generation_config.bos_token_id = spec.bos_id if spec.add_bos else None
-        model.generation_config.eos_token_id = spec.eos_id
-        model.generation_config.pad_token_id = spec.pad_id
+        gc = model.generation_config
+        gc.bos_token_id = spec.bos_id if spec.add_bos else None
+        gc.eos_token_id = spec.eos_id
+        gc.pad_token_id = spec.pad_id
+        # what `sparklm generate` does by default, so that pipeline("text-generation") samples the same way
+        default = Sampling()
+        gc.do_sample = default.temperature > 0
+        gc.temperature, gc.top_k, gc.top_p, gc.min_p = default.temperature, default.top_k, default.top_p, default.min_p
+        gc.repetition_penalty, gc.max_new_tokens = default.repetition_penalty, default.max_new_tokens
+        context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
         with staged_dir(uri, storage, marker=CHECKSUMS) as tmp:
             if lora.is_lora(model):
                 lora.save(model, tmp, base_name(self.base))
@@ -209,7 +217,9 @@ class CausalLM:
                 model.config.use_cache = True  # for generation by whoever loads it
                 model.save_pretrained(str(tmp), safe_serialization=True)
                 model.config.use_cache = False
-            spec.save(tmp)
+            spec.save(tmp, context=context)
+            # peft writes a blank model card template; the run writes its own card (README.md) once it knows its figures
+            (tmp / "README.md").unlink(missing_ok=True)
             write_checksums(tmp)
 
     def artefacts(self, model: torch.nn.Module, spec: TokenizerSpec, run_dir: str, dataset, config: Config) -> None:

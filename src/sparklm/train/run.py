@@ -18,7 +18,7 @@ from ..config import Config, diff, flatten, from_dict, merge
 from ..data.manifest import PreparedDataset, load_prepared, load_tokenizer
 from ..data.tokenizer import TokenizerSpec
 from ..errors import SparklmError
-from ..fs import effective, exists, join, read_text, write_text
+from ..fs import effective, exists, is_remote, join, read_text, write_text
 from ..model.tasks import FigureSet, figures_for
 from ..runlock import RunLock
 from ..version import __version__
@@ -102,9 +102,28 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
         finally:
             sinks.close()
     summary = _summary(run_dir, config, dataset, result, spark, time.time() - t0, spark_start)
+    _cards(run_dir, config, data, summary)
     plot_loss(run_dir, figures, storage)
     _report(summary, config, figures)
     return summary
+
+
+def _cards(run_dir: str, config: Config, data: str, summary: dict) -> None:
+    """A model card (README.md) in each model directory the run wrote."""
+    from ..model.build import ADAPTER_CONFIG
+    from ..model.card import base_license, model_card
+
+    base = config.model.init_from
+    license = base_license(base) if base and not is_remote(base) else None
+    for name, which in (("model", "the best evaluation"), ("model-final", "the last step")):
+        directory = join(run_dir, name)
+        if not exists(join(directory, "config.json"), config.storage) and \
+                not exists(join(directory, ADAPTER_CONFIG), config.storage):
+            continue
+        adapter = exists(join(directory, ADAPTER_CONFIG), config.storage)
+        card = model_card(name=directory, summary=summary, data=data, base=base, license=license, adapter=adapter,
+                          which=which, final=name == "model-final")
+        write_text(join(directory, "README.md"), card, config.storage)
 
 
 def _resumed(run_dir: str, config: Config | None, changes: dict[str, Any] | None, data: str | None,
