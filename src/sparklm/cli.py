@@ -20,8 +20,8 @@ from .errors import SparklmError, known_cause
 from .version import __version__
 
 # Which config sections give each command its flags (the flags come from the fields' metadata).
-_FLAG_SECTIONS = {"prepare": ("data", "tokenizer"), "train": ("train", "model", "lora"),
-                  "run": ("data", "tokenizer", "train", "model", "lora")}
+_FLAG_SECTIONS = {"prepare": ("data", "tokenizer"), "train": ("train", "model", "lora", "tracking"),
+                  "run": ("data", "tokenizer", "train", "model", "lora", "tracking")}
 _FLAG_KEYS = {"eval": ("data.doc_mode", "data.text_field", "data.encoding")}  # single fields a command reads
 _COMMON_SECTIONS = ("spark", "storage")
 _STARTED: list = []  # sessions this command started, stopped when it ends

@@ -158,6 +158,15 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
+class TrackingConfig:
+    """Where a run's figures go besides metrics.csv: experiment trackers, each a metrics sink."""
+
+    tensorboard: bool = _f(False, "write TensorBoard event files under RUN_DIR/tensorboard/ (tensorboard --logdir "
+                                  "runs/ shows every run; needs the tensorboard package: sparklm[tensorboard])",
+                           flag="--tensorboard")
+
+
+@dataclass(kw_only=True)
 class LoraConfig:
     """LoRA (peft): train low-rank adapters of a frozen pretrained model (``--init-from``)."""
 
@@ -293,6 +302,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "lora": LoraConfig,
     "train": TrainConfig,
+    "tracking": TrackingConfig,
 }
 
 
@@ -308,6 +318,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -62,9 +62,13 @@ def test_run_directory_on_s3(spark, dataset, s3_server, tmp_path):
 
     s3 = boto3.client("s3", endpoint_url=s3_server)
     s3.create_bucket(Bucket="runs")
+    from sparklm.config import TrackingConfig
+
     train(dataset, output="s3://runs/avg", config=cfg(max_steps=4, strategy="average", workers=2, sync_every=2,
-                                                      checkpoint_every=2), spark=spark)
+                                                      checkpoint_every=2).replace(
+        tracking=TrackingConfig(tensorboard=True)), spark=spark)
     keys = {o["Key"][4:] for o in s3.list_objects_v2(Bucket="runs", Prefix="avg/")["Contents"]}
+    assert any(k.startswith("tensorboard/events.out.tfevents.") for k in keys), keys  # uploaded from a local dir
     assert {"config.json", "metrics.csv", "rounds.csv", "summary.json", "loss.png", "samples.txt", "run_info.json",
             "model/model.safetensors", "model/tokenizer.json", "checkpoints/step-0000004/state.json"} <= keys, keys
     assert not any(k.startswith(".inner") for k in keys)  # the rounds' shared inner state is gone at the end

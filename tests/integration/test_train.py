@@ -16,13 +16,21 @@ from sparklm.train.sinks import read_metrics
 
 
 def test_loss_falls_and_the_run_directory_is_complete(spark, dataset, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from sparklm.config import TrackingConfig
+
     run = tmp_path / "run"
-    summary = train(dataset, output=str(run), config=cfg(max_steps=60), spark=spark)
+    summary = train(dataset, output=str(run), config=cfg(max_steps=60).replace(tracking=TrackingConfig(tensorboard=True)),
+                    spark=spark)
     rows = read_metrics(run / "metrics.csv")
     losses = [r["loss"] for r in rows if r["kind"] == "train"]
     assert losses[-1] < losses[0] - 1.5, losses
+    events = EventAccumulator(str(run / "tensorboard"))  # --tensorboard: the same curve, step by step
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 61))
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(losses, rel=1e-5)
     for name in ("config.json", "metrics.csv", "summary.json", "loss.png", "samples.txt", "model/config.json",
                  "model/model.safetensors", "model/tokenizer.json", "model/generation_config.json"):
         assert (run / name).is_file(), name

@@ -362,3 +362,33 @@ def test_model_card_front_matter_and_the_base_models_licence(tmp_path):
     assert "AutoPeftModelForCausalLM.from_pretrained(\"runs/x/model\")" in card and "| steps | 12 |" in card
     scratch = model_card(name="m", summary=summary, data="d")
     assert "library_name: transformers" in scratch and "base_model" not in scratch and "license" not in scratch
+
+
+def test_tensorboard_sink_keeps_one_history_across_a_rewind(tmp_path):
+    """A DDP restart rewinds the run to a checkpoint: tensorboard's reader shows each step once, with the values
+    written after the restart, as metrics.csv does."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from sparklm.train import rows
+    from sparklm.train.sinks import TensorBoardSink
+
+    def train_row(step: int, loss: float) -> rows.Train:
+        return rows.Train(step=step, epoch=step / 10, tokens=step * 64, loss=loss, lr=1e-3, grad_norm=1.0,
+                          tokens_per_s=100.0, ms_per_step=10.0, mfu=0.1, rss_mb=1.0, peak_rss_mb=1.0,
+                          rank_peak_rss_mb="1/1", elapsed=float(step))
+
+    sink = TensorBoardSink(str(tmp_path / "tb"))
+    for step in range(1, 6):
+        sink.write(train_row(step, 10.0 + step))
+    sink.write(rows.Eval(step=3, tokens=192, figures={"val_loss": 9.0, "val_bpb": 2.5}))
+    sink.rewind(3)  # the ranks restart from the checkpoint of step 3
+    for step in range(4, 7):
+        sink.write(train_row(step, 20.0 + step))
+    sink.write(rows.Info(**{f.name: None for f in __import__("dataclasses").fields(rows.Info)}))  # not a scalar row
+    sink.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    loss = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert loss == [(1, 11.0), (2, 12.0), (3, 13.0), (4, 24.0), (5, 25.0), (6, 26.0)]
+    assert [(e.step, e.value) for e in events.Scalars("eval/val_bpb")] == [(3, 2.5)]
+    assert "train/rank_peak_rss_mb" not in events.Tags()["scalars"]  # text, not a figure

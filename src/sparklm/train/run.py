@@ -25,7 +25,7 @@ from ..version import __version__
 from . import checkpoint, fit, memory, resolve
 from .recorder import RunResult
 from .report import plot_loss
-from .sinks import ConsoleSink, CsvSink, JsonSink, Sinks, metric_columns, read_metrics
+from .sinks import ConsoleSink, CsvSink, JsonSink, Sinks, TensorBoardSink, metric_columns, read_metrics
 
 # Settings that decide which rows each step trains on: a resumed run must keep them.
 DATA_ORDER_KEYS = ("train.seed", "train.batch_size", "train.grad_accum", "train.workers", "train.window_row_groups")
@@ -60,6 +60,8 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
     if not data:
         raise SparklmError("no prepared dataset given", hint="pass --data DIR (made by `sparklm prepare`)")
     strategy = get(config.train.strategy)
+    if config.tracking.tensorboard:
+        TensorBoardSink.writer_class()  # a missing package is one line before anything is written
     master = planned_master(config.spark, None if callable(spark) else spark)
     dataset = load_prepared(data, storage)
     spec = load_tokenizer(dataset, storage)
@@ -94,7 +96,9 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
                   threads=tc.threads, uid=uuid.uuid4().hex, warm=warm)
         figures = figures_for(config.model.task)
         sinks = Sinks([CsvSink(join(run_dir, "metrics.csv"), metric_columns(figures), {"train", "eval"}, storage),
-                       JsonSink(join(run_dir, "run_info.json"), storage), ConsoleSink(figures)])
+                       JsonSink(join(run_dir, "run_info.json"), storage), ConsoleSink(figures),
+                       *([TensorBoardSink(join(run_dir, "tensorboard"), storage)] if config.tracking.tensorboard
+                         else [])])
         t0 = time.time()
         try:
             with progress.stage(spark, f"train: {strategy.describe(config)}", quiet=True):
