@@ -31,6 +31,21 @@ def test_prepare_from_and_to_s3(spark, s3_server, config):
     prepare(["s3://corpus/books/a.txt"], output="s3://corpus/prepared/v1", config=config, spark=spark, overwrite=True)
     assert load_prepared("s3://corpus/prepared/v1").manifest["input"]["files"] == 1
 
+    # a Delta table on S3: its current version only, through deltalake with sparklm's endpoint
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    from sparklm.config import StorageConfig
+    from sparklm.data.delta import storage_options
+
+    options = storage_options("s3://corpus/delta", StorageConfig(endpoint_url=s3_server))
+    write_deltalake("s3://corpus/delta", pa.table({"text": ["an old document"] * 3}), storage_options=options)
+    current = make_text(30, seed=8).split("\n\n")
+    write_deltalake("s3://corpus/delta", pa.table({"text": current}), mode="overwrite", storage_options=options)
+    ds = prepare(["s3://corpus/delta"], output="s3://corpus/prepared/delta", config=config, spark=spark)
+    splits = ds.manifest["splits"]
+    assert splits["train"]["documents"] + splits["validation"]["documents"] == len(set(current))
+
 
 def test_unreachable_or_missing_object_store_is_one_line(spark, s3_server, config, monkeypatch):
     with pytest.raises(SparklmError, match="input not found: s3://corpus/nothing-here"):
