@@ -254,7 +254,8 @@ def test_batch_generation_on_spark_equals_one_by_one(spark, run_dir):
             (no_id, {"id_col": "nope"}, "has no column 'nope'"),
             (spark.createDataFrame([(1,)], "prompt int"), {}, "column 'prompt' holds int, not text"),
             (spark.createDataFrame([("x", 1)], "prompt string, sample int"), {}, "already has column(s) 'sample'"),
-            (no_id, {"model": str(run_dir) + "-missing"}, "not found")):
+            (no_id, {"model": str(run_dir) + "-missing"}, "not found"),
+            (no_id, {"sampling": Sampling(max_new_tokens=64)}, "max_new_tokens 64 does not fit the model's context of 64")):
         with pytest.raises(SparklmError, match=re.escape(message)):
             generate_dataframe(frame, **{"model": str(run_dir), "sampling": one, **kwargs})
 

@@ -100,7 +100,7 @@ def _prepare_frame(frame, *, output: str, config: Config, validation, overwrite:
     """:func:`prepare` from a DataFrame (and optionally a validation DataFrame)."""
     from pyspark.sql import functions as F
 
-    from ..spark import check_shared
+    from ..spark import CONNECT_HINT, CONNECT_MESSAGE, check_shared, is_connect
 
     data = config.data
     if not is_dataframe(frame) or not (is_dataframe(validation) or validation in ((), [], None)):
@@ -124,6 +124,8 @@ def _prepare_frame(frame, *, output: str, config: Config, validation, overwrite:
     for name in remove_stale(output, config.storage, before=started):
         progress.info(f"[dim]removed {name}, left by an earlier prepare that did not finish[/dim]")
     spark = frame.sparkSession
+    if is_connect(spark):
+        raise SparklmError(CONNECT_MESSAGE, hint=CONNECT_HINT)
     check_shared(spark, {"output": output})
     # Only the columns read, and the group ("auto" is split by hash, as a path's documents are) beside them.
     cols = sources.record_fields(data)

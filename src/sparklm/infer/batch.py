@@ -70,6 +70,10 @@ def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: st
                            "generate_dataframe adds", hint="rename or drop them, or choose output_col=")
     storage = effective(storage or StorageConfig())
     model_path = model_uri(model, storage)  # a missing model fails here, not in a task
+    context = _context(model_path, storage)
+    if context and sampling.max_new_tokens >= context:  # else every task would fail with it
+        raise SparklmError(f"max_new_tokens {sampling.max_new_tokens} does not fit the model's context of {context} "
+                           "tokens", hint=f"use at most {context - 1}")
     samples = sampling.num_samples
 
     def run(batches):
@@ -95,6 +99,19 @@ def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: st
             yield pa.RecordBatch.from_arrays([*table.columns, *extra.values()], [*table.schema.names, *extra])
 
     return df.mapInArrow(run, T.StructType([*df.schema.fields, *added]))
+
+
+def _context(model_path: str, storage: StorageConfig) -> int | None:
+    """The context length a model directory's config.json gives (None for an adapter's, or an unreadable one)."""
+    from ..fs import exists, join, read_text
+
+    config = join(model_path, "config.json")
+    try:
+        cfg = json.loads(read_text(config, storage)) if exists(config, storage) else {}
+    except (OSError, ValueError):
+        return None
+    value = cfg.get("max_position_embeddings") or cfg.get("n_positions")
+    return int(value) if isinstance(value, int) else None
 
 
 def read_prompts(path: str, *, field: str = "prompt") -> list[tuple[int, str]]:
