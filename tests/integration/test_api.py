@@ -67,6 +67,7 @@ def test_a_dataframe_or_a_table_prepares_as_the_same_text_in_files(spark, tmp_pa
     held = spark.createDataFrame([(t,) for t in MULTILINGUAL[:4]], "body string")
     c = sparklm.prepare(df, validation=held, output=str(tmp_path / "v"), text_col="body", config=SMALL)
     assert c.manifest["splits"]["validation"]["documents"] == 4  # kept there, though train holds them too
+    assert c.manifest["input"]["files"] == 2 and c.manifest["validation_inputs"] == ["dataframe (validation)"]
 
 
 def test_a_delta_tables_current_version_is_prepared(spark, tmp_path):

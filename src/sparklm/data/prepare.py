@@ -137,7 +137,7 @@ def _prepare_frame(frame, *, output: str, config: Config, validation, overwrite:
     name = described or "dataframe"
     names = [name] if held is None else [name, f"{name} (validation)"]
     with spark_errors():
-        source = Source.of_frame(spark, rows, cols, data)
+        source = Source.of_frame(spark, rows, cols, data, len(frames))
     try:
         return _run(spark, source, config, names[:1], names[1:], output, started, 0.0)
     finally:
@@ -171,7 +171,7 @@ class Source:
         return cls(spark.sparkContext.parallelize(bins, len(bins)), len(bins), read, planned, f"{n} files", n, bins)
 
     @classmethod
-    def of_frame(cls, spark, rows, cols: list[str], data) -> Source:
+    def of_frame(cls, spark, rows, cols: list[str], data, count: int) -> Source:
         from pyspark import StorageLevel
         from pyspark.sql import functions as F
 
@@ -186,7 +186,8 @@ class Source:
                                                data)
 
         parts = max(1, rows.rdd.getNumPartitions())  # an empty DataFrame may have none
-        return cls(rows.rdd, parts, read, planned, "the DataFrame", 1, None, rows)
+        return cls(rows.rdd, parts, read, planned, "the DataFrame" if count == 1 else f"{count} DataFrames", count,
+                   None, rows)
 
     def release(self) -> None:
         if self.cached is not None:
