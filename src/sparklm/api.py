@@ -88,15 +88,11 @@ def prepare(source, *, output: str, text_col: str | None = None, validation=None
     default ``text``) or a table name (``spark.table``); ``validation`` likewise, else documents are split by hash.
     A DataFrame's text is read by the executors, never collected to the driver.
     """
-    from .data.prepare import is_dataframe
     from .data.prepare import prepare as run
 
     config = settings_of(config, {**(settings or {}), **({"data.text_field": text_col} if text_col else {})})
     inputs, described = _source(source, config, spark, "source")
     held_out, _ = _source(validation, config, spark, "validation") if validation is not None else ((), None)
-    if is_dataframe(inputs) != is_dataframe(held_out) and validation is not None:
-        raise SparklmError("the source and the validation input are of different kinds",
-                           hint="pass DataFrames (or table names) for both, or paths for both")
     with progress.spark_bar_paused(_running(spark, inputs)):
         return run(inputs, output=output, config=config, validation_inputs=held_out, overwrite=overwrite,
                    spark=spark, described=described)

@@ -60,13 +60,13 @@ def prepare(
     config = config or Config()
     config = config.replace(storage=effective(config.storage))
     data, storage = config.data, config.storage
-    if is_dataframe(inputs) or is_dataframe(validation_inputs):
-        return _prepare_frame(inputs, output=output, config=config, validation=validation_inputs,
-                              overwrite=overwrite, described=described)
-    if isinstance(inputs, str):
-        inputs = [inputs]
-    if not inputs:
-        raise SparklmError("no input given", hint="pass text files, directories or globs")
+    frame = is_dataframe(inputs) or is_dataframe(validation_inputs)
+    if frame:
+        frames = _frames(inputs, validation_inputs, data)
+    else:
+        inputs = [inputs] if isinstance(inputs, str) else list(inputs)
+        if not inputs:
+            raise SparklmError("no input given", hint="pass text files, directories or globs")
     if data.stride > data.seq_len:
         raise SparklmError(f"data.stride ({data.stride}) is larger than data.seq_len ({data.seq_len})",
                            hint="use a stride between 1 and seq_len (0 means seq_len)")
@@ -80,15 +80,24 @@ def prepare(
     _check_output(fs, out_path, output, overwrite)
     for name in remove_stale(output, storage, before=started):
         progress.info(f"[dim]removed {name}, left by an earlier prepare that did not finish[/dim]")
-    units = sources.plan_units(list(inputs), group="train" if validation_inputs else "auto",
-                               data=data, storage=storage)
-    units += sources.plan_units(list(validation_inputs), group="validation", data=data, storage=storage)
-    t_spark = time.time()
-    spark = spark() if callable(spark) else get_session(config.spark, spark=spark)  # started after the checks
-    check_shared(spark, {"input": str(inputs[0]), "output": output})
-    spark_start = time.time() - t_spark
-    source = Source.of_files(spark, _bins(units, spark.sparkContext.defaultParallelism * 4), data, storage)
-    return _run(spark, source, config, list(inputs), list(validation_inputs), output, started, spark_start)
+    if frame:
+        spark, spark_start = frames[0][0].sparkSession, 0.0
+        check_shared(spark, {"output": output})
+        source = _frame_source(spark, frames, data)
+        name = described or "dataframe"
+        inputs, validation_inputs = [name], [f"{name} (validation)"] if len(frames) > 1 else []
+    else:
+        units = sources.plan_units(inputs, group="train" if validation_inputs else "auto", data=data, storage=storage)
+        units += sources.plan_units(list(validation_inputs), group="validation", data=data, storage=storage)
+        t_spark = time.time()
+        spark = spark() if callable(spark) else get_session(config.spark, spark=spark)  # started after the checks
+        check_shared(spark, {"input": str(inputs[0]), "output": output})
+        spark_start = time.time() - t_spark
+        source = Source.of_files(spark, _bins(units, spark.sparkContext.defaultParallelism * 4), data, storage)
+    try:
+        return _run(spark, source, config, inputs, list(validation_inputs), output, started, spark_start)
+    finally:
+        source.release()
 
 
 def is_dataframe(value) -> bool:
@@ -96,18 +105,18 @@ def is_dataframe(value) -> bool:
     return type(value).__name__ == "DataFrame" and hasattr(value, "sparkSession")
 
 
-def _prepare_frame(frame, *, output: str, config: Config, validation, overwrite: bool, described: str | None):
-    """:func:`prepare` from a DataFrame (and optionally a validation DataFrame)."""
-    from pyspark.sql import functions as F
+def _frames(frame, validation, data) -> list[tuple[object, str]]:
+    """(DataFrame, group) pairs to read — "auto" (split by hash), or "train" and "validation" — checked for the
+    columns ``data`` reads, and for a Spark Connect session (whose DataFrames have no RDDs)."""
+    from ..spark import CONNECT_HINT, CONNECT_MESSAGE, is_connect
 
-    from ..spark import CONNECT_HINT, CONNECT_MESSAGE, check_shared, is_connect
-
-    data = config.data
     if not is_dataframe(frame) or not (is_dataframe(validation) or validation in ((), [], None)):
         raise SparklmError("the inputs and the validation inputs are of different kinds",
                            hint="pass DataFrames for both, or paths for both")
     held = validation if is_dataframe(validation) else None
     frames = [(frame, "auto" if held is None else "train"), *([(held, "validation")] if held is not None else [])]
+    if is_connect(frame.sparkSession):
+        raise SparklmError(CONNECT_MESSAGE, hint=CONNECT_HINT)
     for df, role in frames:
         missing = [c for c in sources.record_fields(data) if c not in df.columns]
         if missing:
@@ -115,33 +124,20 @@ def _prepare_frame(frame, *, output: str, config: Config, validation, overwrite:
             raise SparklmError(f"the {'validation ' if role == 'validation' else ''}DataFrame has no column "
                                f"{', '.join(map(repr, missing))} (columns: {', '.join(df.columns) or 'none'})",
                                hint=f"name its text column with {flag}, e.g. text_col='body'")
-    if data.format == "chat" and not (data.chat_template and config.tokenizer.path):
-        raise SparklmError("format 'chat' renders each conversation with the tokenizer's chat template",
-                           hint="pass a model's tokenizer directory that has one (tokenizer.path)")
-    started = time.time()
-    fs, out_path = resolve(output, config.storage)
-    _check_output(fs, out_path, output, overwrite)
-    for name in remove_stale(output, config.storage, before=started):
-        progress.info(f"[dim]removed {name}, left by an earlier prepare that did not finish[/dim]")
-    spark = frame.sparkSession
-    if is_connect(spark):
-        raise SparklmError(CONNECT_MESSAGE, hint=CONNECT_HINT)
-    check_shared(spark, {"output": output})
-    # Only the columns read, and the group ("auto" is split by hash, as a path's documents are) beside them.
+    return frames
+
+
+def _frame_source(spark, frames: list[tuple[object, str]], data) -> Source:
+    """The rows of ``frames`` as one source: only the columns read, and each row's group beside them."""
+    from pyspark.sql import functions as F
+
     cols = sources.record_fields(data)
     rows = None
     for df, role in frames:
-        part = df.select(F.lit(role).alias("_group"),
-                         F.struct(*[F.col(c) for c in cols]).alias("_values"))
+        part = df.select(F.lit(role).alias("_group"), F.struct(*[F.col(c) for c in cols]).alias("_values"))
         rows = part if rows is None else rows.unionByName(part)
-    name = described or "dataframe"
-    names = [name] if held is None else [name, f"{name} (validation)"]
     with spark_errors():
-        source = Source.of_frame(spark, rows, cols, data, len(frames))
-    try:
-        return _run(spark, source, config, names[:1], names[1:], output, started, 0.0)
-    finally:
-        source.release()
+        return Source.of_frame(spark, rows, cols, data, len(frames))
 
 
 @dataclass

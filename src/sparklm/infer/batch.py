@@ -103,15 +103,13 @@ def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: st
 
 def _context(model_path: str, storage: StorageConfig) -> int | None:
     """The context length a model directory's config.json gives (None for an adapter's, or an unreadable one)."""
-    from ..fs import exists, join, read_text
+    from ..fs import join, read_text
+    from ..model.build import context_length
 
-    config = join(model_path, "config.json")
     try:
-        cfg = json.loads(read_text(config, storage)) if exists(config, storage) else {}
-    except (OSError, ValueError):
+        return context_length(json.loads(read_text(join(model_path, "config.json"), storage)))
+    except (OSError, ValueError, SparklmError):  # an adapter has no config.json: its base's context applies
         return None
-    value = cfg.get("max_position_embeddings") or cfg.get("n_positions")
-    return int(value) if isinstance(value, int) else None
 
 
 def read_prompts(path: str, *, field: str = "prompt") -> list[tuple[int, str]]:

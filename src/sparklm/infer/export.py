@@ -47,15 +47,9 @@ def export(model: str, output: str, *, quantize: str = "none", overwrite: bool =
     if quantize not in ("none", "int8", "int4"):
         raise SparklmError(f"--quantize {quantize}: use none, int8 or int4")
     onnx, ort = _onnx_modules()
-    out = Path(output)
-    if out.exists() and (out.is_file() or any(out.iterdir())):
-        if not overwrite:
-            raise SparklmError(f"{output} already exists", hint="pass --overwrite or another --output")
-        if not (out / "sparklm_export.json").is_file():  # --overwrite replaces only an export of ours
-            raise SparklmError(f"refusing to --overwrite {output}: it is neither a sparklm export (no "
-                               "sparklm_export.json) nor empty", hint="choose another --output")
+    out = _output(output, overwrite)
     lm = load(model, storage=storage)
-    with staged_dir(str(out), marker="sparklm_export.json") as tmp:
+    with staged_dir(str(out), marker=MARKER) as tmp:
         graph = LogitsGraph(lm.model).eval()
         ids = torch.ones((2, 8), dtype=torch.long)
         mask = torch.ones((2, 8), dtype=torch.long)
@@ -87,8 +81,23 @@ def export(model: str, output: str, *, quantize: str = "none", overwrite: bool =
             lm.model.config.save_pretrained(str(tmp))
         info = {"format": "onnx", "quantize": quantize, "source": lm.path, "context": lm.context, "merged_hf": merge,
                 "add_bos": lm.add_bos, "inputs": ["input_ids", "attention_mask"], "outputs": ["logits"]}
-        (tmp / "sparklm_export.json").write_text(json.dumps(info, indent=2))
+        (tmp / MARKER).write_text(json.dumps(info, indent=2))
     return {**info, "path": str(out), "bytes": (out / ONNX_FILE).stat().st_size}
+
+
+MARKER = "sparklm_export.json"  # what an export of ours holds: --overwrite replaces nothing else
+
+
+def _output(output: str, overwrite: bool) -> Path:
+    """The export directory: new, empty, or (with ``overwrite``) an earlier export of ours."""
+    out = Path(output)
+    if out.exists() and (out.is_file() or any(out.iterdir())):
+        if not overwrite:
+            raise SparklmError(f"{output} already exists", hint="pass --overwrite or another --output")
+        if not (out / MARKER).is_file():
+            raise SparklmError(f"refusing to --overwrite {output}: it is neither a sparklm export (no {MARKER}) "
+                               "nor empty", hint="choose another --output")
+    return out
 
 
 def export_hub(model: str, output: str, *, overwrite: bool = False, merge: bool = False,
@@ -103,18 +112,11 @@ def export_hub(model: str, output: str, *, overwrite: bool = False, merge: bool 
     from ..model.build import ADAPTER_CONFIG
     from .generate import load, model_dir
 
-    out = Path(output)
-    marker = "sparklm_export.json"
-    if out.exists() and (out.is_file() or any(out.iterdir())):
-        if not overwrite:
-            raise SparklmError(f"{output} already exists", hint="pass --overwrite or another --output")
-        if not (out / marker).is_file():  # --overwrite replaces only an export of ours
-            raise SparklmError(f"refusing to --overwrite {output}: it is neither a sparklm export (no "
-                               f"{marker}) nor empty", hint="choose another --output")
+    out = _output(output, overwrite)
     source = model_dir(model, storage)
     verify_checksums(source)
     adapter = (source / ADAPTER_CONFIG).is_file()
-    with staged_dir(str(out), marker=marker) as tmp:
+    with staged_dir(str(out), marker=MARKER) as tmp:
         if adapter and merge:
             lm = load(model, storage=storage)  # merged into its base
             lm.model.config.use_cache = True
@@ -130,7 +132,7 @@ def export_hub(model: str, output: str, *, overwrite: bool = False, merge: bool 
                                            encoding="utf-8")
         info = {"format": "hub", "source": str(source), "adapter": adapter and not merge, "merged": adapter and merge,
                 "files": sorted(f.name for f in tmp.iterdir())}
-        (tmp / marker).write_text(json.dumps(info, indent=2))
+        (tmp / MARKER).write_text(json.dumps(info, indent=2))
     return {**info, "path": str(out)}
 
 
@@ -177,7 +179,7 @@ def load_onnx(path: str, *, threads: int = 0):
     from .generate import LoadedModel
 
     directory = Path(path)
-    info_file = directory / "sparklm_export.json"
+    info_file = directory / MARKER
     if not (directory / ONNX_FILE).is_file() or not info_file.is_file():
         raise SparklmError(f"{path} is not an ONNX export (no {ONNX_FILE} / sparklm_export.json)",
                            hint="make one with `sparklm export MODEL --format onnx --output DIR`")

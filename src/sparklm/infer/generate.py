@@ -79,6 +79,7 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
     from transformers import AutoTokenizer
 
     from ..model import load_model
+    from ..model.build import context_length
 
     if threads:
         torch.set_num_threads(threads)
@@ -99,7 +100,7 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
         raise SparklmError(f"cannot load the tokenizer in {directory}: {' '.join(str(e).split())[:200]}",
                            hint="the model directory needs tokenizer files (tokenizer.json or the model's own)") from None
     cfg = model.config
-    context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
+    context = context_length(cfg) or 2048
     bos = tok.bos_token_id
     # The tokenizer's own convention (sparklm saves a tokenizer that adds BOS exactly when training did).
     add_bos = bos is not None and bos != tok.eos_token_id and tok("a")["input_ids"][:1] == [bos]

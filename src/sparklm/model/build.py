@@ -62,6 +62,14 @@ def load_model(directory: str, *, dtype: torch.dtype | None = None, storage: Sto
         raise SparklmError(f"cannot load the model in {directory}: {' '.join(str(e).split())[:200]}") from None
 
 
+def context_length(config) -> int | None:
+    """The context length a model config gives (a ``PretrainedConfig`` or its config.json as a dict): Llama-style
+    ``max_position_embeddings`` or GPT-2's ``n_positions``; None when it names neither."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    value = get("max_position_embeddings") or get("n_positions")
+    return int(value) if isinstance(value, int) else None
+
+
 ADAPTER_CONFIG = "adapter_config.json"  # what peft's save_pretrained writes beside the adapter weights
 
 

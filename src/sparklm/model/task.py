@@ -20,7 +20,7 @@ from ..config import Config, StorageConfig, embedding_rows
 from ..data.tokenizer import TokenizerSpec
 from ..errors import SparklmError
 from . import lm_head, lora
-from .build import build_model, flops_per_token, load_model
+from .build import build_model, context_length, flops_per_token, load_model
 from .tasks import LM_FIGURES, REGISTRY, FigureSet, lm_figures
 
 IGNORE = lm_head.IGNORE  # label of positions without a loss (padding), as in HF and torch's cross_entropy
@@ -209,7 +209,7 @@ class CausalLM:
         gc.do_sample = default.temperature > 0
         gc.temperature, gc.top_k, gc.top_p, gc.min_p = default.temperature, default.top_k, default.top_p, default.min_p
         gc.repetition_penalty, gc.max_new_tokens = default.repetition_penalty, default.max_new_tokens
-        context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+        context = context_length(model.config)
         with staged_dir(uri, storage, marker=CHECKSUMS) as tmp:
             if lora.is_lora(model):
                 lora.save(model, tmp, base_name(self.base))

@@ -121,10 +121,9 @@ def _cards(run_dir: str, config: Config, data: str, summary: dict) -> None:
     license = base_license(base) if base and not is_remote(base) else None
     for name, which in (("model", "the best evaluation"), ("model-final", "the last step")):
         directory = join(run_dir, name)
-        if not exists(join(directory, "config.json"), config.storage) and \
-                not exists(join(directory, ADAPTER_CONFIG), config.storage):
-            continue
         adapter = exists(join(directory, ADAPTER_CONFIG), config.storage)
+        if not adapter and not exists(join(directory, "config.json"), config.storage):
+            continue
         card = model_card(name=directory, summary=summary, data=data, base=base, license=license, adapter=adapter,
                           which=which, final=name == "model-final")
         write_text(join(directory, "README.md"), card, config.storage)

@@ -206,6 +206,10 @@ class TensorBoardSink:
     def close(self) -> None:
         self.writer.close()
         self._upload()
+        if local_path(self.uri) is None:  # the local copy of an object-store run's files: uploaded, not needed
+            import shutil
+
+            shutil.rmtree(self.local, ignore_errors=True)
 
 
 class _WrittenAsItComes:
