@@ -19,7 +19,7 @@ from sparklm.model.tasks import lm_figures
 from sparklm.train import checkpoint
 from sparklm.train.core import fraction, lr_at, plan
 from sparklm.train.recorder import Best
-from sparklm.train.run import resume_config
+from sparklm.train.run import peak_mb, resume_config
 
 # -- the schedule ---------------------------------------------------------------------------------
 
@@ -393,3 +393,10 @@ def test_ranks_whose_own_bf16_measurements_disagree_train_with_one_dtype_and_one
     slow_alone, slow_given = host("slow", driver=False, given=driver)
     assert (fast_alone, slow_alone) == ("bfloat16 muon", "float32 adamw")  # each deciding alone
     assert host("fast", driver=False, given=driver)[1] == slow_given == "bfloat16 muon"  # given the driver's
+
+
+def test_summary_peak_is_the_exact_reading_unless_an_earlier_segment_logged_more():
+    rows = [{"rss_mb": 496.715}, {"rss_mb": None}]  # the CSV keeps 6 significant digits: 496.71484375 rounded up
+    assert peak_mb(496.71484375, rows) == 496.71484375
+    assert peak_mb(400.0, [{"rss_mb": 512.0}]) == 512.0  # a resumed run's earlier process peaked higher
+    assert peak_mb(None, []) == 0.0

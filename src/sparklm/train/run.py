@@ -222,7 +222,7 @@ def _summary(run_dir: str, config: Config, dataset: PreparedDataset, result: Run
         "seconds_per_epoch": r.seconds / max(r.tokens / max(epoch_tokens, 1), 1e-9),
         "tokens_per_s": _mean(steady, "tokens_per_s"), "ms_per_step": _mean(steady, "ms_per_step"),
         "mfu": _mean(steady, "mfu"),
-        "peak_rss_mb": max([r.peak_rss_mb or 0, *(row["rss_mb"] or 0 for row in train_rows)]),
+        "peak_rss_mb": peak_mb(r.peak_rss_mb, train_rows),
         "rank_peak_rss_mb": r.rank_peak_rss_mb,  # each rank's (round worker's), in rank order
         "params": r.params, "trainable_params": r.trainable_params, "flops_per_token": r.flops_per_token,
         "peak_flops": r.peak_flops, "dtype": r.dtype,
@@ -234,6 +234,14 @@ def _summary(run_dir: str, config: Config, dataset: PreparedDataset, result: Run
     }
     write_text(join(run_dir, "summary.json"), json.dumps(summary, indent=2), config.storage)
     return summary
+
+
+def peak_mb(peak: float | None, train_rows: list[dict]) -> float:
+    """This process's exact peak, unless the CSV's rows (a resumed run's earlier segment) held more: the CSV
+    keeps 6 significant digits, so a row within that rounding of the exact peak is the same reading."""
+    logged = max((row["rss_mb"] or 0 for row in train_rows), default=0.0)
+    peak = peak or 0.0
+    return logged if logged > peak * (1 + 1e-5) else peak
 
 
 def _mean(rows: list[dict], key: str) -> float | None:
