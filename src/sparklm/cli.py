@@ -22,7 +22,8 @@ from .version import __version__
 # Which config sections give each command its flags (the flags come from the fields' metadata).
 _FLAG_SECTIONS = {"prepare": ("data", "tokenizer"), "train": ("train", "model", "lora", "tracking"),
                   "run": ("data", "tokenizer", "train", "model", "lora", "tracking")}
-_FLAG_KEYS = {"eval": ("data.doc_mode", "data.text_field", "data.encoding")}  # single fields a command reads
+_FLAG_KEYS = {"eval": ("data.doc_mode", "data.text_field", "data.encoding"),  # single fields a command reads
+              "prepare": ("tracking.mlflow_uri", "tracking.mlflow_experiment", "tracking.wandb_project")}
 _COMMON_SECTIONS = ("spark", "storage")
 _STARTED: list = []  # sessions this command started, stopped when it ends
 _SIGINT: list = []  # the SIGINT handler before this command's Spark started, restored when it ends
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", default="prepared", metavar="DIR", help="output directory (default: prepared)")
     p.add_argument("--validation-input", dest="validation_inputs", action="append", default=[], metavar="PATH",
                    help="explicit validation files (repeatable); otherwise a hash split by --val-fraction")
-    _config_flags(p.add_argument_group("data and tokenizer"), _FLAG_SECTIONS["prepare"])
+    _config_flags(p.add_argument_group("data and tokenizer"), _FLAG_SECTIONS["prepare"], _FLAG_KEYS["prepare"])
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     _common(p)
 
@@ -88,6 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--output", "-o", metavar="RUN_DIR", help="run directory (default: runs/run-TIMESTAMP)")
     _config_flags(r.add_argument_group("data, tokenizer and training"), _FLAG_SECTIONS["run"])
     _common(r)
+
+    rp = sub.add_parser("report", help="a run's report.html again, or several runs side by side in one page",
+                        description="Write a self-contained HTML page (no network needed to view it) from run "
+                                    "directories: with one run, its report.html (curves, rounds, samples, Spark's "
+                                    "figures, the config); with several, their headline figures and curves side by "
+                                    "side.")
+    rp.add_argument("runs", nargs="+", metavar="RUN", help="run directories (local or s3://)")
+    rp.add_argument("--output", "-o", metavar="FILE",
+                    help="where to write the page (default: RUN/report.html for one run, ./report.html for several)")
+    _common(rp)
 
     _add_inference(sub)
     return parser
@@ -172,7 +183,8 @@ def _config_flags(group, sections: tuple[str, ...] = (), keys: tuple[str, ...] =
         allowed = choices(tp, f.metadata)
         kind = str if allowed else tp
         metavar = None if allowed else {int: "N", float: "X"}.get(tp, key.rsplit(".", 1)[1].upper())
-        group.add_argument(flag, dest=key, type=kind, choices=allowed, metavar=metavar, help=help_text)
+        optional = {"nargs": "?", "const": f.metadata["const"]} if "const" in f.metadata else {}  # --mlflow [URI]
+        group.add_argument(flag, dest=key, type=kind, choices=allowed, metavar=metavar, help=help_text, **optional)
 
 
 def _config(args: argparse.Namespace):
@@ -266,7 +278,7 @@ def _run(args: argparse.Namespace) -> int:
         raise SparklmError(f"run directory {run_dir} already exists", hint="choose another --output")
     prepare(inputs, output=data_dir, config=config, spark=session)
     summary = train(data_dir, output=run_dir, config=config, spark=session)
-    progress.info(f"samples: {run_dir}/samples.txt, loss curve: {run_dir}/loss.png")
+    progress.info(f"samples: {run_dir}/samples.txt, report: {run_dir}/report.html")
     progress.plain(run_dir)
     kept = summary["best"] or summary["final"]
     if kept:
@@ -275,6 +287,20 @@ def _run(args: argparse.Namespace) -> int:
         head = figures_for(summary["task"]).main
         progress.plain(f"validation {head.label} of model/ (step {kept.get('step', summary['steps'])}): "
                        f"{kept[head.key]:{head.fmt}}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .fs import effective
+    from .train.html_report import REPORT, write_comparison, write_report
+
+    config, _ = _config(args)
+    storage = effective(config.storage)
+    if len(args.runs) == 1:
+        path = write_report(args.runs[0], storage, output=args.output)
+    else:
+        path = write_comparison(args.runs, args.output or REPORT, storage)
+    progress.plain(path)
     return 0
 
 
@@ -447,8 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        commands = {"prepare": _prepare, "train": _train, "run": _run, "generate": _generate, "eval": _eval,
-                    "export": _export, "import": _import, "config": _print_config}
+        commands = {"prepare": _prepare, "train": _train, "run": _run, "report": _report, "generate": _generate,
+                    "eval": _eval, "export": _export, "import": _import, "config": _print_config}
         return commands[args.command](args)
     except SparklmError as e:
         if args.debug:

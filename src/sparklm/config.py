@@ -164,6 +164,16 @@ class TrackingConfig:
     tensorboard: bool = _f(False, "write TensorBoard event files under RUN_DIR/tensorboard/ (tensorboard --logdir "
                                   "runs/ shows every run; needs the tensorboard package: sparklm[tensorboard])",
                            flag="--tensorboard")
+    mlflow_uri: str = _f("", "log the run to MLflow at this tracking URI (http://host:5000, databricks, a local "
+                             "path...); --mlflow alone: MLFLOW_TRACKING_URI or MLflow's default (sparklm[mlflow])",
+                         flag="--mlflow", const="default")
+    mlflow_experiment: str = _f("sparklm", "the MLflow experiment the runs go to (created if missing)",
+                                flag="--mlflow-experiment")
+    mlflow_register: str = _f("", "also register the logged model under this name in MLflow's model registry",
+                              flag="--mlflow-register")
+    wandb_project: str = _f("", "log the run to this Weights & Biases project (WANDB_MODE=offline: to local files, "
+                                "synced later with `wandb sync`; sparklm[wandb])", flag="--wandb")
+    log_model: bool = _f(True, "log the trained model to MLflow (transformers flavor) and W&B (an artifact)")
 
 
 @dataclass(kw_only=True)

@@ -84,7 +84,7 @@ def test_run_directory_on_s3(spark, dataset, s3_server, tmp_path):
         tracking=TrackingConfig(tensorboard=True)), spark=spark)
     keys = {o["Key"][4:] for o in s3.list_objects_v2(Bucket="runs", Prefix="avg/")["Contents"]}
     assert any(k.startswith("tensorboard/events.out.tfevents.") for k in keys), keys  # uploaded from a local dir
-    assert {"config.json", "metrics.csv", "rounds.csv", "summary.json", "loss.png", "samples.txt", "run_info.json",
+    assert {"config.json", "metrics.csv", "rounds.csv", "summary.json", "loss.png", "report.html", "samples.txt", "run_info.json",
             "model/model.safetensors", "model/tokenizer.json", "checkpoints/step-0000004/state.json"} <= keys, keys
     assert not any(k.startswith(".inner") for k in keys)  # the rounds' shared inner state is gone at the end
 

@@ -369,8 +369,8 @@ def test_tensorboard_sink_keeps_one_history_across_a_rewind(tmp_path):
     written after the restart, as metrics.csv does."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from sparklm.trackers.tensorboard_tracker import TensorBoardSink
     from sparklm.train import rows
-    from sparklm.train.sinks import TensorBoardSink
 
     def train_row(step: int, loss: float) -> rows.Train:
         return rows.Train(step=step, epoch=step / 10, tokens=step * 64, loss=loss, lr=1e-3, grad_norm=1.0,

@@ -25,8 +25,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from .. import progress
-from ..config import Config
+from .. import progress, trackers
+from ..config import Config, flatten
 from ..errors import SparklmError, spark_errors
 from ..fs import effective, remove_stale, resolve, staging_path, swap_in, uri_like
 from ..version import __version__
@@ -75,6 +75,7 @@ def prepare(
                            + ("data.chat_template is false" if not data.chat_template else "a trained tokenizer has none"),
                            hint="pass --tokenizer with a model's tokenizer directory that has a chat template, or "
                                 "use --format instruction for prompt/response records")
+    trackers.check(config, "prepare")
     started = time.time()
     fs, out_path = resolve(output, storage)
     _check_output(fs, out_path, output, overwrite)
@@ -94,10 +95,18 @@ def prepare(
         check_shared(spark, {"input": str(inputs[0]), "output": output})
         spark_start = time.time() - t_spark
         source = Source.of_files(spark, _bins(units, spark.sparkContext.defaultParallelism * 4), data, storage)
+    tracking = trackers.open_trackers(config, trackers.Context(
+        command="prepare", run_dir=output, storage=storage, name=output.rstrip("/").rsplit("/", 1)[-1] or output,
+        params={k: v for k, v in flatten(config.to_saved()).items() if k.split(".")[0] in ("data", "tokenizer")}))
     try:
-        return _run(spark, source, config, inputs, list(validation_inputs), output, started, spark_start)
+        dataset = _run(spark, source, config, inputs, list(validation_inputs), output, started, spark_start)
+    except BaseException:
+        trackers.finish_all(tracking, trackers.Outcome(ok=False))
+        raise
     finally:
         source.release()
+    trackers.finish_all(tracking, trackers.Outcome(ok=True, summary=trackers.manifest_figures(dataset.manifest)))
+    return dataset
 
 
 def is_dataframe(value) -> bool:

@@ -2,8 +2,9 @@
 
 The launcher checks the inputs, resolves the configuration (on ``--resume``: the saved one plus what
 the user set now), writes ``config.json``, and hands the job to the strategy with the metrics sinks
-(metrics.csv, run_info.json, the console); at the end it writes ``summary.json`` and ``loss.png``.
-It knows nothing of training: that is the strategy's and the core's.
+(metrics.csv, run_info.json, the console); at the end it writes ``summary.json`` (with Spark's own figures
+for the training's jobs), ``loss.png`` and ``report.html``. It knows nothing of training: that is the strategy's
+and the core's.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 import uuid
 from typing import Any
 
-from .. import progress
+from .. import progress, spark_figures, trackers
 from ..config import Config, diff, flatten, from_dict, merge
 from ..data.manifest import PreparedDataset, load_prepared, load_tokenizer
 from ..data.tokenizer import TokenizerSpec
@@ -23,9 +24,10 @@ from ..model.tasks import FigureSet, figures_for
 from ..runlock import RunLock
 from ..version import __version__
 from . import checkpoint, fit, memory, resolve
+from .html_report import write_report
 from .recorder import RunResult
 from .report import plot_loss
-from .sinks import ConsoleSink, CsvSink, JsonSink, Sinks, TensorBoardSink, metric_columns, read_metrics
+from .sinks import ConsoleSink, CsvSink, JsonSink, Sinks, metric_columns, read_metrics
 
 # Settings that decide which rows each step trains on: a resumed run must keep them.
 DATA_ORDER_KEYS = ("train.seed", "train.batch_size", "train.grad_accum", "train.workers", "train.window_row_groups")
@@ -60,8 +62,7 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
     if not data:
         raise SparklmError("no prepared dataset given", hint="pass --data DIR (made by `sparklm prepare`)")
     strategy = get(config.train.strategy)
-    if config.tracking.tensorboard:
-        TensorBoardSink.writer_class()  # a missing package is one line before anything is written
+    trackers.check(config)  # a missing package or a bad setting is one line before anything is written
     master = planned_master(config.spark, None if callable(spark) else spark)
     dataset = load_prepared(data, storage)
     spec = load_tokenizer(dataset, storage)
@@ -87,6 +88,10 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
         # Before anything is written: a job that cannot fit stops here, and the same --output can be used again.
         mem = memory.plan_for(config, shapes, dataset.seq_len, spark)
         progress.info(mem.describe())
+        # an unreachable tracker stops the run here, before its directory holds anything
+        tracking = trackers.open_trackers(config, trackers.Context(
+            command="train", run_dir=run_dir, storage=storage, params=flatten(config.to_saved()),
+            name=_name(run_dir), resume=resume))
         # config holds what runs; "decided" lists what the driver chose where the settings left it open
         write_text(join(run_dir, "config.json"), json.dumps(
             {"config": config.to_saved(), "decided": resolve.decided(asked, config), "data": data,
@@ -96,20 +101,36 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
                   threads=tc.threads, uid=uuid.uuid4().hex, warm=warm)
         figures = figures_for(config.model.task)
         sinks = Sinks([CsvSink(join(run_dir, "metrics.csv"), metric_columns(figures), {"train", "eval"}, storage),
-                       JsonSink(join(run_dir, "run_info.json"), storage), ConsoleSink(figures),
-                       *([TensorBoardSink(join(run_dir, "tensorboard"), storage)] if config.tracking.tensorboard
-                         else [])])
+                       JsonSink(join(run_dir, "run_info.json"), storage), ConsoleSink(figures), *tracking])
         t0 = time.time()
         try:
-            with progress.stage(spark, f"train: {strategy.describe(config)}", quiet=True):
+            with progress.stage(spark, f"train: {strategy.describe(config)}", quiet=True), \
+                    spark_figures.window(spark) as jobs:
                 result = strategy.run(spark, job, sinks)
-        finally:
+        except BaseException:
             sinks.close()
-    summary = _summary(run_dir, config, dataset, result, spark, time.time() - t0, spark_start)
-    _cards(run_dir, config, data, summary)
-    plot_loss(run_dir, figures, storage)
+            trackers.finish_all(tracking, trackers.Outcome(ok=False))
+            raise
+        sinks.close()
+    try:
+        summary = _summary(run_dir, config, dataset, result, spark, time.time() - t0, spark_start,
+                           spark_figures.collect(spark, jobs))
+        _cards(run_dir, config, data, summary)
+        plot_loss(run_dir, figures, storage)
+        write_report(run_dir, storage)
+    except BaseException:
+        trackers.finish_all(tracking, trackers.Outcome(ok=False))
+        raise
+    model_dir = join(run_dir, "model")
+    trackers.finish_all(tracking, trackers.Outcome(ok=True, summary=summary,
+                                                   model_dir=model_dir if exists(model_dir, storage) else None))
     _report(summary, config, figures)
     return summary
+
+
+def _name(uri: str) -> str:
+    """A run's display name for trackers: its directory's last part."""
+    return uri.rstrip("/").rsplit("/", 1)[-1] or uri
 
 
 def _cards(run_dir: str, config: Config, data: str, summary: dict) -> None:
@@ -208,7 +229,7 @@ def _check_init_from(config: Config, spec: TokenizerSpec) -> None:
 
 
 def _summary(run_dir: str, config: Config, dataset: PreparedDataset, result: RunResult, spark, seconds: float,
-             spark_start: float) -> dict:
+             spark_start: float, spark_job: dict) -> dict:
     rows = read_metrics(join(run_dir, "metrics.csv"), config.storage)
     train_rows = [r for r in rows if r["kind"] == "train"]
     steady = train_rows[len(train_rows) // 4:] or train_rows  # skip warm-up for the steady-state figures
@@ -231,6 +252,7 @@ def _summary(run_dir: str, config: Config, dataset: PreparedDataset, result: Run
         **{k: getattr(r, k) for k in ("rounds", "bytes_broadcast", "bytes_returned") if getattr(r, k) is not None},
         "spark_application_id": spark.sparkContext.applicationId,
         "spark_master": spark.sparkContext.master, "sparklm_version": __version__,
+        "spark": spark_job,  # Spark's own figures for the training's jobs (spark_figures.py)
     }
     write_text(join(run_dir, "summary.json"), json.dumps(summary, indent=2), config.storage)
     return summary

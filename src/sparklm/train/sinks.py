@@ -1,8 +1,8 @@
 """Metrics sinks: the training core emits rows (rows.py: a dataclass per kind) and sinks record or show them.
 
-Sinks today: ``CsvSink`` (metrics.csv, rounds.csv on any filesystem),
-``JsonSink`` (run_info.json), ``ConsoleSink`` (progress lines), ``TensorBoardSink`` (event files, with
-``--tensorboard``); an MLflow sink plugs in the same way. DDP ranks run in other processes, maybe on other hosts: rank 0 sends its rows to the driver
+Sinks here: ``CsvSink`` (metrics.csv, rounds.csv on any filesystem), ``JsonSink`` (run_info.json),
+``ConsoleSink`` (progress lines); the experiment trackers (TensorBoard, MLflow, W&B) are sinks too, in
+``sparklm.trackers``. DDP ranks run in other processes, maybe on other hosts: rank 0 sends its rows to the driver
 over a TCP ``Channel`` (as TorchDistributor streams rank logs), and the driver feeds its own sinks —
 no shared disk is assumed.
 """
@@ -17,12 +17,11 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Protocol
 
 from .. import progress
 from ..config import StorageConfig
-from ..fs import exists, local_path, read_text, write_bytes, write_text
+from ..fs import exists, local_path, read_text, write_text
 from ..model.tasks import FigureSet
 from . import rows
 from .rows import Row
@@ -151,65 +150,6 @@ class CsvSink:
                 self._upload()
         else:
             self.file.close()
-
-
-class TensorBoardSink:
-    """Every train, eval and round row's figures as TensorBoard scalars (``train/loss``, ``eval/val_bpb``,
-    ``round/loss``...) at their step, in event files under ``RUN_DIR/tensorboard/``. An object-store run directory
-    gets them from a local directory, uploaded at each flush and at close.
-
-    A DDP restart rewinds the run: TensorBoard's own purge (a writer opened with ``purge_step``) hides the events
-    after the step the ranks restart from, so the history stays one clean curve, as metrics.csv's rows do."""
-
-    def __init__(self, uri: str, storage: StorageConfig | None = None):
-        import tempfile
-
-        self._writer_class, self.uri, self.storage = self.writer_class(), uri, storage
-        here = local_path(uri)
-        self.local = here if here is not None else Path(tempfile.mkdtemp(prefix="sparklm-tensorboard-"))
-        self.writer = self._writer_class(str(self.local))
-
-    @staticmethod
-    def writer_class():
-        """torch's SummaryWriter; one line when the tensorboard package it writes with is missing."""
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            from ..errors import SparklmError
-
-            raise SparklmError("--tensorboard needs the tensorboard package",
-                               hint="pip install 'sparklm[tensorboard]'") from None
-        return SummaryWriter
-
-    def write(self, row: Row) -> None:
-        if row.kind not in ("train", "eval", "round") or getattr(row, "step", None) is None:
-            return
-        for name, value in row.to_dict().items():
-            if name not in ("kind", "step") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(f"{row.kind}/{name}", value, row.step)
-
-    def rewind(self, step: int, evaluated: bool = True) -> None:
-        # events at later steps are purged by the reader; an evaluation at ``step`` that is done again is written
-        # again at the same step (TensorBoard shows the later one)
-        self.writer.close()
-        self.writer = self._writer_class(str(self.local), purge_step=step + 1)
-
-    def flush(self) -> None:
-        self.writer.flush()
-        self._upload()
-
-    def _upload(self) -> None:
-        if local_path(self.uri) is None:
-            for f in sorted(self.local.iterdir()):
-                write_bytes(f"{self.uri.rstrip('/')}/{f.name}", f.read_bytes(), self.storage)
-
-    def close(self) -> None:
-        self.writer.close()
-        self._upload()
-        if local_path(self.uri) is None:  # the local copy of an object-store run's files: uploaded, not needed
-            import shutil
-
-            shutil.rmtree(self.local, ignore_errors=True)
 
 
 class _WrittenAsItComes:

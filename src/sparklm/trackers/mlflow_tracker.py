@@ -1,0 +1,202 @@
+"""MLflow: one MLflow run per sparklm command (however many workers train), with the resolved settings as
+parameters, every row's figures as metrics at their step, the run directory's files as artifacts and the trained
+model in MLflow's ``transformers`` flavor with a signature, so that ``mlflow.pyfunc.spark_udf`` scores a
+DataFrame with it and the model registry takes it.
+
+Talks to the tracking server through ``MlflowClient`` (explicit run ids: a notebook's active MLflow run is left
+alone), except for the model, which MLflow's flavor logs into the active run: that run is ours for the call.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+
+from .. import progress
+from ..config import TrackingConfig
+from ..errors import SparklmError
+from ..fs import exists, join, read_bytes
+from ..train.rows import Row
+from . import RUN_FILES, Context, Outcome, Pending, numbers, summary_figures
+
+BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics and 100 parameters per call
+PARAMS_PER_BATCH = 100
+PARAM_CHARS = 500  # the longest parameter value every MLflow server version accepts
+
+
+def check(tc: TrackingConfig) -> None:
+    if re.match(r"^[a-z][a-z0-9+.-]*://[^/@]*:[^/@]*@", tc.mlflow_uri, re.I):
+        raise SparklmError("the MLflow URI holds a password, which sparklm would save in the run's config.json",
+                           hint="give the URI without it and set MLFLOW_TRACKING_USERNAME and "
+                                "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment")
+
+
+def tracking_uri(tc: TrackingConfig) -> str:
+    """``--mlflow`` alone means MLFLOW_TRACKING_URI, else MLflow's own default."""
+    if tc.mlflow_uri != "default":
+        return tc.mlflow_uri
+    import mlflow
+
+    return os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri()
+
+
+def open_tracker(tc: TrackingConfig, ctx: Context) -> MlflowTracker:
+    # MLflow's client retries an unreachable server for minutes by default; a wrong URI should fail in seconds
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+    from mlflow import MlflowClient
+
+    uri = tracking_uri(tc)
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        experiment = client.get_experiment_by_name(tc.mlflow_experiment)
+        exp_id = experiment.experiment_id if experiment else client.create_experiment(tc.mlflow_experiment)
+        run_id = _resumed_run(client, exp_id, ctx) if ctx.resume else None
+        if run_id is None:
+            run_id = client.create_run(exp_id, run_name=ctx.name, tags={
+                "sparklm.command": ctx.command, "sparklm.run_dir": ctx.run_dir,
+                "mlflow.source.name": f"sparklm {ctx.command}", "mlflow.source.type": "JOB"}).info.run_id
+            _log_params(client, run_id, ctx.params)
+        else:
+            client.update_run(run_id, status="RUNNING")
+    except SparklmError:
+        raise
+    except Exception as e:
+        raise SparklmError(f"cannot open an MLflow run at {uri}: {_short(e)}",
+                           hint="check --mlflow URI (is the tracking server up?) and its credentials") from None
+    progress.info(f"MLflow: run {run_id} in experiment '{tc.mlflow_experiment}' at {uri}")
+    return MlflowTracker(client, run_id, uri, tc, ctx)
+
+
+def _resumed_run(client, exp_id: str, ctx: Context) -> str | None:
+    """The MLflow run an earlier attempt of this run directory opened: a resumed run continues its history."""
+    quoted = ctx.run_dir.replace("\\", "\\\\").replace("'", "\\'")
+    found = client.search_runs([exp_id], filter_string=f"tags.`sparklm.run_dir` = '{quoted}' and "
+                                                       f"tags.`sparklm.command` = '{ctx.command}'",
+                               order_by=["attributes.start_time DESC"], max_results=1)
+    return found[0].info.run_id if found else None
+
+
+def _log_params(client, run_id: str, params: dict) -> None:
+    from mlflow.entities import Param
+
+    items = [Param(k, _param_value(v)) for k, v in sorted(params.items())]
+    for i in range(0, len(items), PARAMS_PER_BATCH):
+        client.log_batch(run_id, params=items[i:i + PARAMS_PER_BATCH])
+
+
+def _param_value(v) -> str:
+    text = str(v)
+    return text if len(text) <= PARAM_CHARS else text[:PARAM_CHARS - 1] + "…"
+
+
+def _short(e: BaseException) -> str:
+    return " ".join(str(e).split())[:240] or type(e).__name__
+
+
+class MlflowTracker:
+    def __init__(self, client, run_id: str, uri: str, tc: TrackingConfig, ctx: Context):
+        self.client, self.run_id, self.uri, self.tc, self.ctx = client, run_id, uri, tc, ctx
+        self.pending = Pending()
+        self.failed = False  # after a failed call the run goes on without MLflow (metrics.csv keeps every row)
+
+    def write(self, row: Row) -> None:
+        self.pending.add(row)
+
+    def rewind(self, step: int, evaluated: bool = True) -> None:
+        self.pending.rewind(step, evaluated)
+
+    def flush(self) -> None:
+        self._send(self.pending.take())
+
+    def close(self) -> None:
+        pass  # unflushed rows wait for finish(): sent if the run ended well, else a resume sends them again
+
+    def _send(self, rows: list[tuple[int, Row]]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(key, value, now, step) for step, row in rows for key, value in numbers(row).items()]
+        self._call("log metrics", lambda: [self.client.log_batch(self.run_id, metrics=metrics[i:i + BATCH])
+                                           for i in range(0, len(metrics), BATCH)])
+
+    def _call(self, what: str, fn) -> None:
+        if self.failed:
+            return
+        try:
+            fn()
+        except Exception as e:  # the run's own results are on disk: tracking must not end it
+            self.failed = True
+            progress.warn(f"MLflow: could not {what} ({_short(e)}); the run goes on without MLflow")
+
+    def finish(self, outcome: Outcome) -> None:
+        rows = self.pending.take()
+        if outcome.ok:
+            self._send(rows)
+            figures = summary_figures(outcome.summary)
+            step = int(outcome.summary.get("steps") or 0)
+            self._call("log the summary", lambda: self._log_figures(figures, step))
+            self._call("log the run's files", self._log_files)
+            if self.tc.log_model and outcome.model_dir:
+                self._call("log the model", lambda: self._log_model(outcome.model_dir))
+        status = "FINISHED" if outcome.ok and not self.failed else "FAILED"
+        try:
+            self.client.set_terminated(self.run_id, status=status)
+        except Exception as e:
+            progress.warn(f"MLflow: could not end run {self.run_id} ({_short(e)})")
+
+    def _log_figures(self, figures: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(f"summary/{k}", v, now, step) for k, v in figures.items()]
+        for i in range(0, len(items), BATCH):
+            self.client.log_batch(self.run_id, metrics=items[i:i + BATCH])
+
+    def _log_files(self) -> None:
+        with tempfile.TemporaryDirectory(prefix="sparklm-mlflow-") as tmp:
+            for name in RUN_FILES:
+                uri = join(self.ctx.run_dir, name)
+                if exists(uri, self.ctx.storage):
+                    (Path(tmp) / name).write_bytes(read_bytes(uri, self.ctx.storage))
+            self.client.log_artifacts(self.run_id, tmp)
+
+    def _log_model(self, model_dir: str) -> None:
+        """The model as a ``text-generation`` pipeline in MLflow's transformers flavor (a LoRA run's adapter merged
+        into its base: the logged model stands alone), with sparklm's sampling defaults as its inference config."""
+        import mlflow
+        import torch
+        import transformers
+        from mlflow.models import infer_signature
+
+        from ..infer.sampling import Sampling
+        from ..model.build import context_length, load_model, model_source
+
+        model = load_model(model_dir, storage=self.ctx.storage)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_source(model_dir, self.ctx.storage)))
+        pipe = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)
+        d = Sampling()
+        inference = {"max_new_tokens": max(1, min(d.max_new_tokens, (context_length(model.config) or 64) // 2)),
+                     "do_sample": True, "temperature": d.temperature, "top_k": d.top_k}
+        signature = infer_signature(["a prompt"], ["its continuation"], params=inference)
+        requirements = [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}",
+                        f"tokenizers=={_version('tokenizers')}", f"safetensors=={_version('safetensors')}"]
+        before = mlflow.get_tracking_uri()
+        mlflow.set_tracking_uri(self.uri)
+        try:
+            with mlflow.start_run(run_id=self.run_id):
+                mlflow.transformers.log_model(
+                    transformers_model=pipe, name="model", task="text-generation", signature=signature,
+                    model_config=inference, pip_requirements=requirements,
+                    registered_model_name=self.tc.mlflow_register or None)
+        finally:
+            mlflow.set_tracking_uri(before)
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)

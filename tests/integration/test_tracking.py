@@ -1,0 +1,238 @@
+"""Experiment trackers against real ones: an `mlflow server` on 127.0.0.1 (and MLflow's local store), W&B
+offline (its run file read back with W&B's own protobuf records), one tracker run per command."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import cfg, free_port, make_text, run_sparklm
+from sparklm.config import TrackingConfig, flatten
+from sparklm.errors import SparklmError
+from sparklm.train.run import train
+from sparklm.train.sinks import read_metrics
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    mlflow = Path(sys.executable).parent / "mlflow"
+    proc = subprocess.Popen([str(mlflow), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                             "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
+                             "--artifacts-destination", str(root / "artifacts")],
+                            stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "wb"), start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while True:
+        try:
+            urllib.request.urlopen(f"{uri}/health", timeout=2)
+            break
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+    yield uri
+    os.killpg(proc.pid, 15)
+    proc.wait(timeout=30)
+
+
+def _tracking(**kw) -> TrackingConfig:
+    return TrackingConfig(**kw)
+
+
+def test_one_mlflow_run_per_command_with_params_metrics_files_and_a_model_spark_scores(
+        spark, dataset, tmp_path, mlflow_server):
+    import mlflow
+    from mlflow import MlflowClient
+
+    run_dir = tmp_path / "run"
+    config = cfg(max_steps=12, workers=2, eval_every=6, checkpoint_every=6).replace(
+        tracking=_tracking(mlflow_uri=mlflow_server, mlflow_experiment="tiny", mlflow_register="sparklm-tiny"))
+    summary = train(dataset, output=str(run_dir), config=config, spark=spark)
+    client = MlflowClient(tracking_uri=mlflow_server)
+    exp = client.get_experiment_by_name("tiny")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1  # two DDP ranks, one MLflow run
+    run = runs[0]
+    assert run.info.status == "FINISHED" and run.info.run_name == "run"
+    saved = json.loads((run_dir / "config.json").read_text())["config"]
+    assert {k: run.data.params.get(k) for k in flatten(saved)} == {k: str(v) for k, v in flatten(saved).items()}
+    rows = read_metrics(run_dir / "metrics.csv")
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [m.step for m in history] == [r["step"] for r in train_rows]  # each step once
+    assert [m.value for m in history] == pytest.approx([r["loss"] for r in train_rows], rel=1e-5)
+    evals = client.get_metric_history(run.info.run_id, "eval/val_loss")
+    assert [m.step for m in evals] == [r["step"] for r in rows if r["kind"] == "eval"]
+    for system in ("train/tokens_per_s", "train/mfu", "train/rss_mb"):
+        assert client.get_metric_history(run.info.run_id, system), system
+    assert run.data.metrics["summary/final/val_bpb"] == pytest.approx(summary["final"]["val_bpb"])
+    files = {f.path for f in client.list_artifacts(run.info.run_id)}
+    assert {"summary.json", "metrics.csv", "config.json", "loss.png", "samples.txt", "report.html"} <= files
+
+    # the logged model: registered, and a Spark UDF with it continues 3 prompts
+    version = client.get_latest_versions("sparklm-tiny")[0]
+    assert version.run_id == run.info.run_id
+    mlflow.set_tracking_uri(mlflow_server)
+    udf = mlflow.pyfunc.spark_udf(spark, "models:/sparklm-tiny/1", result_type="string", env_manager="local")
+    out = spark.createDataFrame([("To be",), ("Москва",), ("The",)], ["prompt"]).withColumn("text", udf("prompt"))
+    texts = [r.text for r in out.collect()]
+    assert len(texts) == 3 and all(isinstance(t, str) and t for t in texts)
+
+
+def test_prepare_logs_its_manifest_to_mlflow_and_a_failed_run_is_marked_failed(spark, tmp_path, mlflow_server,
+                                                                              monkeypatch):
+    from mlflow import MlflowClient
+
+    from sparklm import api
+
+    settings = {"data.seq_len": 16, "tokenizer.vocab_size": 280, "tracking.mlflow_uri": mlflow_server,
+                "tracking.mlflow_experiment": "prep"}
+    (tmp_path / "a.txt").write_text(make_text(60, seed=3))
+    with pytest.raises(SparklmError, match="no training documents"):  # all too short: the run is marked failed
+        api.prepare(str(tmp_path / "a.txt"), output=str(tmp_path / "bad"), spark=spark,
+                    settings={**settings, "data.min_chars": 100_000})
+    ds = api.prepare(str(tmp_path / "a.txt"), output=str(tmp_path / "prep"), spark=spark,
+                     settings=settings)
+    client = MlflowClient(tracking_uri=mlflow_server)
+    failed, run = client.search_runs([client.get_experiment_by_name("prep").experiment_id],
+                                     order_by=["attributes.start_time ASC"])
+    assert failed.info.status == "FAILED" and not (tmp_path / "bad").exists()
+    assert run.data.tags["sparklm.command"] == "prepare" and run.info.status == "FINISHED"
+    assert run.data.params["data.seq_len"] == "16"
+    assert run.data.metrics["summary/splits/train_tokens"] == ds.manifest["splits"]["train"]["tokens"]
+    assert "manifest.json" in {f.path for f in client.list_artifacts(run.info.run_id)}
+
+    # MLflow's local store (a database file, no server) takes the same; its artifacts go to ./mlruns
+    monkeypatch.chdir(tmp_path)
+    store = tmp_path / "mlruns"
+    api.prepare(str(tmp_path / "a.txt"), output=str(tmp_path / "prep2"), spark=spark,
+                settings={"data.seq_len": 16, "tokenizer.vocab_size": 280, "tracking.mlflow_uri": f"sqlite:///{store}.db"})
+    local = MlflowClient(tracking_uri=f"sqlite:///{store}.db")
+    assert local.search_runs([local.get_experiment_by_name("sparklm").experiment_id])[0].info.status == "FINISHED"
+
+
+def test_mlflow_mistakes_are_one_line_before_anything_is_written(dataset, tmp_path):
+    port = free_port()  # nothing listens there
+    r = run_sparklm("train", "--data", dataset, "--output", str(tmp_path / "run"), "--max-steps", "2",
+                    "--mlflow", f"http://127.0.0.1:{port}", timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "cannot open an MLflow run" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "run" / "config.json").exists()
+    r = run_sparklm("train", "--data", dataset, "--output", str(tmp_path / "run2"), "--max-steps", "2",
+                    "--mlflow", "https://me:hunter2@mlflow.example.com")
+    assert r.returncode != 0 and "holds a password" in r.stderr and "hunter2" not in r.stderr + r.stdout
+    assert not (tmp_path / "run2").exists()
+
+
+def wandb_records(run_dir: Path) -> list:
+    """The records of an offline W&B run file. The file is a LevelDB-style log (32 KiB blocks of chunks, each with
+    a 7-byte header: CRC, length, type) of W&B's protobuf ``Record`` messages, after a 7-byte file header."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B"
+    block, pos, chunk, out = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a header is padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pos += 7
+        if kind == 0 and length == 0:
+            pos += left - 7
+            continue
+        chunk += data[pos:pos + length]
+        pos += length
+        if kind in (1, 4):  # FULL, or LAST of FIRST/MIDDLE/LAST
+            record = pb.Record()
+            record.ParseFromString(chunk)
+            out.append(record)
+            chunk = b""
+    return out
+
+
+def test_wandb_offline_run_has_the_config_history_summary_and_artifacts(spark, dataset, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    summary = train(dataset, output=str(run_dir), spark=spark,
+                    config=cfg(max_steps=10, eval_every=5, strategy="diloco", workers=2, sync_every=5).replace(
+                        tracking=_tracking(wandb_project="sparklm-test")))
+    records = wandb_records(run_dir)
+    kinds = [r.WhichOneof("record_type") for r in records]
+    config = {}
+    for r in records:
+        kind = r.WhichOneof("record_type")
+        if kind in ("run", "config"):
+            config.update({i.key: json.loads(i.value_json) for i in (r.run.config if kind == "run" else r.config).update})
+    saved = flatten(json.loads((run_dir / "config.json").read_text())["config"])
+    assert config["train.strategy"] == "diloco" and config["train.lr"] == saved["train.lr"]
+    history = [{i.nested_key[0] if i.nested_key else i.key: json.loads(i.value_json) for i in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"]
+    rows = read_metrics(run_dir / "metrics.csv")
+    assert [h["step"] for h in history if "train/loss" in h] == [r["step"] for r in rows if r["kind"] == "train"]
+    assert [h["step"] for h in history if "eval/val_bpb" in h] == [r["step"] for r in rows if r["kind"] == "eval"]
+    assert [h["round/returned_bytes"] for h in history if "round/returned_bytes" in h]  # rounds too
+    final = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "summary":
+            final.update({(u.nested_key[0] if u.nested_key else u.key): json.loads(u.value_json) for u in r.summary.update})
+    assert final["final/val_bpb"] == pytest.approx(summary["final"]["val_bpb"])
+    artifacts = {r.artifact.type for r in records if r.WhichOneof("record_type") == "artifact"}
+    assert {"model", "sparklm-train"} <= artifacts, kinds
+
+
+def _train_row(step: int, loss: float):
+    from sparklm.train import rows
+
+    return rows.Train(step=step, epoch=0.0, tokens=step * 10, loss=loss, lr=1e-3, grad_norm=1.0, tokens_per_s=1.0,
+                      ms_per_step=1.0, mfu=0.0, rss_mb=1.0, peak_rss_mb=1.0, rank_peak_rss_mb="1", elapsed=1.0)
+
+
+def test_a_restart_leaves_one_clean_history_in_mlflow_and_wandb(tmp_path, mlflow_server, monkeypatch):
+    """A DDP restart rewinds to its checkpoint (step 4) and sends steps 5-6 again: each tracker shows every step
+    once, with the second attempt's values, though neither can delete a logged value."""
+    from mlflow import MlflowClient
+
+    from sparklm import trackers
+    from sparklm.config import Config, StorageConfig
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = Config().replace(tracking=_tracking(mlflow_uri=mlflow_server, mlflow_experiment="rewind",
+                                                 wandb_project="rewind"))
+    ctx = trackers.Context(command="train", run_dir=str(tmp_path / "run"), storage=StorageConfig(),
+                           params={"train.lr": 0.001}, name="run")
+    opened = trackers.open_trackers(config, ctx)
+    for t in opened:
+        for step in range(1, 7):
+            t.write(_train_row(step, 10.0 - step))  # the first attempt
+            if step == 4:
+                t.flush()  # before the checkpoint of step 4
+        t.rewind(4)
+        for step in range(5, 9):
+            t.write(_train_row(step, 100.0 - step))  # the second attempt
+        t.flush()
+        t.close()
+    trackers.finish_all(opened, trackers.Outcome(ok=True, summary={"steps": 8}))
+    want = [(s, 10.0 - s) for s in range(1, 5)] + [(s, 100.0 - s) for s in range(5, 9)]
+    client = MlflowClient(tracking_uri=mlflow_server)
+    (run,) = client.search_runs([client.get_experiment_by_name("rewind").experiment_id])
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss")] == want
+    history = [{i.nested_key[0] if i.nested_key else i.key: json.loads(i.value_json) for i in r.history.item}
+               for r in wandb_records(tmp_path / "run") if r.WhichOneof("record_type") == "history"]
+    assert [(h["step"], h["train/loss"]) for h in history] == want
