@@ -82,7 +82,7 @@ def test_one_mlflow_run_per_command_with_params_metrics_files_and_a_model_spark_
     assert {"summary.json", "metrics.csv", "config.json", "loss.png", "samples.txt", "report.html"} <= files
 
     # the logged model: registered, and a Spark UDF with it continues 3 prompts
-    version = client.get_latest_versions("sparklm-tiny")[0]
+    (version,) = client.search_model_versions("name = 'sparklm-tiny'")
     assert version.run_id == run.info.run_id
     mlflow.set_tracking_uri(mlflow_server)
     udf = mlflow.pyfunc.spark_udf(spark, "models:/sparklm-tiny/1", result_type="string", env_manager="local")

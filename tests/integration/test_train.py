@@ -274,3 +274,29 @@ def test_cli_resume_keeps_the_saved_settings_and_refuses_a_new_data_order(datase
     assert r.stderr.strip().splitlines()[-1].startswith("error: cannot change train.seed when resuming")
     r = cli("-o", str(run), "--resume", "--set", "train.sync_every=4")
     assert r.returncode == 2 and "did you mean 'train.rounds.sync_every'" in r.stderr
+
+
+def test_epochs_csv_sums_each_pass_and_train_rows_carry_the_training_accuracy(spark, tmp_path):
+    """The seeds' per-epoch statistics: a small split passed several times gives one epochs.csv row per pass, its
+    loss and accuracy the step-weighted means of the pass's train rows."""
+    from conftest import make_text
+    from sparklm.config import from_dict
+    from sparklm.data.prepare import prepare
+    from sparklm.train.epochs import epoch_rows
+
+    (tmp_path / "a.txt").write_text(make_text(24, seed=4))
+    data = prepare([str(tmp_path / "a.txt")], output=str(tmp_path / "prep"), spark=spark,
+                   config=from_dict({"data": {"seq_len": 32, "val_fraction": 0.1}, "tokenizer": {"vocab_size": 300}}))
+    per_epoch = data.manifest["splits"]["train"]["tokens"] / 128  # steps per pass: 4 rows of 32 tokens a step
+    run = tmp_path / "run"
+    train(data.uri, output=str(run), config=cfg(max_steps=int(3.5 * per_epoch) + 1), spark=spark)
+    rows = read_metrics(run / "metrics.csv")
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert all(0 <= r["acc"] <= 1 for r in train_rows)
+    assert sum(r["acc"] for r in train_rows[-5:]) > sum(r["acc"] for r in train_rows[:5])  # it learns
+    epochs = read_metrics(run / "epochs.csv")
+    assert [e["epoch"] for e in epochs] == [1, 2, 3]
+    want = epoch_rows(train_rows)
+    assert [e["step"] for e in epochs] == [w.step for w in want]
+    assert [e["loss"] for e in epochs] == pytest.approx([w.loss for w in want], rel=1e-5)
+    assert epochs[-1]["loss"] < epochs[0]["loss"] and all(e["epoch_s"] > 0 and e["tokens_per_s"] > 0 for e in epochs)

@@ -132,3 +132,24 @@ def test_models_that_change_logits_after_the_head_keep_the_unchunked_loss():
     model = tiny("llama", False)
     model.lm_head.register_forward_hook(lambda m, a, out: out * 2 + 1)  # a transform no config names
     assert not lm_head.supports(model)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096])
+def test_training_accuracy_counts_equal_the_evaluations_and_the_unchunked_ones(chunk):
+    """The training accuracy the chunked loss tallies is top-1 over the positions with a loss: what evaluation's
+    token_sums counts, and what the task's unchunked loss (a model without loss chunks) counts."""
+    from sparklm.model.task import Batch, CausalLM
+
+    model = tiny("llama", False)
+    ids, mask, labels = batch()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    _, counted, correct, _ = lm_head.token_sums(logits[:, :-1], ids[:, 1:], labels[:, 1:] != IGNORE).tolist()
+    tally = torch.zeros(2)
+    with lm_head.hidden_states(model) as box:
+        model(input_ids=ids, attention_mask=mask)
+    lm_head.nll_sum(box["hidden"], lm_head.head_of(model), labels, chunk, tally)
+    assert tally.tolist() == [correct, counted] and counted > 0
+    plain = torch.zeros(2)
+    CausalLM().loss(model, Batch(input_ids=ids, attention_mask=mask, labels=labels), tally=plain)
+    assert plain.tolist() == [correct, counted]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from hypothesis import given
@@ -112,7 +113,8 @@ def test_the_best_follows_the_loss_the_task_names():
 def test_every_row_kind_survives_the_json_a_rank_sends():
     samples = [rows.Info(strategy="ddp", workers=2, total_steps=None, params=5, threads=1),
                rows.Train(step=1, epoch=0.1, tokens=64, loss=2.5, lr=1e-3, grad_norm=0.3, tokens_per_s=100.0,
-                          ms_per_step=9.0, mfu=0.2, rss_mb=10.0, peak_rss_mb=11.0, rank_peak_rss_mb="11/10", elapsed=0.5),
+                          ms_per_step=9.0, mfu=0.2, rss_mb=10.0, peak_rss_mb=11.0, rank_peak_rss_mb="11/10", elapsed=0.5,
+                          acc=0.25),
                rows.Eval(step=2, tokens=128, figures={"val_loss": 2.0, "val_bpb": 1.1}),
                rows.Round(round=1, step=4, workers=2, workers_done=1, tokens=9, loss=2.0, inner_losses="2.0", attempts="0",
                           cold="", broadcast_bytes=1, returned_bytes=2, broadcast_s=0.1, fetch_s=0.1, compute_s=1.0,
@@ -123,3 +125,62 @@ def test_every_row_kind_survives_the_json_a_rank_sends():
     assert rows.ROUND_COLUMNS[-1] == "elapsed" and "eta_s" not in rows.ROUND_COLUMNS  # the progress line's only
     with pytest.raises(ValueError):
         rows.from_dict({"kind": "gossip"})
+
+
+def _tr(step: int, epoch: float, loss: float, acc: float = 0.5, elapsed: float | None = None) -> dict:
+    return {"step": step, "epoch": epoch, "tokens": step * 10, "loss": loss, "acc": acc, "lr": 0.1 * step,
+            "elapsed": step if elapsed is None else elapsed, "peak_rss_mb": 100.0 + step}
+
+
+def test_epoch_rows_sum_the_train_rows_of_each_pass():
+    from sparklm.train.epochs import epoch_rows
+
+    train = [_tr(2, 0.4, 4.0, 0.1), _tr(4, 0.8, 3.0, 0.2), _tr(6, 1.2, 2.0, 0.3),  # epoch 1 ends at step 6's row
+             _tr(8, 1.6, 1.0, 0.4), _tr(10, 2.0, 1.0, 0.5),  # epoch 2 ends exactly at step 10
+             _tr(12, 4.4, 0.5, float("nan"))]  # a row that ends two epochs (3 and 4) at once; no accuracy
+    got = epoch_rows(train)
+    assert [(e.epoch, e.step, e.steps) for e in got] == [(1, 6, 6), (2, 10, 4), (3, 12, 2), (4, 12, 2)]
+    assert got[0].loss == pytest.approx(3.0) and got[0].acc == pytest.approx(0.2)  # each row covers 2 steps
+    assert got[0].lr == pytest.approx(0.6) and got[0].epoch_s == 6 and got[0].tokens_per_s == pytest.approx(10)
+    assert got[0].ms_per_step == pytest.approx(1000) and got[0].peak_rss_mb == 106
+    assert got[1].loss == 1.0 and got[1].epoch_s == 4 and math.isnan(got[2].acc)
+    assert epoch_rows(train[:2]) == []
+
+
+def test_the_epoch_sink_adds_epoch_rows_once_and_forgets_them_on_a_rewind():
+    from sparklm.train.epochs import EpochRows
+
+    class Keep:
+        def __init__(self):
+            self.rows, self.rewound = [], []
+
+        def write(self, row):
+            self.rows.append(row)
+
+        def rewind(self, step, evaluated=True):
+            self.rewound.append(step)
+            self.rows = [r for r in self.rows if getattr(r, "step", 0) <= step]
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    def train_row(step, epoch):
+        return rows.Train(step=step, epoch=epoch, tokens=step, loss=1.0, lr=0.1, grad_norm=1.0, tokens_per_s=1.0,
+                          ms_per_step=1.0, mfu=0.0, rss_mb=1.0, peak_rss_mb=1.0, rank_peak_rss_mb="1",
+                          elapsed=float(step), acc=0.5)
+
+    out = Keep()
+    sink = EpochRows(out)
+    for step in range(1, 7):
+        sink.write(train_row(step, step / 2.5))  # epochs end at steps 3 (1.2) and 5 (2.0)
+    assert [(r.epoch, r.step) for r in out.rows if r.kind == "epoch"] == [(1, 3), (2, 5)]
+    sink.rewind(4)  # a restart from step 4's checkpoint: epoch 2 ends again, once
+    for step in range(5, 7):
+        sink.write(train_row(step, step / 2.5))
+    assert [(r.epoch, r.step) for r in out.rows if r.kind == "epoch"] == [(1, 3), (2, 5)]
+    resumed = EpochRows(Keep(), earlier=[_tr(s, s / 2.5, 1.0) for s in range(1, 5)])  # from metrics.csv
+    resumed.write(train_row(5, 2.0))
+    assert [(r.epoch, r.steps) for r in resumed.out.rows if r.kind == "epoch"] == [(2, 2)]

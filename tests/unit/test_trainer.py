@@ -55,7 +55,7 @@ def setup(tmp_path_factory):
 
 
 def _steps(trainer: Trainer, n: int) -> list[float]:
-    return [loss.item() for loss, _, _ in trainer.run_steps(trainer.batches(trainer.state.position), n,
+    return [loss.item() for loss, *_ in trainer.run_steps(trainer.batches(trainer.state.position), n,
                                                             lambda _: trainer.state.step / 6)]
 
 

@@ -87,16 +87,18 @@ def supports(model: torch.nn.Module) -> bool:
         model.train(was_training)
 
 
-def nll_sum(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+def nll_sum(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, chunk: int,
+            tally: torch.Tensor | None = None) -> torch.Tensor:
     """The summed next-token loss of ``hidden`` (B, T, d), the head's input, for ``labels`` (B, T; IGNORE where
-    no loss; position t predicts label t+1), a chunk of positions at a time."""
+    no loss; position t predicts label t+1), a chunk of positions at a time. ``tally`` ([correct, targets]), when
+    given, gets the chunk's top-1 hits added: the training accuracy, from the logits the loss makes anyway."""
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     t = labels[:, 1:].reshape(-1)
     keep = t != IGNORE
     if not bool(keep.all()):
         h, t = h[keep], t[keep]
     mm_dtype = _mm_dtype(h.device) or head.weight.dtype
-    return _ChunkedNLL.apply(h, head.weight, head.bias, t, chunk_size(head.weight.shape[0], chunk), mm_dtype)
+    return _ChunkedNLL.apply(h, head.weight, head.bias, t, chunk_size(head.weight.shape[0], chunk), mm_dtype, tally)
 
 
 def token_sums(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
@@ -159,7 +161,7 @@ class _ChunkedNLL(torch.autograd.Function):
     with its gradients computed in the forward pass (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk, mm_dtype):
+    def forward(ctx, hidden, weight, bias, targets, chunk, mm_dtype, tally=None):
         need_h, need_w = hidden.requires_grad, weight.requires_grad
         need_b = bias is not None and bias.requires_grad
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -175,6 +177,9 @@ class _ChunkedNLL(torch.autograd.Function):
                 hc, tc = h[s:s + chunk], targets[s:s + chunk]
                 logp = torch.log_softmax(F.linear(hc, w, b).float(), dim=-1)  # one fused kernel over the chunk
                 total -= logp.gather(1, tc[:, None]).sum(dtype=torch.float64)
+                if tally is not None:
+                    tally[0] += (logp.argmax(-1) == tc).sum()
+                    tally[1] += len(tc)
                 if not (need_h or need_w or need_b):
                     continue
                 g = logp.exp_()  # softmax, in place
@@ -199,4 +204,4 @@ class _ChunkedNLL(torch.autograd.Function):
         return (None if grad_h is None else (grad_h * grad_out).to(h_dtype),
                 None if grad_w is None else (grad_w * grad_out).to(w_dtype),
                 None if grad_b is None else (grad_b * grad_out).to(b_dtype),
-                None, None, None)
+                None, None, None, None)

@@ -67,7 +67,11 @@ class Task(Protocol):
         """How much ``batch`` counts in its step (micro-batches weigh by it)."""
         ...
 
-    def loss(self, net: torch.nn.Module, batch: Batch, total: int | None = None) -> torch.Tensor: ...
+    def loss(self, net: torch.nn.Module, batch: Batch, total: int | None = None,
+             tally: torch.Tensor | None = None) -> torch.Tensor:
+        """The batch's loss for backward; ``tally`` ([correct, counted], on the device), when given, gets the
+        batch's training-accuracy counts added (no extra forward: from what the loss computes)."""
+        ...
 
     def eval_sums(self, model: torch.nn.Module, batch: Batch, byte_lengths: torch.Tensor) -> torch.Tensor: ...
 
@@ -150,7 +154,8 @@ class CausalLM:
     def weight(self, batch: Batch) -> int:
         return targets(batch)
 
-    def loss(self, net: torch.nn.Module, batch: Batch, total: int | None = None) -> torch.Tensor:
+    def loss(self, net: torch.nn.Module, batch: Batch, total: int | None = None,
+             tally: torch.Tensor | None = None) -> torch.Tensor:
         """The summed next-token loss of ``batch`` divided by ``total`` targets (default: the batch's own), so that
         micro-batches of a step weigh by the targets they hold (instruction data: response tokens only); a batch
         without any target gives a zero that still reaches every parameter (DDP expects every gradient)."""
@@ -159,9 +164,15 @@ class CausalLM:
         if chunk is not None:  # the head's loss a chunk of positions at a time (model/lm_head.py)
             with lm_head.hidden_states(net) as box:
                 net(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-            nats = lm_head.nll_sum(box["hidden"], lm_head.head_of(net), batch.labels, chunk)
+            nats = lm_head.nll_sum(box["hidden"], lm_head.head_of(net), batch.labels, chunk, tally)
             return nats / (total or max(n, 1))
         out = net(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
+        if tally is not None:
+            with torch.no_grad():
+                want = batch.labels[:, 1:]
+                keep = want != IGNORE
+                tally[0] += (out.logits[:, :-1].argmax(-1)[keep] == want[keep]).sum()
+                tally[1] += keep.sum()
         if n == 0:
             return out.logits.sum() * 0.0
         return out.loss * (n / (total or n))

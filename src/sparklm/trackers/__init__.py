@@ -16,6 +16,7 @@ summary and files (and the model, where the tracker stores models) and closes th
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -114,7 +115,8 @@ def numbers(row: Row) -> dict[str, float]:
     """A row's numeric figures under ``kind/name`` (``train/loss``, ``eval/val_bpb``, ``round/broadcast_bytes``), as
     every tracker names them; the step is the x-axis, not a figure."""
     return {f"{row.kind}/{name}": float(value) for name, value in row.to_dict().items()
-            if name not in ("kind", "step") and isinstance(value, (int, float)) and not isinstance(value, bool)}
+            if name not in ("kind", "step") and isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value)}  # a figure a row could not measure (NaN) is left out, not logged as NaN
 
 
 def summary_figures(summary: dict) -> dict[str, float]:

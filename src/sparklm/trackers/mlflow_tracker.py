@@ -170,7 +170,8 @@ class MlflowTracker:
         import mlflow
         import torch
         import transformers
-        from mlflow.models import infer_signature
+        from mlflow.models import ModelSignature
+        from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
         from ..infer.sampling import Sampling
         from ..model.build import context_length, load_model, model_source
@@ -181,7 +182,11 @@ class MlflowTracker:
         d = Sampling()
         inference = {"max_new_tokens": max(1, min(d.max_new_tokens, (context_length(model.config) or 64) // 2)),
                      "do_sample": True, "temperature": d.temperature, "top_k": d.top_k}
-        signature = infer_signature(["a prompt"], ["its continuation"], params=inference)
+        # spelled out, not inferred: MLflow's inference imports pyspark.sql.connect, which exits the process
+        # when Spark Connect's packages are missing and __main__ has no file (pytest-xdist workers, some notebooks)
+        types = {int: "long", float: "double", bool: "boolean"}
+        signature = ModelSignature(inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]),
+                                   params=ParamSchema([ParamSpec(k, types[type(v)], v) for k, v in inference.items()]))
         requirements = [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}",
                         f"tokenizers=={_version('tokenizers')}", f"safetensors=={_version('safetensors')}"]
         before = mlflow.get_tracking_uri()

@@ -144,42 +144,43 @@ class Trainer:
                              storage=self.config.storage)
         return (self.device.put(self.task.batch(rows)) for rows in stream)
 
-    def train_step(self, batches: Iterator[Batch], lr: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, gradient norm)."""
+    def train_step(self, batches: Iterator[Batch], lr: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One optimizer step over ``grad_accum`` micro-batches; returns (mean loss, gradient norm, [correct,
+        counted] next-token predictions: the training accuracy's counts, device tensors, no sync here)."""
         tc = self.tc
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss_sum = self.device.zeros()
+        loss_sum, tally = self.device.zeros(), self.device.zeros(2)
         micros = [next(batches) for _ in range(tc.grad_accum)]
         total = sum(self.task.weight(b) for b in micros)  # micro-batches weigh by their share of the step
         for micro, batch in enumerate(micros):
             sync = self.rank.world == 1 or micro == tc.grad_accum - 1
             ctx = self.net.no_sync() if not sync and hasattr(self.net, "no_sync") else nullcontext()
             with ctx, self.device.autocast():
-                loss = self.task.loss(self.net, batch, total)
+                loss = self.task.loss(self.net, batch, total, tally)
             loss.backward()
             loss_sum += loss.detach().float()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip or float("inf"))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum, grad_norm
+        return loss_sum, grad_norm, tally
 
     def run_steps(self, batches: Iterator[Batch], n: int, frac: Callable[[int], float], *, stop: bool = True
-                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor, float]]:
+                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]]:
         """Up to ``n`` optimizer steps; before step ``i``, ``frac(i)`` says how much of the run is done (with
         ``stop``, the steps end at 1.0; a round's worker runs all ``n`` its driver planned). Yields (loss,
-        grad norm, lr) after each step, the state already advanced."""
+        grad norm, lr, accuracy counts) after each step, the state already advanced."""
         self.model.train()
         for i in range(n):
             done = frac(i)
             if stop and done >= 1.0:
                 return
             lr = lr_at(self.state.step, done, self.tc)
-            loss, grad_norm = self.train_step(batches, lr)
+            loss, grad_norm, tally = self.train_step(batches, lr)
             self.state.step += 1
             self.state.position += self.plan.rows_per_step
             self.state.tokens_seen += self.plan.tokens_per_step
-            yield loss, grad_norm, lr
+            yield loss, grad_norm, lr, tally
 
     @torch.no_grad()
     def eval_sums(self, part: int, parts: int) -> torch.Tensor:
@@ -256,12 +257,15 @@ class Trainer:
         dist.all_gather(gathered, mine)
         return torch.cat(gathered).tolist()
 
-    def global_mean(self, loss: torch.Tensor) -> float:
-        """The step's loss averaged over the ranks (a collective)."""
+    def global_mean(self, loss: torch.Tensor, tally: torch.Tensor) -> tuple[float, float]:
+        """The step's loss averaged over the ranks and its training accuracy over all their predictions (one
+        collective)."""
+        both = torch.cat([loss.reshape(1), tally])
         if self.rank.world > 1:
-            dist.all_reduce(loss)
-            loss /= self.rank.world
-        return loss.item()
+            dist.all_reduce(both)
+            both[0] /= self.rank.world
+        mean, correct, counted = both.tolist()
+        return mean, correct / counted if counted else float("nan")
 
     def progress(self, started: float) -> float:
         """How much of the run is done; with a time budget the ranks agree on the furthest (a collective)."""
@@ -356,13 +360,14 @@ def train(config: Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir
     window = (time.time(), trainer.state.tokens_seen, trainer.state.step)  # the last train row's time, tokens, step
     remaining = (schedule.total_steps - trainer.state.step) if schedule.total_steps else 2**62
     steps = trainer.run_steps(trainer.batches(trainer.state.position), remaining, lambda _: trainer.progress(started))
-    for loss, grad_norm, lr in steps:
+    for loss, grad_norm, lr, tally in steps:
         step = trainer.state.step
         if on_step is not None:
             on_step(step)
-        mean_loss = trainer.global_mean(loss)
+        mean_loss, acc = trainer.global_mean(loss, tally)
         if step % tc.log_every == 0 or step == 1:  # the same on every rank
-            window = _train_row(trainer, rec, window, started, loss=mean_loss, lr=lr, grad_norm=float(grad_norm))
+            window = _train_row(trainer, rec, window, started, loss=mean_loss, acc=acc, lr=lr,
+                                grad_norm=float(grad_norm))
         if is_main and step == NOTE_STEP:  # by then the pace projects a time budget well enough
             pace = trainer.state.tokens_seen / max(time.time() - started, 1e-9)
             total = schedule.total_steps

@@ -14,7 +14,7 @@ import io
 import json
 import posixpath
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import spark_figures
 from ..config import StorageConfig
@@ -55,6 +55,7 @@ class RunData:
     rounds: list[dict]  # rounds.csv (average, diloco); [] for DDP
     samples: str | None  # samples.txt
     figures: FigureSet
+    epochs: list[dict] = field(default_factory=list)  # epochs.csv: one row per pass over the training split
 
     @property
     def name(self) -> str:
@@ -81,6 +82,7 @@ def read_run(run_dir: str, storage: StorageConfig | None = None) -> RunData:
     return RunData(uri=run_dir, config=config, summary=summary, train=[r for r in rows if r["kind"] == "train"],
                    evals=[r for r in rows if r["kind"] == "eval"],
                    rounds=read_metrics(join(run_dir, "rounds.csv"), storage), figures=figures,
+                   epochs=read_metrics(join(run_dir, "epochs.csv"), storage),
                    samples=read_text(samples_uri, storage) if exists(samples_uri, storage) else None)
 
 
@@ -110,6 +112,8 @@ def render_run(run: RunData) -> str:
                     "those it logged.</p>")
     body += ["<h2>Headline figures</h2>", table(list(facts(run).items()), ("figure", "value")),
              "<h2>Curves</h2>", charts(run_charts(run))]
+    if run.epochs:
+        body += ["<h2>Epochs</h2>", epochs_table(run.epochs)]
     if run.rounds:
         body += ["<h2>Rounds</h2>", charts(round_charts(run)), rounds_table(run.rounds)]
     body += ["<h2>Samples</h2>", f"<pre>{esc(run.samples)}</pre>" if run.samples else
@@ -231,6 +235,7 @@ def run_charts(run: RunData) -> list[str]:
             out.append(svg(f"validation {fig.label}", "tokens seen", fig.label,
                            _lines([("", *_xy(evals, "tokens", fig.key))], "o-")))
     out += [
+        _step_chart(train, "training accuracy", "next-token accuracy (%)", [("acc", "")], scale=100),
         _step_chart(train, "learning rate", "lr", [("lr", "")]),
         _step_chart(train, "throughput", "tokens/s", [("tokens_per_s", "")]),
         _step_chart(train, "model FLOPs utilisation", "MFU (%)", [("mfu", "")], scale=100),
@@ -268,6 +273,17 @@ def round_charts(run: RunData) -> list[str]:
     return [svg("inner loss per worker", "round", "loss (nats/token)", inner),
             svg("bytes per round", "round", "MB", _lines(sent, "o-")),
             svg("round timings", "round", "seconds", timings)]
+
+
+def epochs_table(rows: list[dict]) -> str:
+    header = ("epoch", "ended at step", "steps", "train loss", "train accuracy", "lr", "seconds", "tokens/s",
+              "ms/step", "peak memory")
+    cells = [(r["epoch"], r["step"], r.get("steps"), _sig(r.get("loss")),
+              f"{r['acc']:.2%}" if isinstance(r.get("acc"), float) and r["acc"] == r["acc"] else "",
+              _sig(r.get("lr")), _seconds(r.get("epoch_s")),
+              f"{r['tokens_per_s']:,.0f}" if isinstance(r.get("tokens_per_s"), int | float) else "", _sig(r.get("ms_per_step")),
+              _mb(r.get("peak_rss_mb"))) for r in rows]
+    return table(cells, header)
 
 
 def rounds_table(rows: list[dict]) -> str:
@@ -403,7 +419,8 @@ def _worker_peaks(train: list[dict]) -> list[tuple[str, list, list]]:
 
 
 def _xy(rows: list[dict], x: str, y: str, scale: float = 1.0) -> tuple[list, list]:
-    pts = [(r[x], r[y] * scale) for r in rows if r.get(x) is not None and isinstance(r.get(y), int | float)]
+    pts = [(r[x], r[y] * scale) for r in rows
+           if r.get(x) is not None and isinstance(r.get(y), int | float) and r[y] == r[y]]  # NaN: not measured
     return [p[0] for p in pts], [p[1] for p in pts]
 
 

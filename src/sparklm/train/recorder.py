@@ -165,11 +165,12 @@ class Recorder:
         self.peaks = [max(a, b or 0.0) for a, b in zip(self.peaks, peaks)]
 
     def train(self, *, step: int, tokens: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float,
-              ms_per_step: float, rss_mb: float, peaks: list[float | None], elapsed: float) -> rows.Train:
+              ms_per_step: float, rss_mb: float, peaks: list[float | None], elapsed: float,
+              acc: float = float("nan")) -> rows.Train:
         """A train row (the same fields from every strategy); ``peaks``: each worker's peak memory at this row."""
         self.note_peaks(peaks)
         f = self.facts
-        row = rows.Train(step=step, epoch=tokens / self.epoch_tokens, tokens=tokens, loss=loss, lr=lr,
+        row = rows.Train(step=step, epoch=tokens / self.epoch_tokens, tokens=tokens, loss=loss, acc=acc, lr=lr,
                          grad_norm=grad_norm, tokens_per_s=tokens_per_s, ms_per_step=ms_per_step,
                          mfu=tokens_per_s * (f.flops_per_token or 0.0) / ((f.peak_flops or 1.0) * self.workers),
                          rss_mb=rss_mb, peak_rss_mb=max(p for p in peaks if p is not None),

@@ -3,7 +3,8 @@ line, :func:`from_dict` on arrival) and what metrics.csv, rounds.csv and run_inf
 
 Kinds: ``info`` (the run's facts, once), ``train`` (a log step, or a round's steps: the same fields from every
 strategy), ``eval`` (an evaluation: the task's named figures, model/tasks.py), ``round`` (a round of average/
-DiLoCo), ``note`` and ``warning`` (something the user should know). Torch-free.
+DiLoCo), ``epoch`` (a pass over the training split, made by the driver from train rows), ``note`` and ``warning``
+(something the user should know). Torch-free.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Train(Row):
     peak_rss_mb: float
     rank_peak_rss_mb: str  # each worker's peak, "812/790" (sinks.rank_mb)
     elapsed: float
+    acc: float = float("nan")  # next-token accuracy on the training batches: the logged step's (DDP), the round's
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,25 @@ class Round(Row):
 
 
 @dataclass(frozen=True)
+class Epoch(Row):
+    """A pass over the training split, done (train/epochs.py): the figures of the train rows it spans."""
+
+    kind: ClassVar[str] = "epoch"
+    epoch: int  # 1 for the first pass
+    step: int  # the first logged step at or after the epoch's end
+    tokens: int
+    steps: int
+    loss: float  # the train rows' losses, weighted by the steps each covers
+    acc: float
+    lr: float  # at the epoch's last row
+    epoch_s: float
+    tokens_per_s: float
+    ms_per_step: float
+    peak_rss_mb: float
+    elapsed: float
+
+
+@dataclass(frozen=True)
 class Note(Row):
     kind: ClassVar[str] = "note"
     message: str
@@ -111,7 +132,8 @@ class Warn(Row):
 # rounds.csv's columns: a round row's fields up to the ones only the progress line reads
 _ROUND_FIELDS = [f.name for f in dataclasses.fields(Round)]
 ROUND_COLUMNS = _ROUND_FIELDS[:_ROUND_FIELDS.index("total_steps")]
-KINDS: dict[str, type[Row]] = {c.kind: c for c in (Info, Train, Eval, Round, Note, Warn)}
+KINDS: dict[str, type[Row]] = {c.kind: c for c in (Info, Train, Eval, Round, Epoch, Note, Warn)}
+EPOCH_COLUMNS = [f.name for f in dataclasses.fields(Epoch)]
 
 
 def from_dict(raw: dict[str, Any]) -> Row:

@@ -23,7 +23,8 @@ from ..fs import effective, exists, is_remote, join, read_text, write_text
 from ..model.tasks import FigureSet, figures_for
 from ..runlock import RunLock
 from ..version import __version__
-from . import checkpoint, fit, memory, resolve
+from . import checkpoint, fit, memory, resolve, rows
+from .epochs import EpochRows
 from .html_report import write_report
 from .recorder import RunResult
 from .report import plot_loss
@@ -100,8 +101,12 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
         job = Job(config=memory.apply(config, mem), data=data, run_dir=run_dir, resume=resume, workers=tc.workers,
                   threads=tc.threads, uid=uuid.uuid4().hex, warm=warm)
         figures = figures_for(config.model.task)
-        sinks = Sinks([CsvSink(join(run_dir, "metrics.csv"), metric_columns(figures), {"train", "eval"}, storage),
-                       JsonSink(join(run_dir, "run_info.json"), storage), ConsoleSink(figures), *tracking])
+        metrics = join(run_dir, "metrics.csv")
+        earlier = [r for r in read_metrics(metrics, storage) if r["kind"] == "train"] if resume else []
+        sinks = EpochRows(Sinks([CsvSink(metrics, metric_columns(figures), {"train", "eval"}, storage),
+                                 CsvSink(join(run_dir, "epochs.csv"), rows.EPOCH_COLUMNS, {"epoch"}, storage),
+                                 JsonSink(join(run_dir, "run_info.json"), storage), ConsoleSink(figures),
+                                 *tracking]), earlier)
         t0 = time.time()
         try:
             with progress.stage(spark, f"train: {strategy.describe(config)}", quiet=True), \

@@ -27,7 +27,7 @@ from . import rows
 from .rows import Row
 
 TRAIN_COLUMNS = ["kind", "step", "epoch", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "ms_per_step", "mfu",
-                 "rss_mb", "peak_rss_mb", "rank_peak_rss_mb", "elapsed"]
+                 "rss_mb", "peak_rss_mb", "rank_peak_rss_mb", "elapsed", "acc"]
 
 
 def metric_columns(figures: FigureSet) -> list[str]:
@@ -195,6 +195,10 @@ class ConsoleSink(_WrittenAsItComes):
             progress.info(train_line(row, self.total))
         elif isinstance(row, rows.Round):
             progress.info(round_line(row))
+        elif isinstance(row, rows.Epoch):
+            progress.info(f"  epoch {row.epoch} done at step {row.step}: loss {row.loss:.3f} | accuracy "
+                          f"{row.acc:.1%} | {row.epoch_s:.1f} s | {row.tokens_per_s:,.0f} tok/s | "
+                          f"{row.ms_per_step:.0f} ms/step{_peak(row.peak_rss_mb)}")
         elif isinstance(row, rows.Warn):
             progress.warn(row.message)
         elif isinstance(row, rows.Note):

@@ -100,6 +100,8 @@ class WorkerResult:
     tokens: int = 0  # tokens trained on, padding excluded
     weight: float = 0.0  # tokens / the tokens of a full, unpadded round: the worker's weight in the average
     losses: tuple[float, ...] = ()
+    correct: float = 0.0  # next-token predictions right over the round's steps, and those counted: the accuracy
+    counted: float = 0.0
     cold: bool = False  # started from a fresh optimizer state
     lr: float = 0.0
     grad_norm: float = 0.0

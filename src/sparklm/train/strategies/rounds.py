@@ -247,7 +247,10 @@ class _Driver:
         self.per_step_s = wall / steps
         loss = sum(r.mean_loss * r.tokens for r in done) / max(round_tokens, 1)
         tps = round_tokens / max(wall, 1e-9)
-        row = self.rec.train(step=self.step, tokens=self.tokens_seen, loss=loss, lr=sum(r.lr for r in done) / len(done),
+        counted = sum(r.counted for r in done)
+        acc = sum(r.correct for r in done) / counted if counted else float("nan")
+        row = self.rec.train(step=self.step, tokens=self.tokens_seen, loss=loss, acc=acc,
+                             lr=sum(r.lr for r in done) / len(done),
                              grad_norm=sum(r.grad_norm for r in done) / len(done), tokens_per_s=tps,
                              ms_per_step=1000 * self.per_step_s, rss_mb=max(r.rss_mb for r in done),
                              peaks=self.note_peaks(done), elapsed=elapsed)

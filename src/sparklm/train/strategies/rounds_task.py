@@ -75,16 +75,18 @@ def run_worker(job: Job, worker: int, weights: bytes, spec: RoundSpec, *, attemp
         seen = [0]  # tokens trained on, padding excluded: the worker's weight in the average
         batches = _counted(trainer.batches(spec.step0 * rows_per_step, part=part, parts=parts), seen)
         trainer.state = TrainState(step=spec.step0)
-        losses, last = [], (0.0, 0.0)
-        for loss, grad_norm, lr in trainer.run_steps(batches, spec.steps, spec.fraction, stop=False):
+        losses, last, hits = [], (0.0, 0.0), torch.zeros(2, dtype=torch.float64)
+        for loss, grad_norm, lr, tally in trainer.run_steps(batches, spec.steps, spec.fraction, stop=False):
             losses.append(float(loss))
             last = (float(grad_norm), lr)
+            hits += tally.double().cpu()
         # weight = tokens / the tokens of a full, unpadded round: exactly 1.0 for unpadded data, so a
         # one-worker round leaves its delta bit for bit unchanged
         weight = seen[0] / (spec.steps * tc.batch_size * tc.grad_accum * trainer.seq_len)
         with torch.no_grad():
             delta = {n: (global_w[n] - p.detach().cpu()).mul_(weight).numpy() for n, p in trainable.items()}
         out.update(losses=tuple(losses), grad_norm=last[0], lr=last[1], tokens=seen[0], weight=weight,
+                   correct=float(hits[0]), counted=float(hits[1]),
                    delta_bytes=sum(a.nbytes for a in delta.values()))
         if tc.rounds.inner_state == "keep":
             # hosts may share nothing: the next round of this worker may run on another one (shared dir)
