@@ -41,6 +41,15 @@ CONTENDERS = {
     "diloco-64-m0.5": ["--strategy", "diloco", "--sync-every", "64", "--set", "train.rounds.outer_momentum=0.5"],
     "diloco-128-m0.5": ["--strategy", "diloco", "--sync-every", "128", "--set", "train.rounds.outer_momentum=0.5"],
     "average-8-reset": ["--strategy", "average", "--sync-every", "8", "--set", "train.rounds.inner_state=\"reset\""],
+    # What a round sends (train.rounds.codec): SparseLoCo's rule (Top-k in 2 bits, error feedback decaying 0.95, no
+    # outer momentum, outer lr 1: a sparse outer step, so the driver sends back only the changed weights), and a
+    # dense 4-bit delta under the momentum that measured best above
+    **{f"diloco-{h}-topk{d}": ["--strategy", "diloco", "--sync-every", str(h), "--codec", "topk",
+                               "--set", f"train.rounds.density={d / 100}", "--set", "train.rounds.outer_momentum=0.0",
+                               "--set", "train.rounds.outer_lr=1.0", "--set", "train.rounds.residual_decay=0.95"]
+       for h in (16, 32, 64) for d in (1, 3)},
+    "diloco-64-int4-m0.5": ["--strategy", "diloco", "--sync-every", "64", "--codec", "int4",
+                            "--set", "train.rounds.outer_momentum=0.5"],
 }
 
 

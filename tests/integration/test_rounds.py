@@ -135,3 +135,48 @@ def test_bad_inputs_in_rounds_are_one_line(spark, dataset, tmp_path):
 
     with pytest.raises(SparklmError, match="is not round=R,worker=W"):
         parse_fault("round=one")
+
+
+# -- what a round sends: codecs, error feedback, the driver's sparse update ---------------------------------------
+
+
+def test_sparse_diloco_sends_little_both_ways_and_resumes_bitwise(spark, dataset, tmp_path):
+    """Top-k deltas in 2 bits with error feedback, no outer momentum (SparseLoCo's rule): the workers return a
+    few percent of the fp32 bytes, the driver sends back only the weights that changed, and the residuals kept
+    beside the inner optimizer states survive a checkpoint: a resumed run ends with the same weights."""
+    full = tmp_path / "full"
+    conf = cfg(max_steps=8, checkpoint_every=4, eval_every=4, samples=0, strategy="diloco", sync_every=2, workers=2,
+               codec="topk", density=0.05, bits=2, outer_momentum=0.0, outer_lr=1.0, residual_decay=0.95)
+    s = train(dataset, output=str(full), config=conf, spark=spark)
+    rows = rounds(full)
+    dense = 4 * s["trainable_params"]
+    assert all(int(r["returned_bytes"]) < 2 * dense / 8 for r in rows), [r["returned_bytes"] for r in rows]
+    first, later = int(rows[0]["broadcast_bytes"]), [int(r["broadcast_bytes"]) for r in rows[1:]]
+    assert first >= 2 * dense and all(b < first / 2 for b in later)  # whole weights once, then updates
+    assert s["bytes_communicated"] < 0.3 * 2 * 2 * dense * len(rows)
+    assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
+    ckpt = full / "checkpoints" / "step-0000004"
+    from safetensors import safe_open
+
+    with safe_open(str(ckpt / "inner" / "w1.safetensors"), "pt") as f:
+        assert any(k.startswith("residual/") for k in f.keys())  # the error feedback's remainder is checkpointed
+    stopped = tmp_path / "stopped"
+    shutil.copytree(full, stopped)
+    shutil.rmtree(stopped / "checkpoints" / "step-0000008")
+    shutil.rmtree(stopped / "model")
+    train(None, output=str(stopped), config=conf, resume=True, spark=spark)
+    a, b = weights(full), weights(stopped)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert figures(stopped, "rounds.csv")[-2:] == figures(full, "rounds.csv")[-2:]
+
+
+def test_a_dense_lossy_codec_keeps_the_outer_momentum_and_learns(spark, dataset, tmp_path):
+    run = tmp_path / "int8"
+    s = train(dataset, output=str(run), config=cfg(max_steps=8, samples=0, strategy="diloco", sync_every=2, workers=2,
+                                                   eval_every=8, codec="int8"), spark=spark)
+    rows = rounds(run)
+    dense = 4 * s["trainable_params"]
+    assert all(2 * dense / 4 <= int(r["returned_bytes"]) < 2 * dense / 3 for r in rows)  # a byte and a bit per value
+    assert all(int(r["broadcast_bytes"]) >= 2 * dense for r in rows)  # momentum moves every weight: whole weights
+    assert float(rows[-1]["loss"]) < float(rows[0]["loss"]) and s["final"]["val_loss"] < 6

@@ -101,12 +101,7 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
         job = Job(config=memory.apply(config, mem), data=data, run_dir=run_dir, resume=resume, workers=tc.workers,
                   threads=tc.threads, uid=uuid.uuid4().hex, warm=warm)
         figures = figures_for(config.model.task)
-        metrics = join(run_dir, "metrics.csv")
-        earlier = [r for r in read_metrics(metrics, storage) if r["kind"] == "train"] if resume else []
-        sinks = EpochRows(Sinks([CsvSink(metrics, metric_columns(figures), {"train", "eval"}, storage),
-                                 CsvSink(join(run_dir, "epochs.csv"), rows.EPOCH_COLUMNS, {"epoch"}, storage),
-                                 JsonSink(join(run_dir, "run_info.json"), storage), ConsoleSink(figures),
-                                 *tracking]), earlier)
+        sinks = _sinks(run_dir, figures, storage, tracking, resume)
         t0 = time.time()
         try:
             with progress.stage(spark, f"train: {strategy.describe(config)}", quiet=True), \
@@ -131,6 +126,17 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
                                                    model_dir=model_dir if exists(model_dir, storage) else None))
     _report(summary, config, figures)
     return summary
+
+
+def _sinks(run_dir: str, figures: FigureSet, storage, tracking: list, resume: bool) -> EpochRows:
+    """Where the run's rows go: metrics.csv, epochs.csv, run_info.json, the console and the trackers; epoch rows
+    are made in front of them (a resumed run's from metrics.csv's rows on)."""
+    metrics = join(run_dir, "metrics.csv")
+    earlier = [r for r in read_metrics(metrics, storage) if r["kind"] == "train"] if resume else []
+    return EpochRows(Sinks([CsvSink(metrics, metric_columns(figures), {"train", "eval"}, storage),
+                            CsvSink(join(run_dir, "epochs.csv"), rows.EPOCH_COLUMNS, {"epoch"}, storage),
+                            JsonSink(join(run_dir, "run_info.json"), storage), ConsoleSink(figures), *tracking]),
+                     earlier)
 
 
 def _name(uri: str) -> str:

@@ -80,6 +80,7 @@ class RoundSpec:
     time_frac_per_step: float
     shards: tuple[tuple[int, int], ...]  # worker w streams slice shards[w][0] of shards[w][1] of each global batch
     inner_from: str = ""  # a checkpoint to take inner optimizer states from (the first round after --resume)
+    base_step: int | None = None  # the update broadcast applies to the weights of this step (None: no update sent)
     cold: tuple[int, ...] = ()  # workers left out of the last round: their state holds steps that were dropped
 
     def fraction(self, i: int) -> float:
@@ -110,7 +111,8 @@ class WorkerResult:
     task_s: float = 0.0
     rss_mb: float = 0.0
     peak_rss_mb: float = 0.0
-    delta_bytes: int = 0
+    delta_bytes: int = 0  # what the worker sent back (its encoded delta)
+    fetched_bytes: int = 0  # what it read of the round's broadcast: the whole weights, or the update to its copy
     eval_sums: tuple[float, ...] | None = None
     facts: dict[str, Any] | None = None  # worker 0, first round: params, FLOPs/token, peak, dtype
     error: str | None = None  # set when the worker's last attempt failed
@@ -127,6 +129,7 @@ class Partial:
     that finished and those of the workers whose last attempt failed."""
 
     sum: dict | None = None
+    packed: tuple[bytes, ...] = ()  # deltas a lossy codec encoded: decoded where they are summed (the driver)
     results: tuple[WorkerResult, ...] = ()
     errors: tuple[WorkerResult, ...] = ()
 

@@ -32,6 +32,7 @@ from ..recorder import Best, Recorder
 from ..schedule import Schedule
 from ..sinks import CsvSink, Sink, Sinks
 from .base import BEST, Job, Partial, RoundSpec, RunResult, WorkerResult
+from .codec import Codec, decode, encode_update
 
 # A testing aid: "round=R,worker=W[,attempts=K][,at=start|end|crash]" fails that task's first K attempts
 # (default 1) at its start, after its work (default end), or by killing its Python worker after its work.
@@ -112,6 +113,8 @@ class _Driver:
         self.max_failures = _max_failures(spark)
         self.shards = tuple(tuple(s) for s in (shards or [(w, job.workers) for w in range(job.workers)]))
         self.comm = {"broadcast": 0, "returned": 0}
+        self.codec = Codec(rc.codec, density=rc.density, bits=rc.bits)
+        self.sent: tuple[int, dict] | None = None  # (step, weights) the workers received last: an update's base
         self.per_step_s: float | None = None
         self.pending_eval = False  # the schedule asked for an evaluation after the last round: the next one does it
         self.dropped_last: list[int] = []  # workers left out of the last round: their optimizer state restarts
@@ -159,12 +162,24 @@ class _Driver:
                          cold=tuple(self.dropped_last))
         t0 = time.time()
         payload = save_bytes({n: t.contiguous() for n, t in {**self.params, **(also or {})}.items()})
-        bc = self.spark.sparkContext.broadcast(payload)
+        sc = self.spark.sparkContext
+        bc, bu = sc.broadcast(payload), None
+        if not self.codec.lossless and not also and self.sent is not None:
+            # the workers hold the weights of the last round: send what changed since, when that is smaller
+            # (a sparse outer step changes few; Spark fetches a broadcast only where a task reads it)
+            update = encode_update({n: t.numpy() for n, t in self.sent[1].items()},
+                                   {n: t.numpy() for n, t in self.params.items()})
+            if len(update) < len(payload):
+                bu, spec = sc.broadcast(update), dataclasses.replace(spec, base_step=self.sent[0])
+        if not also:
+            self.sent = (self.step, self.params)  # outer steps make new tensors: these stay as sent
         broadcast_s = time.time() - t0
         try:
-            partial = _round_job(self.spark, self.job, bc, spec, self.fault, self.max_failures)
+            partial = _round_job(self.spark, self.job, bc, bu, spec, self.fault, self.max_failures)
         finally:
             bc.destroy()
+            if bu is not None:
+                bu.destroy()
         return partial, broadcast_s, time.time() - t0, len(payload)
 
     def record_eval(self, partial: Partial) -> None:
@@ -211,7 +226,7 @@ class _Driver:
             self.record_eval(partial)
         stop = self.pending_eval and self.rec.best.should_stop(self.tc.early_stop)  # decided on this evaluation
         self._check_dropped(partial, done)
-        avg = {n: torch.from_numpy(a) / sum(r.weight for r in done) for n, a in partial.sum.items()}
+        avg = {n: torch.from_numpy(a) / sum(r.weight for r in done) for n, a in summed(partial).items()}
         new_params, self.momentum = outer.outer_step(self.params, avg, self.momentum, lr=self.lr, mu=self.mu)
         update_norm = outer.norm({n: new_params[n] - self.params[n] for n in self.params})
         self.params = new_params
@@ -240,7 +255,8 @@ class _Driver:
         """The round's train row (the same keys as a DDP step's), its round row, and the epochs note."""
         round_tokens = sum(r.tokens for r in done)
         returned = sum(r.delta_bytes for r in done)
-        self.comm["broadcast"] += nbytes * len(done)
+        fetched = sum(r.fetched_bytes for r in done)  # what the workers read: whole weights or an update
+        self.comm["broadcast"] += fetched
         self.comm["returned"] += returned
         elapsed = time.time() - self.started
         wall = time.time() - t_agg + round_s
@@ -260,7 +276,7 @@ class _Driver:
             round=self.rnd, step=self.step, workers=self.job.workers, workers_done=len(done), tokens=round_tokens,
             loss=loss, inner_losses=";".join(f"{r.mean_loss:.5f}" for r in done),
             attempts=";".join(str(r.attempt) for r in done), cold=";".join(str(r.worker) for r in done if r.cold),
-            broadcast_bytes=nbytes * len(done), returned_bytes=returned, broadcast_s=broadcast_s,
+            broadcast_bytes=fetched, returned_bytes=returned, broadcast_s=broadcast_s,
             fetch_s=max(r.load_s for r in done), compute_s=max(r.compute_s for r in done), aggregate_s=aggregate_s,
             round_s=wall, outer_update_norm=update_norm, delta_norm=delta_norm, elapsed=elapsed,
             total_steps=total, tokens_per_s=tps, eta_s=left,
@@ -292,7 +308,7 @@ class _Driver:
         persist = join(self.ckpt_dir, f".inner-step-{self.step:07d}")
         earlier = self.best_params is not None
         partial, *_, nbytes = self.launch(0, do_eval=True, persist=persist, finish=not earlier)
-        self.comm["broadcast"] += nbytes * len(partial.results)
+        self.comm["broadcast"] += sum(r.fetched_bytes for r in partial.results)
         self.rec.note_peaks(self.note_peaks(partial.results))  # the final evaluation and export count too
         if partial.results:
             self.record_eval(partial)
@@ -301,7 +317,7 @@ class _Driver:
             keep = self.rec.best.apart(self.best_params, self.step) or {}
             partial, *_, nbytes = self.launch(0, do_eval=False, persist="", finish=True,
                                               also={f"{BEST}{n}": t for n, t in keep.items()})
-            self.comm["broadcast"] += nbytes * len(partial.results)
+            self.comm["broadcast"] += sum(r.fetched_bytes for r in partial.results)
             self.rec.note_peaks(self.note_peaks(partial.results))
         if not any(r.worker == 0 for r in partial.results):
             raise SparklmError("the final task of worker 0 (export of model/ and samples) failed",
@@ -314,7 +330,7 @@ class _Driver:
                                bytes_communicated=comm["broadcast"] + comm["returned"])
 
 
-def _round_job(spark, job: Job, bc, spec: RoundSpec, fault: FaultSpec | None, max_failures: int) -> Partial:
+def _round_job(spark, job: Job, bc, bu, spec: RoundSpec, fault: FaultSpec | None, max_failures: int) -> Partial:
     """One round: a task per worker, their deltas summed by a tree aggregation.
 
     A worker whose last attempt raises is reported by its task. One whose process dies (a crash, an
@@ -325,7 +341,7 @@ def _round_job(spark, job: Job, bc, spec: RoundSpec, fault: FaultSpec | None, ma
     while alive:
         try:
             with spark_errors():
-                partial = _aggregate(spark, job, bc, spec, alive, fault, max_failures)
+                partial = _aggregate(spark, job, bc, bu, spec, alive, fault, max_failures)
         except SparklmError:
             raise
         except Exception as e:
@@ -343,8 +359,8 @@ def _round_job(spark, job: Job, bc, spec: RoundSpec, fault: FaultSpec | None, ma
     return Partial(errors=tuple(lost))
 
 
-def _aggregate(spark, job: Job, bc, spec: RoundSpec, workers: list[int], fault: FaultSpec | None, max_failures: int
-               ) -> Partial:
+def _aggregate(spark, job: Job, bc, bu, spec: RoundSpec, workers: list[int], fault: FaultSpec | None,
+               max_failures: int) -> Partial:
     def task(it):
         import signal
 
@@ -355,15 +371,12 @@ def _aggregate(spark, job: Job, bc, spec: RoundSpec, workers: list[int], fault: 
 
         attempt = TaskContext.get().attemptNumber()
         for worker in it:
-            t0 = time.time()
             hit = fault is not None and fault.hits(spec.round, worker, attempt)
             try:
                 if hit and fault.at == "start":
                     raise RuntimeError(f"injected fault (round {spec.round}, worker {worker}, attempt {attempt})")
-                weights = bc.value
-                fetch = time.time() - t0
-                result, delta = run_worker(job, worker, weights, spec, attempt=attempt)
-                result = dataclasses.replace(result, load_s=result.load_s + fetch)
+                result, delta = run_worker(job, worker, lambda: bc.value, spec, attempt=attempt,
+                                           update=None if bu is None else (lambda: bu.value))
                 if hit and fault.at == "crash":  # the Python worker dies, as in an out-of-memory kill
                     os.kill(os.getpid(), signal.SIGKILL)
                 if hit:  # after the inner steps and the state write: the retry must recompute the same delta
@@ -376,7 +389,10 @@ def _aggregate(spark, job: Job, bc, spec: RoundSpec, workers: list[int], fault: 
                 yield Partial(errors=(WorkerResult(worker=worker, attempt=attempt,
                                                    error=f"{type(e).__name__}: {e}"[:300]),))
                 continue
-            yield Partial(sum=delta, results=(result,))
+            if isinstance(delta, bytes):  # a lossy codec's encoding: decoded where the deltas are summed
+                yield Partial(packed=(delta,), results=(result,))
+            else:
+                yield Partial(sum=delta, results=(result,))
 
     rdd = spark.sparkContext.parallelize(workers, len(workers)).mapPartitions(task)
     return rdd.treeAggregate(None, merge, merge, depth=2)
@@ -416,7 +432,16 @@ def merge(a: Partial | None, b: Partial | None) -> Partial | None:
         total = b.sum if a.sum is None else a.sum
     else:  # the tasks already weighted their deltas by tokens
         total = weighted_sum([(a.sum, 1.0), (b.sum, 1.0)])
-    return Partial(sum=total, results=a.results + b.results, errors=a.errors + b.errors)
+    # encoded deltas travel encoded up the tree (the smaller message) and are decoded by summed() at the driver
+    return Partial(sum=total, packed=a.packed + b.packed, results=a.results + b.results, errors=a.errors + b.errors)
+
+
+def summed(partial: Partial) -> dict:
+    """The sum of a round's weighted deltas: the dense ones' running sum plus the encoded ones, decoded."""
+    from .outer import weighted_sum
+
+    parts = [(decode(p), 1.0) for p in partial.packed] + ([(partial.sum, 1.0)] if partial.sum is not None else [])
+    return weighted_sum(parts) if len(parts) > 1 else parts[0][0]
 
 
 @dataclass(frozen=True)

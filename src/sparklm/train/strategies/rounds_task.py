@@ -20,13 +20,12 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
 from ...cache import process_local
@@ -36,24 +35,28 @@ from ...model.task import Batch
 from .. import checkpoint, device
 from ..core import Rank, Trainer, TrainState
 from .base import BEST, Job, RoundSpec, WorkerResult
+from .codec import Codec, apply_update, decode
 
 
-def run_worker(job: Job, worker: int, weights: bytes, spec: RoundSpec, *, attempt: int = 0
-               ) -> tuple[WorkerResult, dict[str, np.ndarray] | None]:
-    """Run ``worker``'s part of round ``spec`` from the serialized global ``weights``; return its figures and
-    its delta (name → float32 array, already multiplied by the worker's weight), or None without steps."""
+def run_worker(job: Job, worker: int, full: Callable[[], bytes], spec: RoundSpec, *, attempt: int = 0,
+               update: Callable[[], bytes] | None = None
+               ) -> tuple[WorkerResult, dict[str, np.ndarray] | bytes | None]:
+    """Run ``worker``'s part of round ``spec`` from the global weights (``full()``: serialized whole; ``update()``:
+    the changes since the weights of ``spec.base_step``); return its figures and its delta (name → float32 array,
+    already multiplied by the worker's weight; with a lossy codec, its encoded bytes), or None without steps."""
     t_task = time.time()
     torch.set_num_threads(job.threads)
     device.set_allocator(job.config.train.allocator)
     trainer: Trainer = process_local(("rounds", job.uid), lambda: _trainer(job))
     tc = trainer.tc
+    codec = Codec(tc.rounds.codec, density=tc.rounds.density, bits=tc.rounds.bits)
     t0 = time.time()
-    global_w = load_bytes(weights)
+    global_w, fetched = global_weights(job, spec, full, update, hold=not codec.lossless)
     trainable = trainer.task.trainable(trainer.model)
     with torch.no_grad():
         for n, p in trainable.items():
             p.copy_(global_w[n])
-    out: dict = {"worker": worker, "attempt": attempt, "load_s": time.time() - t0}
+    out: dict = {"worker": worker, "attempt": attempt, "load_s": time.time() - t0, "fetched_bytes": fetched}
     if worker == 0 and spec.round == 0:
         out["facts"] = {**trainer.facts(), "threads": job.threads}
     if spec.eval:
@@ -62,42 +65,40 @@ def run_worker(job: Job, worker: int, weights: bytes, spec: RoundSpec, *, attemp
     t0 = time.time()
     state_dir = Path(tempfile.gettempdir()) / "sparklm-inner" / job.uid
     delta = None
+    # the state a worker keeps between rounds: its inner optimizer's (inner_state keep) and a lossy codec's residual
+    keep_opt = tc.rounds.inner_state == "keep"
+    stateful = keep_opt or not codec.lossless
+    residual = None
     if spec.steps:
         trainer.optimizer = trainer.new_optimizer()
         if worker in spec.cold:
             out["cold"] = True
-        elif tc.rounds.inner_state == "keep" and spec.step0 > 0:
-            out["cold"] = not _load_inner(trainer.optimizer, _inner_sources(job, spec, worker, state_dir),
-                                           trainer.config.storage)
-        torch.manual_seed(_seed(tc.seed, spec.step0, worker))  # dropout: a function of (seed, step, worker)
-        part, parts = spec.shards[worker]
-        rows_per_step = tc.batch_size * tc.grad_accum * parts
-        seen = [0]  # tokens trained on, padding excluded: the worker's weight in the average
-        batches = _counted(trainer.batches(spec.step0 * rows_per_step, part=part, parts=parts), seen)
-        trainer.state = TrainState(step=spec.step0)
-        losses, last, hits = [], (0.0, 0.0), torch.zeros(2, dtype=torch.float64)
-        for loss, grad_norm, lr, tally in trainer.run_steps(batches, spec.steps, spec.fraction, stop=False):
-            losses.append(float(loss))
-            last = (float(grad_norm), lr)
-            hits += tally.double().cpu()
+        elif stateful and spec.step0 > 0:
+            found, residual = _load_inner(trainer.optimizer if keep_opt else None,
+                                          _inner_sources(job, spec, worker, state_dir), trainer.config.storage)
+            out["cold"] = not found
+        losses, last, hits, seen = _inner_steps(trainer, spec, worker)
         # weight = tokens / the tokens of a full, unpadded round: exactly 1.0 for unpadded data, so a
         # one-worker round leaves its delta bit for bit unchanged
-        weight = seen[0] / (spec.steps * tc.batch_size * tc.grad_accum * trainer.seq_len)
+        weight = seen / (spec.steps * tc.batch_size * tc.grad_accum * trainer.seq_len)
         with torch.no_grad():
             delta = {n: (global_w[n] - p.detach().cpu()).mul_(weight).numpy() for n, p in trainable.items()}
-        out.update(losses=tuple(losses), grad_norm=last[0], lr=last[1], tokens=seen[0], weight=weight,
-                   correct=float(hits[0]), counted=float(hits[1]),
-                   delta_bytes=sum(a.nbytes for a in delta.values()))
-        if tc.rounds.inner_state == "keep":
+        sent_bytes = sum(a.nbytes for a in delta.values())
+        if not codec.lossless:  # error feedback: what the codec drops now is sent in later rounds
+            delta, residual = encode_with_feedback(codec, delta, residual, tc.rounds.residual_decay)
+            sent_bytes = len(delta)
+        out.update(losses=tuple(losses), grad_norm=last[0], lr=last[1], tokens=seen, weight=weight,
+                   correct=float(hits[0]), counted=float(hits[1]), delta_bytes=sent_bytes)
+        if stateful:
             # hosts may share nothing: the next round of this worker may run on another one (shared dir)
             directories = [str(state_dir), *filter(None, [shared_inner_dir(job.run_dir)])]
             _save_inner(trainer.optimizer, [join(d, _state_name(worker, spec.step0 + spec.steps)) for d in directories],
-                        trainer.config.storage)
+                        trainer.config.storage, residual)
             for d in directories:
                 _prune_inner(d, worker, spec.step0, trainer.config.storage)
     out["compute_s"] = time.time() - t0
 
-    if spec.persist and tc.rounds.inner_state == "keep":  # a checkpoint round: copy the state beside the checkpoint
+    if spec.persist and stateful:  # a checkpoint round: copy the state beside the checkpoint
         src = state_dir / _state_name(worker, spec.step0 + spec.steps)
         if src.is_file():
             write_bytes(join(spec.persist, f"w{worker}.safetensors"), src.read_bytes(), trainer.config.storage)
@@ -109,6 +110,59 @@ def run_worker(job: Job, worker: int, weights: bytes, spec: RoundSpec, *, attemp
             f.unlink(missing_ok=True)
     return WorkerResult(**out, rss_mb=device.rss_mb(), peak_rss_mb=device.peak_rss_mb(),
                         task_s=time.time() - t_task), delta
+
+
+def _inner_steps(trainer: Trainer, spec: RoundSpec, worker: int) -> tuple[list[float], tuple, torch.Tensor, int]:
+    """The round's inner steps on the worker's shard: (losses, (last grad norm, lr), accuracy counts, tokens)."""
+    tc = trainer.tc
+    torch.manual_seed(_seed(tc.seed, spec.step0, worker))  # dropout: a function of (seed, step, worker)
+    part, parts = spec.shards[worker]
+    rows_per_step = tc.batch_size * tc.grad_accum * parts
+    seen = [0]  # tokens trained on, padding excluded: the worker's weight in the average
+    batches = _counted(trainer.batches(spec.step0 * rows_per_step, part=part, parts=parts), seen)
+    trainer.state = TrainState(step=spec.step0)
+    losses, last, hits = [], (0.0, 0.0), torch.zeros(2, dtype=torch.float64)
+    for loss, grad_norm, lr, tally in trainer.run_steps(batches, spec.steps, spec.fraction, stop=False):
+        losses.append(float(loss))
+        last = (float(grad_norm), lr)
+        hits += tally.double().cpu()
+    return losses, last, hits, seen[0]
+
+
+RESIDUAL = "residual/"  # the codec's residual beside the inner optimizer state, in the same file
+
+_HELD: dict = {}  # this process's copy of the last global weights it received: {"uid", "step", "arrays"}
+
+
+def global_weights(job: Job, spec: RoundSpec, full: Callable[[], bytes], update: Callable[[], bytes] | None, *,
+                   hold: bool) -> tuple[dict[str, torch.Tensor], int]:
+    """The round's global weights, and the bytes read for them: the update applied to this process's copy of the
+    weights of ``spec.base_step`` when it holds them, else the whole weights. With ``hold``, the result is kept
+    for the next round's update (a copy of the trainable weights per Python worker)."""
+    from safetensors.numpy import load
+
+    held = _HELD if _HELD.get("uid") == job.uid else {}
+    if update is not None and spec.base_step is not None and held.get("step") == spec.base_step:
+        payload = update()
+        arrays = apply_update(held["arrays"], payload)
+    else:
+        payload = full()
+        arrays = load(payload)
+    _HELD.clear()
+    if hold:
+        _HELD.update(uid=job.uid, step=spec.step0, arrays={n: a for n, a in arrays.items() if not n.startswith(BEST)})
+    return {n: torch.from_numpy(a) for n, a in arrays.items()}, len(payload)
+
+
+def encode_with_feedback(codec: Codec, delta: dict[str, np.ndarray], residual: dict[str, np.ndarray] | None,
+                         decay: float) -> tuple[bytes, dict[str, np.ndarray]]:
+    """Error feedback: the codec encodes the delta plus the decayed remainder of earlier rounds, and what it did not
+    deliver becomes the new remainder. Returns (the encoded bytes, the new residual)."""
+    total = {n: d + decay * residual[n] if residual is not None and n in residual else d.copy()
+             for n, d in delta.items()}
+    payload = codec.encode(total)
+    sent = decode(payload)
+    return payload, {n: total[n] - sent[n] for n in total}
 
 
 def _trainer(job: Job) -> Trainer:
@@ -149,14 +203,18 @@ def _inner_sources(job: Job, spec: RoundSpec, worker: int, state_dir: Path) -> l
     return sources
 
 
-def _save_inner(optimizer: torch.optim.Optimizer, uris: list[str], storage) -> None:
+def _save_inner(optimizer: torch.optim.Optimizer, uris: list[str], storage,
+                residual: dict[str, np.ndarray] | None = None) -> None:
     tensors, groups = checkpoint.optimizer_tensors(optimizer)
+    tensors.update({RESIDUAL + n: torch.from_numpy(a) for n, a in (residual or {}).items()})
     data = save_bytes(tensors, metadata={"param_groups": json.dumps(groups)})  # serialised once for every copy
     for uri in uris:
         write_bytes(uri, data, storage)
 
 
-def _load_inner(optimizer: torch.optim.Optimizer, sources: list[str], storage) -> bool:
+def _load_inner(optimizer: torch.optim.Optimizer | None, sources: list[str], storage
+                ) -> tuple[bool, dict[str, np.ndarray] | None]:
+    """(found, the codec's residual if the state holds one); the optimizer state loaded into ``optimizer``."""
     for uri in sources:
         if not exists(uri, storage):
             continue
@@ -168,9 +226,12 @@ def _load_inner(optimizer: torch.optim.Optimizer, sources: list[str], storage) -
                 tmp.write(read_bytes(uri, storage))
                 tmp.flush()
                 tensors, groups = _read_inner(tmp.name)
-        checkpoint.load_optimizer(optimizer, tensors, groups)
-        return True
-    return False
+        residual = {n[len(RESIDUAL):]: t.numpy() for n, t in tensors.items() if n.startswith(RESIDUAL)}
+        if optimizer is not None:
+            checkpoint.load_optimizer(optimizer, {n: t for n, t in tensors.items() if not n.startswith(RESIDUAL)},
+                                      groups)
+        return True, residual or None
+    return False, None
 
 
 def _read_inner(path: str) -> tuple[dict[str, torch.Tensor], list[dict]]:

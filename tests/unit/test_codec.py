@@ -1,0 +1,117 @@
+"""The round codecs as pure functions: exact where lossless, bounded where not, deterministic, compact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from sparklm.train.strategies.codec import Codec, decode, from_bf16, pack_bits, to_bf16, unpack_bits
+
+FLOATS = st.floats(-1e3, 1e3, allow_nan=False, width=32)
+
+
+def _delta(seed: int = 0) -> dict[str, np.ndarray]:
+    g = np.random.default_rng(seed)
+    return {"w": g.standard_normal((64, 48)).astype(np.float32) * 1e-3, "b": g.standard_normal(17).astype(np.float32),
+            "s": np.array(0.5, np.float32)}
+
+
+@given(arrays(np.float32, st.integers(1, 300), elements=FLOATS))
+@settings(max_examples=60, deadline=None)
+def test_fp32_is_exact_and_bf16_rounds_as_torch(x):
+    assert np.array_equal(decode(Codec("fp32").encode({"x": x}))["x"], x)
+    want = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+    assert np.array_equal(from_bf16(to_bf16(x)), want)
+    assert np.array_equal(decode(Codec("bf16").encode({"x": x}))["x"], want)
+
+
+@pytest.mark.parametrize("name,top", [("int8", 127), ("int4", 7)])
+@given(x=arrays(np.float32, st.integers(1, 300), elements=FLOATS))
+@settings(max_examples=40, deadline=None)
+def test_block_quantizers_err_at_most_half_a_step(name, top, x):
+    got = decode(Codec(name).encode({"x": x}))["x"]
+    pad = np.zeros(-(-len(x) // 64) * 64, np.float32)
+    pad[:len(x)] = x
+    step = np.repeat(np.abs(pad.reshape(-1, 64)).max(axis=1) / top, 64)[:len(x)]
+    assert np.all(np.abs(got - x) <= step * 0.5 * 1.01 + 1e-3 * step + 1e-30)  # float16 scales: a little slack
+
+
+@given(x=arrays(np.float32, st.integers(1, 700), elements=FLOATS), density=st.sampled_from([0.01, 0.05, 0.3, 1.0]),
+       chunk=st.sampled_from([16, 256, 1000]))
+@settings(max_examples=60, deadline=None)
+def test_topk_keeps_each_chunks_largest_values(x, density, chunk):
+    codec = Codec("topk", density=density, bits=32, chunk=chunk)
+    got = decode(codec.encode({"x": x}))["x"]
+    k = codec.kept()
+    for start in range(0, len(x), chunk):
+        part, out = x[start:start + chunk], got[start:start + chunk]
+        kept = out != 0
+        assert kept.sum() <= k
+        assert np.array_equal(out[kept], part[kept])  # float32 values: exact
+        if kept.sum() < min(k, np.count_nonzero(part)):
+            raise AssertionError("dropped a nonzero it had room for")
+        if (~kept).any() and kept.any():
+            assert np.abs(part[~kept]).max() <= np.abs(part[kept]).min()
+
+
+def test_topk_two_bits_is_compact_and_within_its_levels():
+    d = _delta()
+    codec = Codec("topk", density=0.01, bits=2, chunk=256)
+    payload = codec.encode(d)
+    got = decode(payload)
+    assert {n: a.shape for n, a in got.items()} == {n: a.shape for n, a in d.items()}
+    n = sum(a.size for a in d.values())
+    assert len(payload) * 8 / n < 0.5 + 8 * 600 / n  # ~0.18 bits per value, plus the safetensors header
+    w, g = d["w"].reshape(-1), got["w"].reshape(-1)
+    for start in range(0, w.size, 256):
+        part, out = w[start:start + 256], g[start:start + 256]
+        kept = np.flatnonzero(out)
+        assert len(kept) <= codec.kept()
+        top = np.abs(part).max()
+        assert np.all(np.abs(out[kept]) <= top * 1.01)  # levels ±0.5 and ±1.5 scale; 1.5 scale is the largest kept
+        assert np.all(np.sign(out[kept]) == np.sign(part[kept]))
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "int8", "int4", "topk"])
+def test_every_codec_is_deterministic_and_smaller_than_the_last(name):
+    d = _delta(3)
+    a, b = Codec(name).encode(d), Codec(name).encode({k: v.copy() for k, v in d.items()})
+    assert a == b  # a retried task sends the same bytes
+    sizes = {c: len(Codec(c).encode(d)) for c in ("fp32", "bf16", "int8", "int4", "topk")}
+    assert sizes["fp32"] > sizes["bf16"] > sizes["int8"] > sizes["int4"] > sizes["topk"]
+
+
+@given(st.integers(1, 8), st.lists(st.integers(0, 255), min_size=1, max_size=200))
+def test_bit_packing_round_trips(bits, values):
+    codes = np.array([v % (2 ** bits) for v in values], np.uint8)
+    packed = pack_bits(codes, bits)
+    assert len(packed) == -(-len(codes) * bits // 8)
+    assert np.array_equal(unpack_bits(packed, bits, len(codes)), codes)
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="unknown codec"):
+        Codec("zip")
+    with pytest.raises(ValueError, match="bad codec settings"):
+        Codec("topk", density=0.0)
+
+
+@given(st.integers(0, 2000), st.floats(0.0, 1.0), st.integers(0, 10))
+@settings(max_examples=60, deadline=None)
+def test_an_update_carries_exactly_the_changed_weights(n, share, seed):
+    from sparklm.train.strategies.codec import apply_update, encode_update
+
+    g = np.random.default_rng(seed)
+    old = {"w": g.standard_normal(n).astype(np.float32), "m": g.standard_normal((3, 5)).astype(np.float32)}
+    new = {k: v.copy() for k, v in old.items()}
+    hit = g.random(n) < share
+    new["w"][hit] -= 1e-3 * g.standard_normal(hit.sum()).astype(np.float32)
+    payload = encode_update(old, new)
+    got = apply_update(old, payload)
+    assert all(np.array_equal(got[k].view(np.uint32), new[k].view(np.uint32)) for k in new)
+    if share < 0.05 and n >= 1000:
+        assert len(payload) < 0.25 * sum(v.nbytes for v in new.values()) + 400
