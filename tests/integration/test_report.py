@@ -28,8 +28,9 @@ def runs(spark, dataset, tmp_path_factory) -> dict[str, Path]:
 
 def test_every_run_directory_has_its_report(runs):
     ddp, diloco = ((runs[k] / "report.html").read_text() for k in ("ddp", "diloco"))
-    # curves: loss, 3 other evaluation figures, LR, throughput, MFU, memory, gradient norm; DiLoCo adds 3 of rounds
-    assert ddp.count("<svg") == 9 and diloco.count("<svg") == 12
+    # curves: loss, 3 other evaluation figures, training accuracy, LR, throughput, MFU, memory, gradient norm; DiLoCo
+    # adds 3 of rounds
+    assert ddp.count("<svg") == 10 and diloco.count("<svg") == 13
     assert "Content-Security-Policy" in ddp  # what loads from elsewhere is blocked: the Chromium test sees it
     assert "<td>train.max_steps</td><td>8</td>" in ddp and "<td>train.strategy</td><td>diloco</td>" in diloco
     assert "--- prompt: " in ddp and "No samples.txt" in diloco
@@ -84,7 +85,7 @@ def test_chromium_renders_the_report_with_its_plots_and_no_console_error(runs, t
     for name in ("ddp", "diloco"):
         dom, console, shot = chromium(runs[name] / "report.html", tmp_path, name)
         assert console == [], console
-        assert dom.count("<svg") == (9 if name == "ddp" else 12) and "Headline figures" in dom
+        assert dom.count("<svg") == (10 if name == "ddp" else 13) and "Headline figures" in dom
         image = Image.open(shot).convert("RGB")  # kept in tmp_path for a look
         assert image.size == (1280, 2000) and shot.stat().st_size > 50_000
         gray = image.convert("L")

@@ -114,13 +114,15 @@ def test_prepare_logs_its_manifest_to_mlflow_and_a_failed_run_is_marked_failed(s
     assert run.data.metrics["summary/splits/train_tokens"] == ds.manifest["splits"]["train"]["tokens"]
     assert "manifest.json" in {f.path for f in client.list_artifacts(run.info.run_id)}
 
-    # MLflow's local store (a database file, no server) takes the same; its artifacts go to ./mlruns
+    # MLflow's local store, no server: a SQLite file (MLflow 3's local default; its older directory store refuses new
+    # runs now), its artifacts in ./mlruns
     monkeypatch.chdir(tmp_path)
-    store = tmp_path / "mlruns"
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     api.prepare(str(tmp_path / "a.txt"), output=str(tmp_path / "prep2"), spark=spark,
-                settings={"data.seq_len": 16, "tokenizer.vocab_size": 280, "tracking.mlflow_uri": f"sqlite:///{store}.db"})
-    local = MlflowClient(tracking_uri=f"sqlite:///{store}.db")
-    assert local.search_runs([local.get_experiment_by_name("sparklm").experiment_id])[0].info.status == "FINISHED"
+                settings={"data.seq_len": 16, "tokenizer.vocab_size": 280, "tracking.mlflow_uri": store})
+    local = MlflowClient(tracking_uri=store)
+    (run,) = local.search_runs([local.get_experiment_by_name("sparklm").experiment_id])
+    assert run.info.status == "FINISHED" and "manifest.json" in {f.path for f in local.list_artifacts(run.info.run_id)}
 
 
 def test_mlflow_mistakes_are_one_line_before_anything_is_written(dataset, tmp_path):

@@ -37,7 +37,7 @@ def test_block_quantizers_err_at_most_half_a_step(name, top, x):
     pad = np.zeros(-(-len(x) // 64) * 64, np.float32)
     pad[:len(x)] = x
     step = np.repeat(np.abs(pad.reshape(-1, 64)).max(axis=1) / top, 64)[:len(x)]
-    assert np.all(np.abs(got - x) <= step * 0.5 * 1.01 + 1e-3 * step + 1e-30)  # float16 scales: a little slack
+    assert np.all(np.abs(got - x) <= step * 0.5 * 1.01)  # bfloat16 scales, rounded up: at most 1/128 coarser
 
 
 @given(x=arrays(np.float32, st.integers(1, 700), elements=FLOATS), density=st.sampled_from([0.01, 0.05, 0.3, 1.0]),

@@ -5,10 +5,10 @@ Codecs (``train.rounds.codec``):
 - ``fp32``: the arrays as they are (lossless; the default before codecs existed);
 - ``bf16``: each value rounded to bfloat16 (half the bytes);
 - ``int8`` / ``int4``: each block of ``BLOCK`` values scaled by its largest magnitude and rounded to 8 or 4 bits
-  (two values per byte), the scale kept in float16;
+  (two values per byte), the scale kept in bfloat16;
 - ``topk``: chunk-wise Top-k (SparseLoCo, Sarfi et al. 2025): the flattened array cut into chunks of ``chunk``
   values, the ``density``·chunk largest magnitudes of each kept with their position in the chunk (one byte when a
-  chunk holds at most 256 values), and those values rounded to ``bits`` bits around a per-chunk float16 scale
+  chunk holds at most 256 values), and those values rounded to ``bits`` bits around a per-chunk bfloat16 scale
   (uniform symmetric levels, 2 bits: ±0.5 and ±1.5 times the scale); ``bits = 32`` keeps them in float32.
 
 Every encoding is deterministic (the same array gives the same bytes: a retried task sends what its first
@@ -109,8 +109,8 @@ class Codec:
             return parts
         levels = 2 ** self.bits
         half = (levels - 1) / 2  # codes 0..L-1 stand for (code - half) * scale
-        scale = (np.abs(vals).max(axis=1) / half).astype(np.float16)
-        safe = np.where(scale > 0, scale.astype(np.float32), 1.0)[:, None]
+        scale = scale_bf16(np.abs(vals).max(axis=1) / half)
+        safe = np.where(scale > 0, from_bf16(scale), 1.0)[:, None]
         codes = np.clip(np.rint(vals / safe + half), 0, levels - 1).astype(np.uint8)
         parts["s"] = scale
         parts["q"] = pack_bits(codes.reshape(-1), self.bits)
@@ -125,7 +125,7 @@ class Codec:
         else:
             levels = 2 ** self.bits
             codes = unpack_bits(parts["q"], self.bits, chunks * k).reshape(chunks, k).astype(np.float32)
-            vals = (codes - (levels - 1) / 2) * parts["s"].astype(np.float32)[:, None]
+            vals = (codes - (levels - 1) / 2) * from_bf16(parts["s"])[:, None]
         out = np.zeros((chunks, c), np.float32)
         np.put_along_axis(out, idx, vals, axis=1)
         return out.reshape(-1)[:n]
@@ -174,14 +174,23 @@ def _quantize_blocks(x: np.ndarray, top: int) -> dict:
     padded = np.zeros(-(-n // BLOCK) * BLOCK, np.float32)
     padded[:n] = x
     blocks = padded.reshape(-1, BLOCK)
-    scale = (np.abs(blocks).max(axis=1) / top).astype(np.float16)
-    safe = np.where(scale > 0, scale.astype(np.float32), 1.0)[:, None]
+    scale = scale_bf16(np.abs(blocks).max(axis=1) / top)
+    safe = np.where(scale > 0, from_bf16(scale), 1.0)[:, None]
     q = np.clip(np.rint(blocks / safe), -top, top).astype(np.int8)
     return {"q": q.reshape(-1), "s": scale}
 
 
 def _dequantize_blocks(q: np.ndarray, scale: np.ndarray, n: int) -> np.ndarray:
-    return (q.reshape(-1, BLOCK) * scale.astype(np.float32)[:, None]).reshape(-1)[:n]
+    return (q.reshape(-1, BLOCK) * from_bf16(scale)[:, None]).reshape(-1)[:n]
+
+
+def scale_bf16(scale: np.ndarray) -> np.ndarray:
+    """Non-negative scales as bfloat16 bit patterns, rounded up (never below the value: no code is clipped).
+    bfloat16, not float16: a round's deltas are often below float16's smallest normal number (6e-5), where
+    float16 loses its precision, while bfloat16 has float32's range."""
+    s = np.ascontiguousarray(scale, np.float32)
+    b = to_bf16(s)
+    return np.where(from_bf16(b) < s, b + np.uint16(1), b).astype(np.uint16)
 
 
 def pack_nibbles(v: np.ndarray) -> np.ndarray:
