@@ -152,7 +152,8 @@ def test_sparse_diloco_sends_little_both_ways_and_resumes_bitwise(spark, dataset
     dense = 4 * s["trainable_params"]
     assert all(int(r["returned_bytes"]) < 2 * dense / 8 for r in rows), [r["returned_bytes"] for r in rows]
     first, later = int(rows[0]["broadcast_bytes"]), [int(r["broadcast_bytes"]) for r in rows[1:]]
-    assert first >= 2 * dense and all(b < first / 2 for b in later)  # whole weights once, then updates
+    assert first == 0  # round 0: each worker built the driver's seeded weights itself (their digest says so)
+    assert all(0 < b < 2 * dense / 2 for b in later)  # then only the weights that changed
     assert s["bytes_communicated"] < 0.3 * 2 * 2 * dense * len(rows)
     assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
     ckpt = full / "checkpoints" / "step-0000004"
@@ -178,5 +179,5 @@ def test_a_dense_lossy_codec_keeps_the_outer_momentum_and_learns(spark, dataset,
     rows = rounds(run)
     dense = 4 * s["trainable_params"]
     assert all(2 * dense / 4 <= int(r["returned_bytes"]) < 2 * dense / 3 for r in rows)  # a byte and a bit per value
-    assert all(int(r["broadcast_bytes"]) >= 2 * dense for r in rows)  # momentum moves every weight: whole weights
+    assert all(int(r["broadcast_bytes"]) >= 2 * dense for r in rows[1:])  # momentum moves every weight: all of them
     assert float(rows[-1]["loss"]) < float(rows[0]["loss"]) and s["final"]["val_loss"] < 6

@@ -203,3 +203,24 @@ def test_csv_sink_on_an_object_store_continues_and_rewinds(s3_server):
 def _train(step: int, loss: float) -> Train:
     return Train(step=step, epoch=0.0, tokens=step, loss=loss, lr=0.0, grad_norm=0.0, tokens_per_s=0.0, ms_per_step=0.0,
                  mfu=0.0, rss_mb=0.0, peak_rss_mb=0.0, rank_peak_rss_mb="", elapsed=0.0)
+
+
+def test_sparse_diloco_on_s3_keeps_its_residuals_there(spark, dataset, s3_server):
+    """Hosts that share nothing: a worker's inner state and error-feedback residual go to the run directory's
+    shared .inner/ on S3 between rounds and into the checkpoint, and are gone at the end."""
+    import boto3
+    from safetensors.numpy import load
+
+    from conftest import cfg
+    from sparklm.train.run import train
+
+    s3 = boto3.client("s3", endpoint_url=s3_server)
+    s3.create_bucket(Bucket="sparse")
+    s = train(dataset, output="s3://sparse/run", spark=spark,
+              config=cfg(max_steps=4, strategy="diloco", workers=2, sync_every=2, checkpoint_every=2, samples=0,
+                         codec="topk", density=0.05, outer_momentum=0.0, outer_lr=1.0))
+    keys = {o["Key"][4:] for o in s3.list_objects_v2(Bucket="sparse", Prefix="run/")["Contents"]}
+    assert not any(k.startswith(".inner") for k in keys)
+    inner = s3.get_object(Bucket="sparse", Key="run/checkpoints/step-0000002/inner/w1.safetensors")["Body"].read()
+    assert any(k.startswith("residual/") for k in load(inner))
+    assert s["bytes_returned"] < s["rounds"] * 2 * 4 * s["trainable_params"] / 8

@@ -37,7 +37,8 @@ def test_block_quantizers_err_at_most_half_a_step(name, top, x):
     pad = np.zeros(-(-len(x) // 64) * 64, np.float32)
     pad[:len(x)] = x
     step = np.repeat(np.abs(pad.reshape(-1, 64)).max(axis=1) / top, 64)[:len(x)]
-    assert np.all(np.abs(got - x) <= step * 0.5 * 1.01)  # bfloat16 scales, rounded up: at most 1/128 coarser
+    # bfloat16 scales, rounded up: at most 1/128 coarser; below float32's normal range a scale underflows to 0
+    assert np.all(np.abs(got - x) <= step * 0.5 * 1.01 + 1e-37)
 
 
 @given(x=arrays(np.float32, st.integers(1, 700), elements=FLOATS), density=st.sampled_from([0.01, 0.05, 0.3, 1.0]),
@@ -66,7 +67,9 @@ def test_topk_two_bits_is_compact_and_within_its_levels():
     assert {n: a.shape for n, a in got.items()} == {n: a.shape for n, a in d.items()}
     n = sum(a.size for a in d.values())
     assert len(payload) * 8 / n < 0.5 + 8 * 600 / n  # ~0.18 bits per value, plus the safetensors header
-    w, g = d["w"].reshape(-1), got["w"].reshape(-1)
+    # the arrays are encoded as one vector, in name order: chunks run across them
+    w = np.concatenate([d[k].reshape(-1) for k in sorted(d)])
+    g = np.concatenate([got[k].reshape(-1) for k in sorted(d)])
     for start in range(0, w.size, 256):
         part, out = w[start:start + 256], g[start:start + 256]
         kept = np.flatnonzero(out)

@@ -81,6 +81,7 @@ class RoundSpec:
     shards: tuple[tuple[int, int], ...]  # worker w streams slice shards[w][0] of shards[w][1] of each global batch
     inner_from: str = ""  # a checkpoint to take inner optimizer states from (the first round after --resume)
     base_step: int | None = None  # the update broadcast applies to the weights of this step (None: no update sent)
+    initial_digest: str = ""  # round 0 of a lossy codec: the digest of the seeded weights every worker builds itself
     cold: tuple[int, ...] = ()  # workers left out of the last round: their state holds steps that were dropped
 
     def fraction(self, i: int) -> float:

@@ -51,18 +51,17 @@ class Codec:
         return max(1, min(self.chunk, round(self.density * self.chunk)))
 
     def encode(self, arrays: Mapping[str, np.ndarray]) -> bytes:
+        """The arrays, concatenated in name order into one vector (no per-tensor framing: a LoRA adapter has
+        hundreds of small tensors), encoded; their names and shapes in the payload's metadata."""
         from safetensors.numpy import save
 
-        out: dict[str, np.ndarray] = {}
-        shapes = {}
-        for name, a in arrays.items():
-            flat = np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
-            shapes[name] = list(a.shape)
-            for part, value in getattr(self, f"_enc_{self.name}")(flat).items():
-                out[f"{name}::{part}"] = value
+        names = sorted(arrays)
+        shapes = {n: list(np.shape(arrays[n])) for n in names}
+        flat = np.concatenate([np.ascontiguousarray(arrays[n], np.float32).reshape(-1) for n in names]) if names \
+            else np.zeros(0, np.float32)
         meta = {"codec": json.dumps({"name": self.name, "density": self.density, "bits": self.bits,
                                      "chunk": self.chunk, "shapes": shapes})}
-        return save(out, metadata=meta)
+        return save(getattr(self, f"_enc_{self.name}")(flat), metadata=meta)
 
     # -- the codecs: flat float32 → named arrays, and back ----------------------------------------------------
 
@@ -137,12 +136,12 @@ def decode(payload: bytes) -> dict[str, np.ndarray]:
 
     meta = json.loads(_metadata(payload)["codec"])
     codec = Codec(name=meta["name"], density=meta["density"], bits=meta["bits"], chunk=meta["chunk"])
-    arrays = load(payload)
-    out = {}
-    for name, shape in meta["shapes"].items():
-        n = int(np.prod(shape)) if shape else 1
-        parts = {key.rsplit("::", 1)[1]: v for key, v in arrays.items() if key.rsplit("::", 1)[0] == name}
-        out[name] = getattr(codec, f"_dec_{codec.name}")(parts, n).reshape(shape)
+    sizes = {name: int(np.prod(shape)) if shape else 1 for name, shape in meta["shapes"].items()}
+    flat = getattr(codec, f"_dec_{codec.name}")(load(payload), sum(sizes.values()))
+    out, at = {}, 0
+    for name, shape in meta["shapes"].items():  # name order, as encoded
+        out[name] = flat[at:at + sizes[name]].reshape(shape).copy()
+        at += sizes[name]
     return out
 
 
@@ -243,6 +242,19 @@ def encode_update(old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray]) 
         out[f"{name}::i"] = (changed % UPDATE_CHUNK).astype(np.uint8)
         out[f"{name}::v"] = b[changed]
     return save(out, metadata={"update": json.dumps({"shapes": shapes})})
+
+
+def digest(arrays: Mapping) -> str:
+    """SHA-256 of named float32 arrays (or tensors), in name order: whether two copies of the weights are equal."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = arrays[name]
+        a = a.detach().cpu().numpy() if hasattr(a, "detach") else a
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(a, np.float32).tobytes())
+    return h.hexdigest()
 
 
 def apply_update(old: Mapping[str, np.ndarray], payload: bytes) -> dict[str, np.ndarray]:

@@ -32,7 +32,7 @@ from ..recorder import Best, Recorder
 from ..schedule import Schedule
 from ..sinks import CsvSink, Sink, Sinks
 from .base import BEST, Job, Partial, RoundSpec, RunResult, WorkerResult
-from .codec import Codec, decode, encode_update
+from .codec import Codec, decode, digest, encode_update
 
 # A testing aid: "round=R,worker=W[,attempts=K][,at=start|end|crash]" fails that task's first K attempts
 # (default 1) at its start, after its work (default end), or by killing its Python worker after its work.
@@ -164,7 +164,11 @@ class _Driver:
         payload = save_bytes({n: t.contiguous() for n, t in {**self.params, **(also or {})}.items()})
         sc = self.spark.sparkContext
         bc, bu = sc.broadcast(payload), None
-        if not self.codec.lossless and not also and self.sent is not None:
+        if not self.codec.lossless and not also and self.sent is None and self.step == 0:
+            # round 0: every worker builds the same seeded model the driver did (as DDP's ranks do); the weights
+            # go only to a worker whose own differ from this digest
+            spec = dataclasses.replace(spec, initial_digest=digest(self.params))
+        elif not self.codec.lossless and not also and self.sent is not None:
             # the workers hold the weights of the last round: send what changed since, when that is smaller
             # (a sparse outer step changes few; Spark fetches a broadcast only where a task reads it)
             update = encode_update({n: t.numpy() for n, t in self.sent[1].items()},

@@ -35,7 +35,7 @@ from ...model.task import Batch
 from .. import checkpoint, device
 from ..core import Rank, Trainer, TrainState
 from .base import BEST, Job, RoundSpec, WorkerResult
-from .codec import Codec, apply_update, decode
+from .codec import Codec, apply_update, decode, digest
 
 
 def run_worker(job: Job, worker: int, full: Callable[[], bytes], spec: RoundSpec, *, attempt: int = 0,
@@ -51,8 +51,8 @@ def run_worker(job: Job, worker: int, full: Callable[[], bytes], spec: RoundSpec
     tc = trainer.tc
     codec = Codec(tc.rounds.codec, density=tc.rounds.density, bits=tc.rounds.bits)
     t0 = time.time()
-    global_w, fetched = global_weights(job, spec, full, update, hold=not codec.lossless)
     trainable = trainer.task.trainable(trainer.model)
+    global_w, fetched = global_weights(job, spec, full, update, hold=not codec.lossless, own=trainable)
     with torch.no_grad():
         for n, p in trainable.items():
             p.copy_(global_w[n])
@@ -135,14 +135,18 @@ _HELD: dict = {}  # this process's copy of the last global weights it received: 
 
 
 def global_weights(job: Job, spec: RoundSpec, full: Callable[[], bytes], update: Callable[[], bytes] | None, *,
-                   hold: bool) -> tuple[dict[str, torch.Tensor], int]:
-    """The round's global weights, and the bytes read for them: the update applied to this process's copy of the
-    weights of ``spec.base_step`` when it holds them, else the whole weights. With ``hold``, the result is kept
-    for the next round's update (a copy of the trainable weights per Python worker)."""
+                   hold: bool, own: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+    """The round's global weights, and the bytes read for them: at round 0, the worker's ``own`` weights when they
+    are the driver's (``spec.initial_digest``); later, the update applied to this process's copy of the weights
+    of ``spec.base_step`` when it holds them; else the whole weights. With ``hold``, the result is kept for the
+    next round's update (a copy of the trainable weights per Python worker)."""
     from safetensors.numpy import load
 
     held = _HELD if _HELD.get("uid") == job.uid else {}
-    if update is not None and spec.base_step is not None and held.get("step") == spec.base_step:
+    payload = b""
+    if spec.initial_digest and digest(own) == spec.initial_digest:
+        arrays = {n: p.detach().cpu().numpy().copy() for n, p in own.items()}
+    elif update is not None and spec.base_step is not None and held.get("step") == spec.base_step:
         payload = update()
         arrays = apply_update(held["arrays"], payload)
     else:
