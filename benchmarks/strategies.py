@@ -48,8 +48,8 @@ CONTENDERS = {
                                "--set", f"train.rounds.density={d / 100}", "--set", "train.rounds.outer_momentum=0.0",
                                "--set", "train.rounds.outer_lr=1.0", "--set", "train.rounds.residual_decay=0.95"]
        for h in (8, 16, 32, 64) for d in (1, 3)},
-    "diloco-64-int4-m0.5": ["--strategy", "diloco", "--sync-every", "64", "--codec", "int4",
-                            "--set", "train.rounds.outer_momentum=0.5"],
+    **{f"diloco-{h}-int4-m0.5": ["--strategy", "diloco", "--sync-every", str(h), "--codec", "int4",
+                                 "--set", "train.rounds.outer_momentum=0.5"] for h in (64, 128)},
 }
 
 
