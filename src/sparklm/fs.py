@@ -166,12 +166,19 @@ def staged_dir(uri: str, storage: StorageConfig | None = None, *, marker: str | 
     try:
         yield stage
         delete(uri, storage)
-        files = sorted(p for p in stage.rglob("*") if p.is_file())
-        files.sort(key=lambda p: p.name == marker)  # the marker last
-        for p in files:
-            write_bytes(join(uri, *p.relative_to(stage).parts), p.read_bytes(), storage)
+        upload_tree(stage, uri, storage, last=marker)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+def upload_tree(local: Path, uri: str, storage: StorageConfig | None = None, *, last: str | None = None) -> None:
+    """The files under the local directory ``local`` written to directory ``uri`` at the same relative paths (in
+    name order, a file named ``last`` after the others); symbolic links are not followed. No directory: nothing."""
+    files = sorted(Path(root) / name for root, _, names in os.walk(local) for name in names
+                   if not (Path(root) / name).is_symlink())
+    files.sort(key=lambda p: p.name == last)
+    for p in files:
+        write_bytes(join(uri, *p.relative_to(local).parts), p.read_bytes(), storage)
 
 
 def local_copy(uri: str, storage: StorageConfig | None = None) -> Path:

@@ -7,12 +7,11 @@ single-process loop, against itself with identical data, with a worker failing, 
 from __future__ import annotations
 
 import csv
-import shutil
 
 import pytest
 import torch
 
-from conftest import cfg, figures, weights
+from conftest import cfg, figures, stopped_copy, weights
 from sparklm.train.run import train
 from sparklm.train.sinks import read_metrics
 
@@ -110,9 +109,7 @@ def test_resume_in_rounds_ends_with_the_same_weights(spark, dataset, tmp_path):
     conf = cfg(max_steps=8, checkpoint_every=4, samples=0, strategy="diloco", sync_every=2, workers=2)
     train(dataset, output=str(full), config=conf, spark=spark)
     stopped = tmp_path / "stopped"
-    shutil.copytree(full, stopped)
-    shutil.rmtree(stopped / "checkpoints" / "step-0000008")
-    shutil.rmtree(stopped / "model")
+    stopped_copy(full, stopped, after=4, last=8)
     train(None, output=str(stopped), config=conf, resume=True, spark=spark)
     a, b = weights(full), weights(stopped)
     for k in a:
@@ -162,9 +159,7 @@ def test_sparse_diloco_sends_little_both_ways_and_resumes_bitwise(spark, dataset
     with safe_open(str(ckpt / "inner" / "w1.safetensors"), "pt") as f:
         assert any(k.startswith("residual/") for k in f.keys())  # the error feedback's remainder is checkpointed
     stopped = tmp_path / "stopped"
-    shutil.copytree(full, stopped)
-    shutil.rmtree(stopped / "checkpoints" / "step-0000008")
-    shutil.rmtree(stopped / "model")
+    stopped_copy(full, stopped, after=4, last=8)
     train(None, output=str(stopped), config=conf, resume=True, spark=spark)
     a, b = weights(full), weights(stopped)
     for k in a:

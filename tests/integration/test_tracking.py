@@ -218,7 +218,7 @@ def test_a_restart_leaves_one_clean_history_in_mlflow_and_wandb(tmp_path, mlflow
     config = Config().replace(tracking=_tracking(mlflow_uri=mlflow_server, mlflow_experiment="rewind",
                                                  wandb_project="rewind"))
     ctx = trackers.Context(command="train", run_dir=str(tmp_path / "run"), storage=StorageConfig(),
-                           params={"train.lr": 0.001}, name="run")
+                           params={"train.lr": 0.001})
     opened = trackers.open_trackers(config, ctx)
     for t in opened:
         for step in range(1, 7):

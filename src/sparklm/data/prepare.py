@@ -96,13 +96,10 @@ def prepare(
         spark_start = time.time() - t_spark
         source = Source.of_files(spark, _bins(units, spark.sparkContext.defaultParallelism * 4), data, storage)
     tracking = trackers.open_trackers(config, trackers.Context(
-        command="prepare", run_dir=output, storage=storage, name=output.rstrip("/").rsplit("/", 1)[-1] or output,
-        params={k: v for k, v in flatten(config.to_saved()).items() if k.split(".")[0] in ("data", "tokenizer")}))
+        command="prepare", run_dir=output, storage=storage, params={k: v for k, v in flatten(config.to_saved()).items() if k.split(".")[0] in ("data", "tokenizer")}))
     try:
-        dataset = _run(spark, source, config, inputs, list(validation_inputs), output, started, spark_start)
-    except BaseException:
-        trackers.finish_all(tracking, trackers.Outcome(ok=False))
-        raise
+        with trackers.failed_on_error(tracking):
+            dataset = _run(spark, source, config, inputs, list(validation_inputs), output, started, spark_start)
     finally:
         source.release()
     trackers.finish_all(tracking, trackers.Outcome(ok=True, summary=trackers.manifest_figures(dataset.manifest)))

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .. import progress
 from ..config import Config, StorageConfig, TrackingConfig
 from ..errors import SparklmError
 from ..train.rows import Row
@@ -39,8 +41,12 @@ class Context:
     run_dir: str  # the run directory or the prepared dataset's directory
     storage: StorageConfig
     params: dict[str, Any]  # the resolved settings, flattened ("train.lr": 0.001)
-    name: str  # the tracker run's display name (the directory's last part)
     resume: bool = False
+
+    @property
+    def name(self) -> str:
+        """The tracker run's display name: the directory's last part."""
+        return self.run_dir.rstrip("/").rsplit("/", 1)[-1] or self.run_dir
 
 
 @dataclass
@@ -111,6 +117,16 @@ def finish_all(trackers: list[Tracker], outcome: Outcome) -> None:
         t.finish(outcome)
 
 
+@contextmanager
+def failed_on_error(trackers: list[Tracker]) -> Iterator[None]:
+    """The block's exception, if any, ends every tracker's run as failed before it goes on up."""
+    try:
+        yield
+    except BaseException:
+        finish_all(trackers, Outcome(ok=False))
+        raise
+
+
 def numbers(row: Row) -> dict[str, float]:
     """A row's numeric figures under ``kind/name`` (``train/loss``, ``eval/val_bpb``, ``round/broadcast_bytes``), as
     every tracker names them; the step is the x-axis, not a figure."""
@@ -147,6 +163,69 @@ def manifest_figures(manifest: dict) -> dict:
     for section in ("input", "splits", "packing", "timing"):
         walk(manifest.get(section) or {}, "")
     return out
+
+
+class Buffered:
+    """What the MLflow and W&B trackers share: rows wait in :class:`Pending` until a flush; a failed call warns
+    once and the run goes on without the tracker (metrics.csv keeps every row); ``finish`` sends what waits when
+    the run ended well, then the summary, the run's files and the model, and ends the tracker's run. A tracker
+    says how: ``_send``, ``_log_summary``, ``_log_files``, ``_log_model``, ``_end``."""
+
+    label = ""  # the tracker's name in messages
+    tc: TrackingConfig
+
+    def __init__(self) -> None:
+        self.pending = Pending()
+        self.failed = False
+
+    def write(self, row: Row) -> None:
+        self.pending.add(row)
+
+    def rewind(self, step: int, evaluated: bool = True) -> None:
+        self.pending.rewind(step, evaluated)
+
+    def flush(self) -> None:
+        self._call("log metrics", lambda rows=self.pending.take(): self._send(rows))
+
+    def close(self) -> None:
+        pass  # unflushed rows wait for finish(): sent if the run ended well, else a resume sends them again
+
+    def _call(self, what: str, fn: Callable[[], object]) -> None:
+        if self.failed:
+            return
+        try:
+            fn()
+        except Exception as e:  # the run's own results are on disk: tracking must not end it
+            self.failed = True
+            progress.warn(f"{self.label}: could not {what} ({short(e)}); the run goes on without {self.label}")
+
+    def finish(self, outcome: Outcome) -> None:
+        rows = self.pending.take()
+        if outcome.ok:
+            self._call("log metrics", lambda: self._send(rows))
+            self._call("log the summary", lambda: self._log_summary(outcome.summary))
+            self._call("log the run's files", self._log_files)
+            if self.tc.log_model and outcome.model_dir:
+                self._call("log the model", lambda: self._log_model(outcome.model_dir))
+        try:
+            self._end(outcome.ok)
+        except Exception as e:
+            progress.warn(f"{self.label}: could not end its run ({short(e)})")
+
+    def _send(self, rows: list[tuple[int, Row]]) -> None: ...
+
+    def _log_summary(self, summary: dict) -> None: ...
+
+    def _log_files(self) -> None: ...
+
+    def _log_model(self, model_dir: str) -> None: ...
+
+    def _end(self, ok: bool) -> None: ...
+
+
+def short(e: BaseException) -> str:
+    """An exception in one line of at most 240 characters."""
+    return " ".join(str(e).split())[:240] or type(e).__name__
 
 
 class Pending:

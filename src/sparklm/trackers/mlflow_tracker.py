@@ -20,7 +20,7 @@ from ..config import TrackingConfig
 from ..errors import SparklmError
 from ..fs import exists, join, read_bytes
 from ..train.rows import Row
-from . import RUN_FILES, Context, Outcome, Pending, numbers, summary_figures
+from . import RUN_FILES, Buffered, Context, numbers, short, summary_figures
 
 BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics and 100 parameters per call
 PARAMS_PER_BATCH = 100
@@ -65,7 +65,7 @@ def open_tracker(tc: TrackingConfig, ctx: Context) -> MlflowTracker:
     except SparklmError:
         raise
     except Exception as e:
-        raise SparklmError(f"cannot open an MLflow run at {uri}: {_short(e)}",
+        raise SparklmError(f"cannot open an MLflow run at {uri}: {short(e)}",
                            hint="check --mlflow URI (is the tracking server up?) and its credentials") from None
     progress.info(f"MLflow: run {run_id} in experiment '{tc.mlflow_experiment}' at {uri}")
     return MlflowTracker(client, run_id, uri, tc, ctx)
@@ -93,68 +93,31 @@ def _param_value(v) -> str:
     return text if len(text) <= PARAM_CHARS else text[:PARAM_CHARS - 1] + "…"
 
 
-def _short(e: BaseException) -> str:
-    return " ".join(str(e).split())[:240] or type(e).__name__
+class MlflowTracker(Buffered):
+    label = "MLflow"
 
-
-class MlflowTracker:
     def __init__(self, client, run_id: str, uri: str, tc: TrackingConfig, ctx: Context):
+        super().__init__()
         self.client, self.run_id, self.uri, self.tc, self.ctx = client, run_id, uri, tc, ctx
-        self.pending = Pending()
-        self.failed = False  # after a failed call the run goes on without MLflow (metrics.csv keeps every row)
-
-    def write(self, row: Row) -> None:
-        self.pending.add(row)
-
-    def rewind(self, step: int, evaluated: bool = True) -> None:
-        self.pending.rewind(step, evaluated)
-
-    def flush(self) -> None:
-        self._send(self.pending.take())
-
-    def close(self) -> None:
-        pass  # unflushed rows wait for finish(): sent if the run ended well, else a resume sends them again
 
     def _send(self, rows: list[tuple[int, Row]]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(key, value, now, step) for step, row in rows for key, value in numbers(row).items()]
-        self._call("log metrics", lambda: [self.client.log_batch(self.run_id, metrics=metrics[i:i + BATCH])
-                                           for i in range(0, len(metrics), BATCH)])
+        self._log_metrics([Metric(key, value, now, step) for step, row in rows for key, value in numbers(row).items()])
 
-    def _call(self, what: str, fn) -> None:
-        if self.failed:
-            return
-        try:
-            fn()
-        except Exception as e:  # the run's own results are on disk: tracking must not end it
-            self.failed = True
-            progress.warn(f"MLflow: could not {what} ({_short(e)}); the run goes on without MLflow")
-
-    def finish(self, outcome: Outcome) -> None:
-        rows = self.pending.take()
-        if outcome.ok:
-            self._send(rows)
-            figures = summary_figures(outcome.summary)
-            step = int(outcome.summary.get("steps") or 0)
-            self._call("log the summary", lambda: self._log_figures(figures, step))
-            self._call("log the run's files", self._log_files)
-            if self.tc.log_model and outcome.model_dir:
-                self._call("log the model", lambda: self._log_model(outcome.model_dir))
-        status = "FINISHED" if outcome.ok and not self.failed else "FAILED"
-        try:
-            self.client.set_terminated(self.run_id, status=status)
-        except Exception as e:
-            progress.warn(f"MLflow: could not end run {self.run_id} ({_short(e)})")
-
-    def _log_figures(self, figures: dict[str, float], step: int) -> None:
+    def _log_summary(self, summary: dict) -> None:
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
-        items = [Metric(f"summary/{k}", v, now, step) for k, v in figures.items()]
-        for i in range(0, len(items), BATCH):
-            self.client.log_batch(self.run_id, metrics=items[i:i + BATCH])
+        now, step = int(time.time() * 1000), int(summary.get("steps") or 0)
+        self._log_metrics([Metric(f"summary/{k}", v, now, step) for k, v in summary_figures(summary).items()])
+
+    def _log_metrics(self, metrics: list) -> None:
+        for i in range(0, len(metrics), BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + BATCH])
+
+    def _end(self, ok: bool) -> None:
+        self.client.set_terminated(self.run_id, status="FINISHED" if ok and not self.failed else "FAILED")
 
     def _log_files(self) -> None:
         with tempfile.TemporaryDirectory(prefix="sparklm-mlflow-") as tmp:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import StorageConfig, TrackingConfig
-from ..fs import local_path, write_bytes
+from ..fs import local_path, upload_tree
 from ..train.rows import Row
 from . import Context, Outcome, numbers
 
@@ -63,8 +63,7 @@ class TensorBoardSink:
 
     def _upload(self) -> None:
         if local_path(self.uri) is None:
-            for f in sorted(self.local.iterdir()):
-                write_bytes(f"{self.uri.rstrip('/')}/{f.name}", f.read_bytes(), self.storage)
+            upload_tree(self.local, self.uri, self.storage)
 
     def close(self) -> None:
         self.writer.close()

@@ -17,9 +17,9 @@ from pathlib import Path
 from .. import progress
 from ..config import TrackingConfig
 from ..errors import SparklmError
-from ..fs import exists, join, local_path, read_bytes, write_bytes
+from ..fs import exists, join, local_path, read_bytes, upload_tree
 from ..train.rows import Row
-from . import RUN_FILES, Context, Outcome, Pending, numbers, summary_figures
+from . import RUN_FILES, Buffered, Context, numbers, summary_figures
 
 KINDS = ("train", "eval", "round")
 
@@ -57,55 +57,27 @@ def _resumed_id(local: Path) -> str | None:
     return None
 
 
-class WandbTracker:
+class WandbTracker(Buffered):
+    label = "W&B"
+
     def __init__(self, run, local: Path, temporary: bool, tc: TrackingConfig, ctx: Context):
+        super().__init__()
         self.run, self.local, self.temporary, self.tc, self.ctx = run, local, temporary, tc, ctx
-        self.pending = Pending()
-        self.failed = False
-
-    def write(self, row: Row) -> None:
-        self.pending.add(row)
-
-    def rewind(self, step: int, evaluated: bool = True) -> None:
-        self.pending.rewind(step, evaluated)
-
-    def flush(self) -> None:
-        self._send(self.pending.take())
-
-    def close(self) -> None:
-        pass  # unflushed rows wait for finish(), as MLflow's do
 
     def _send(self, rows: list[tuple[int, Row]]) -> None:
-        def log():
-            for step, row in rows:
-                self.run.log({"step": step, **numbers(row)})
+        for step, row in rows:
+            self.run.log({"step": step, **numbers(row)})
 
-        self._call("log metrics", log)
+    def _log_summary(self, summary: dict) -> None:
+        self.run.summary.update(summary_figures(summary))
 
-    def _call(self, what: str, fn) -> None:
-        if self.failed:
-            return
+    def _end(self, ok: bool) -> None:
         try:
-            fn()
-        except Exception as e:  # the run's own results are on disk: tracking must not end it
-            self.failed = True
-            progress.warn(f"W&B: could not {what} ({' '.join(str(e).split())[:200]}); the run goes on without W&B")
-
-    def finish(self, outcome: Outcome) -> None:
-        rows = self.pending.take()
-        if outcome.ok:
-            self._send(rows)
-            self._call("log the summary", lambda: self.run.summary.update(summary_figures(outcome.summary)))
-            self._call("log the run's files", self._log_files)
-            if self.tc.log_model and outcome.model_dir:
-                self._call("log the model", lambda: self._log_model(outcome.model_dir))
-        try:
-            self.run.finish(exit_code=0 if outcome.ok else 1)
-        except Exception as e:
-            progress.warn(f"W&B: could not end run {self.run.id} ({' '.join(str(e).split())[:200]})")
-        if self.temporary:  # an object-store run directory: its offline files go there, then the copy goes
-            self._upload()
-            shutil.rmtree(self.local, ignore_errors=True)
+            self.run.finish(exit_code=0 if ok else 1)
+        finally:
+            if self.temporary:  # an object-store run directory: its offline files go there, then the copy goes
+                upload_tree(self.local / "wandb", join(self.ctx.run_dir, "wandb"), self.ctx.storage)
+                shutil.rmtree(self.local, ignore_errors=True)
 
     def _log_files(self) -> None:
         import wandb
@@ -132,13 +104,6 @@ class WandbTracker:
                              metadata={"format": "huggingface", "task": "text-generation"})
         art.add_dir(str(model_source(model_dir, self.ctx.storage)))
         self.run.log_artifact(art)
-
-    def _upload(self) -> None:
-        root = self.local / "wandb"
-        if root.exists():
-            for f in sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink()):
-                write_bytes(join(self.ctx.run_dir, "wandb", *f.relative_to(root).parts), f.read_bytes(),
-                            self.ctx.storage)
 
 
 def _safe(name: str) -> str:

@@ -25,15 +25,20 @@ def epoch_rows(train: list[dict]) -> list[rows.Epoch]:
     out, start, prev = [], 0, None  # start: the index of the epoch's first row; prev: the row before it
     for i, row in enumerate(train):
         before = train[i - 1]["epoch"] if i else 0.0
-        done = math.floor(row["epoch"] + 1e-9)
-        if done <= math.floor(before + 1e-9):
+        done = whole(row["epoch"])
+        if done <= whole(before):
             continue
         span = train[start:i + 1]
-        out.append(_summed(math.floor(before + 1e-9) + 1, span, prev))
+        out.append(_summed(whole(before) + 1, span, prev))
         # a row that ends several epochs at once (a tiny split) ends each with the same figures
         out += [_summed(k, span, prev) for k in range(out[-1].epoch + 1, done + 1)]
         start, prev = i + 1, row
     return out
+
+
+def whole(epoch: float) -> int:
+    """The passes completed at ``epoch`` (tokens ÷ epoch tokens; a hair of tolerance for float division)."""
+    return math.floor(epoch + 1e-9)
 
 
 def _summed(epoch: int, span: list[dict], prev: dict | None) -> rows.Epoch:
@@ -70,7 +75,7 @@ class EpochRows:
         self.out.write(row)
         if isinstance(row, rows.Train):
             self.train.append({k: getattr(row, k) for k in FIELDS})
-            if len(self.train) > 1 and math.floor(row.epoch + 1e-9) <= math.floor(self.train[-2]["epoch"] + 1e-9):
+            if len(self.train) > 1 and whole(row.epoch) <= whole(self.train[-2]["epoch"]):
                 return  # no epoch ended at this row (the common case: no recount)
             for epoch in epoch_rows(self.train)[self.sent:]:
                 self.out.write(epoch)

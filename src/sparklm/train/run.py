@@ -91,8 +91,7 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
         progress.info(mem.describe())
         # an unreachable tracker stops the run here, before its directory holds anything
         tracking = trackers.open_trackers(config, trackers.Context(
-            command="train", run_dir=run_dir, storage=storage, params=flatten(config.to_saved()),
-            name=_name(run_dir), resume=resume))
+            command="train", run_dir=run_dir, storage=storage, params=flatten(config.to_saved()), resume=resume))
         # config holds what runs; "decided" lists what the driver chose where the settings left it open
         write_text(join(run_dir, "config.json"), json.dumps(
             {"config": config.to_saved(), "decided": resolve.decided(asked, config), "data": data,
@@ -103,24 +102,19 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
         figures = figures_for(config.model.task)
         sinks = _sinks(run_dir, figures, storage, tracking, resume)
         t0 = time.time()
-        try:
-            with progress.stage(spark, f"train: {strategy.describe(config)}", quiet=True), \
-                    spark_figures.window(spark) as jobs:
-                result = strategy.run(spark, job, sinks)
-        except BaseException:
-            sinks.close()
-            trackers.finish_all(tracking, trackers.Outcome(ok=False))
-            raise
-        sinks.close()
-    try:
+        with trackers.failed_on_error(tracking):
+            try:
+                with progress.stage(spark, f"train: {strategy.describe(config)}", quiet=True), \
+                        spark_figures.window(spark) as jobs:
+                    result = strategy.run(spark, job, sinks)
+            finally:
+                sinks.close()
+    with trackers.failed_on_error(tracking):
         summary = _summary(run_dir, config, dataset, result, spark, time.time() - t0, spark_start,
                            spark_figures.collect(spark, jobs))
         _cards(run_dir, config, data, summary)
         plot_loss(run_dir, figures, storage)
         write_report(run_dir, storage)
-    except BaseException:
-        trackers.finish_all(tracking, trackers.Outcome(ok=False))
-        raise
     model_dir = join(run_dir, "model")
     trackers.finish_all(tracking, trackers.Outcome(ok=True, summary=summary,
                                                    model_dir=model_dir if exists(model_dir, storage) else None))
@@ -137,11 +131,6 @@ def _sinks(run_dir: str, figures: FigureSet, storage, tracking: list, resume: bo
                             CsvSink(join(run_dir, "epochs.csv"), rows.EPOCH_COLUMNS, {"epoch"}, storage),
                             JsonSink(join(run_dir, "run_info.json"), storage), ConsoleSink(figures), *tracking]),
                      earlier)
-
-
-def _name(uri: str) -> str:
-    """A run's display name for trackers: its directory's last part."""
-    return uri.rstrip("/").rsplit("/", 1)[-1] or uri
 
 
 def _cards(run_dir: str, config: Config, data: str, summary: dict) -> None:

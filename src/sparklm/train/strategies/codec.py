@@ -42,6 +42,11 @@ class Codec:
         if not 0 < self.density <= 1 or not (2 <= self.bits <= 8 or self.bits == 32) or not 1 <= self.chunk <= 65536:
             raise ValueError(f"bad codec settings: density {self.density}, bits {self.bits}, chunk {self.chunk}")
 
+    @classmethod
+    def of(cls, rounds) -> Codec:
+        """The codec ``[train.rounds]`` (a RoundsConfig) chooses."""
+        return cls(rounds.codec, density=rounds.density, bits=rounds.bits)
+
     @property
     def lossless(self) -> bool:
         return self.name == "fp32"

@@ -113,7 +113,7 @@ class _Driver:
         self.max_failures = _max_failures(spark)
         self.shards = tuple(tuple(s) for s in (shards or [(w, job.workers) for w in range(job.workers)]))
         self.comm = {"broadcast": 0, "returned": 0}
-        self.codec = Codec(rc.codec, density=rc.density, bits=rc.bits)
+        self.codec = Codec.of(rc)
         self.sent: tuple[int, dict] | None = None  # (step, weights) the workers received last: an update's base
         self.per_step_s: float | None = None
         self.pending_eval = False  # the schedule asked for an evaluation after the last round: the next one does it
