@@ -1,12 +1,15 @@
-"""Benchmark: DDP vs parameter averaging vs DiLoCo on Tiny Shakespeare, 2 workers, the same token budget.
+"""Benchmark: DDP vs parameter averaging vs DiLoCo (and its codecs), the same token budget for every contender.
 
     .venv/bin/python benchmarks/strategies.py                 # all contenders, then the scaling model
     .venv/bin/python benchmarks/strategies.py --only ddp diloco-32
+    .venv/bin/python benchmarks/strategies.py --corpus wikitext2 --workers 4 --only ddp diloco
     .venv/bin/python benchmarks/strategies.py --model-only    # the scaling model from the last results
 
-Data as in time_to_quality.py (first 90% of the text trains, the last 10% validates, BPE 4096, seq 256).
-Every contender is one `sparklm train` command (a fresh process, Spark local[2], 2 workers × 1 thread,
-batch 8 per worker, the defaults otherwise) for --steps optimizer steps: the same tokens for all.
+Corpora: Tiny Shakespeare as in time_to_quality.py (first 90% of the text trains, the last 10% validates), or
+WikiText-2 (its test split trains, its validation split validates); BPE 4096, seq 256.
+Every contender is one `sparklm train` command (a fresh process, Spark local[N], N workers × 1 thread,
+batch 8 per worker, the defaults otherwise) for --steps optimizer steps: the same tokens for all. Results go
+to WORK/strategies.json (Tiny Shakespeare, 2 workers) or WORK/strategies-CORPUS-Nw.json.
 Reported: final validation bits/byte over the whole validation split, bytes communicated (measured
 payloads for the rounds; for DDP computed from the ring all-reduce of fp32 gradients, as gloo has no
 counters), wall time of the command.
@@ -48,33 +51,43 @@ CONTENDERS = {
                                "--set", f"train.rounds.density={d / 100}", "--set", "train.rounds.outer_momentum=0.0",
                                "--set", "train.rounds.outer_lr=1.0", "--set", "train.rounds.residual_decay=0.95"]
        for h in (8, 16, 32, 64) for d in (1, 3)},
-    **{f"diloco-{h}-int4-m0.5": ["--strategy", "diloco", "--sync-every", str(h), "--codec", "int4",
-                                 "--set", "train.rounds.outer_momentum=0.5"] for h in (64, 128)},
+    **{f"diloco-{h}-{c}-m0.5": ["--strategy", "diloco", "--sync-every", str(h), "--codec", c,
+                                "--set", "train.rounds.outer_momentum=0.5"] for h in (32, 64, 128) for c in ("int4", "int2")},
+    # the driver's step sent whole (train.rounds.downlink exact) instead of encoded: what the encoding costs
+    "diloco-64-int4-m0.5-exact": ["--strategy", "diloco", "--sync-every", "64", "--codec", "int4",
+                                  "--set", "train.rounds.outer_momentum=0.5", "--set", 'train.rounds.downlink="exact"'],
+    "diloco": ["--strategy", "diloco"],  # the defaults
 }
 
 
-def prepared(work: Path) -> Path:
-    data = work / "tts" / "prepared-4096"  # the vocabulary its recorded figures used (the default is now 8192)
+def prepared(work: Path, corpus: str = "tinyshakespeare") -> Path:
+    home = work / ("tts" if corpus == "tinyshakespeare" else corpus)
+    data = home / "prepared-4096"  # the vocabulary its recorded figures used (the default is now 8192)
     if (data / "manifest.json").is_file():
         return data
-    text = (SHARED / "tinyshakespeare.txt").read_text()
-    n = int(0.9 * len(text))
-    (work / "tts").mkdir(parents=True, exist_ok=True)
-    (work / "tts" / "train.txt").write_text(text[:n])
-    (work / "tts" / "val.txt").write_text(text[n:])
-    subprocess.run([sys.executable, "-m", "sparklm", "prepare", str(work / "tts" / "train.txt"), "--validation-input",
-                    str(work / "tts" / "val.txt"), "-o", str(data), "--overwrite", "--doc-mode", "file",
+    if corpus == "tinyshakespeare":
+        text = (SHARED / "tinyshakespeare.txt").read_text()
+        n = int(0.9 * len(text))
+        train, val = text[:n], text[n:]
+    else:
+        train, val = ((SHARED / "wikitext-2" / f).read_text() for f in ("test.txt", "valid.txt"))
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "train.txt").write_text(train)
+    (home / "val.txt").write_text(val)
+    subprocess.run([sys.executable, "-m", "sparklm", "prepare", str(home / "train.txt"), "--validation-input",
+                    str(home / "val.txt"), "-o", str(data), "--overwrite", "--doc-mode", "file",
                     "--vocab-size", "4096", "--master", "local[2]", "--set", "spark.ui=false"], check=True,
                    capture_output=True)
     return data
 
 
-def run(name: str, data: Path, work: Path, steps: int) -> dict:
-    out = work / "strategies" / name
+def run(name: str, data: Path, work: Path, steps: int, workers: int = 2, tag: str = "") -> dict:
+    out = work / f"strategies{tag}" / name
     subprocess.run(["rm", "-rf", str(out)], check=True)
     t0 = time.time()
     r = subprocess.run([sys.executable, "-m", "sparklm", "train", "--data", str(data), "-o", str(out),
-                        "--workers", "2", "--max-steps", str(steps), "--master", "local[2]", "--set", "spark.ui=false",
+                        "--workers", str(workers), "--max-steps", str(steps), "--master", f"local[{workers}]",
+                        "--set", "spark.ui=false",
                         "--set", "train.eval_batches=0", "--set", "train.eval_every=0", "--set", "train.samples=0",
                         "--set", "train.checkpoint_every=0", *CONTENDERS[name]], capture_output=True, text=True)
     if r.returncode:
@@ -82,7 +95,9 @@ def run(name: str, data: Path, work: Path, steps: int) -> dict:
     s = json.loads((out / "summary.json").read_text())
     res = {"name": name, "wall_s": time.time() - t0, "train_s": s["train_seconds"], "val_bpb": s["final"]["val_bpb"],
            "val_loss": s["final"]["val_loss"], "steps": s["steps"], "tokens": s["tokens"], "params": s["params"],
-           "bytes": s["bytes_communicated"], "ms_per_step": s["ms_per_step"], "rounds": s.get("rounds")}
+           "bytes": s["bytes_communicated"], "ms_per_step": s["ms_per_step"], "rounds": s.get("rounds"),
+           "out_bytes": s.get("bytes_broadcast"), "back_bytes": s.get("bytes_returned"), "workers": workers,
+           "trainable": s.get("trainable_params") or s["params"]}
     if (out / "rounds.csv").is_file():
         with (out / "rounds.csv").open() as f:
             rows = list(csv.DictReader(f))
@@ -149,30 +164,43 @@ def scaling_tables(results: dict) -> str:
     return "\n".join(lines)
 
 
+def table(results: dict) -> str:
+    """DDP vs each contender: quality, bytes each way, bits per trainable parameter per inner step, wall time."""
+    ddp = results.get("ddp")
+    lines = ["| strategy | val bits/byte | vs DDP | bytes out (driver → workers) | bytes back | total | less than "
+             "DDP | bits/param/step | rounds | wall time |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        vs = f"{(r['val_bpb'] / ddp['val_bpb'] - 1):+.1%}" if ddp else ""
+        less = f"{ddp['bytes'] / r['bytes']:,.0f}×" if ddp and r["bytes"] else ""
+        each = (f"{r['out_bytes'] / 1e6:,.1f} MB | {r['back_bytes'] / 1e6:,.1f} MB" if r.get("out_bytes") is not None
+                else "— | —")
+        # per worker and step, both directions, against the parameters that travel (DDP: 2 × 32 bits, ring)
+        bits = 8 * r["bytes"] / (r.get("trainable", r["params"]) * r["steps"] * r.get("workers", 2))
+        lines.append(f"| {name} | {r['val_bpb']:.4f} | {vs} | {each} | {r['bytes'] / 1e6:,.1f} MB | {less} | "
+                     f"{bits:.3f} | {r['rounds'] or ''} | {r['wall_s']:.0f} s |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=512, help="optimizer steps for every contender")
     ap.add_argument("--only", nargs="*", choices=list(CONTENDERS), help="run these contenders only")
     ap.add_argument("--model-only", action="store_true", help="print the scaling model from saved results")
     ap.add_argument("--work", default=str(ROOT / ".bench"))
+    ap.add_argument("--corpus", choices=("tinyshakespeare", "wikitext2"), default="tinyshakespeare")
+    ap.add_argument("--workers", type=int, default=2, help="workers (and Spark local[N] slots), one thread each")
     args = ap.parse_args()
     work = Path(args.work)
-    saved = work / "strategies.json"
+    tag = "" if (args.corpus, args.workers) == ("tinyshakespeare", 2) else f"-{args.corpus}-{args.workers}w"
+    saved = work / f"strategies{tag}.json"
     results = json.loads(saved.read_text()) if saved.is_file() else {}
     if not args.model_only:
-        data = prepared(work)
+        data = prepared(work, args.corpus)
         for name in args.only or list(CONTENDERS):
-            results[name] = run(name, data, work, args.steps)
+            results[name] = run(name, data, work, args.steps, args.workers, tag)
             saved.write_text(json.dumps(results, indent=2))
-    ddp = results.get("ddp")
-    print("\n| strategy | val bits/byte | vs DDP | bytes communicated | less than DDP | rounds | wall time |")
-    print("|---|---|---|---|---|---|---|")
-    for name, r in results.items():
-        vs = f"{(r['val_bpb'] / ddp['val_bpb'] - 1):+.1%}" if ddp else ""
-        less = f"{ddp['bytes'] / r['bytes']:.0f}×" if ddp and r["bytes"] else ""
-        print(f"| {name} | {r['val_bpb']:.4f} | {vs} | {r['bytes'] / 1e6:,.0f} MB | {less} | {r['rounds'] or ''} | "
-              f"{r['wall_s']:.0f} s |")
-    if ddp and any("round" in r for r in results.values()):
+    print(table(results))
+    if "ddp" in results and any("round" in r for r in results.values()):
         print("\n" + scaling_tables(results))
 
 

@@ -301,7 +301,8 @@ TINY = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32},
                   # not auto: the strategies' equivalence tests compare to 1e-5, and Muon's bf16 orthogonalisation
                   # turns fp32 rounding differences of the summed gradients into larger ones
                   "optimizer": "adamw"}}
-ROUNDS_KEYS = {"sync_every", "outer_lr", "outer_momentum", "inner_state", "codec", "density", "bits", "residual_decay"}
+ROUNDS_KEYS = {"sync_every", "outer_lr", "outer_momentum", "inner_state", "codec", "density", "bits", "residual_decay",
+              "downlink"}
 
 
 def cfg(**train):

@@ -210,10 +210,15 @@ class RoundsConfig:
     outer_momentum: float = _f(0.9, "diloco: outer Nesterov momentum, as in the paper (average uses none); for "
                                     "runs of a few dozen rounds 0.5 measured better (BENCHMARKS.md)",
                                min=0.0, max=0.999)
-    codec: Literal["fp32", "bf16", "int8", "int4", "topk"] = _f(
-        "fp32", "how a worker's delta travels to the driver: fp32 (lossless), bf16, int8/int4 (per-block scales), "
+    codec: Literal["fp32", "bf16", "int8", "int4", "int2", "topk"] = _f(
+        "fp32", "what a round sends: fp32 (lossless), bf16, int8/int4/int2 (per-block scales; int2: -1, 0, +1), "
                 "topk (each chunk's largest values, quantized to rounds.bits); a lossy codec keeps what it drops "
                 "per worker (error feedback) and adds it to the next round's delta", flag="--codec")
+    downlink: Literal["codec", "exact"] = _f(
+        "codec", "a lossy codec: what the driver sends the workers after its outer step: codec (the step encoded with "
+                 "the same codec, the driver keeping what it did not send for the next step; every worker applies "
+                 "exactly what the driver applies) or exact (the weights that changed, in float32, or the whole weights "
+                 "when that is smaller)")
     density: float = _f(0.01, "topk: the share of each chunk of 256 values a worker sends", min=0.0001, max=1.0)
     bits: int = _f(2, "topk: bits per value sent (2-8; 32: float32)", min=2, max=32)
     residual_decay: float = _f(1.0, "error feedback: the share of a worker's unsent remainder carried into its next "

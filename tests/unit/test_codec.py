@@ -29,7 +29,7 @@ def test_fp32_is_exact_and_bf16_rounds_as_torch(x):
     assert np.array_equal(decode(Codec("bf16").encode({"x": x}))["x"], want)
 
 
-@pytest.mark.parametrize("name,top", [("int8", 127), ("int4", 7)])
+@pytest.mark.parametrize("name,top", [("int8", 127), ("int4", 7), ("int2", 1)])
 @given(x=arrays(np.float32, st.integers(1, 300), elements=FLOATS))
 @settings(max_examples=40, deadline=None)
 def test_block_quantizers_err_at_most_half_a_step(name, top, x):
@@ -79,13 +79,13 @@ def test_topk_two_bits_is_compact_and_within_its_levels():
         assert np.all(np.sign(out[kept]) == np.sign(part[kept]))
 
 
-@pytest.mark.parametrize("name", ["fp32", "bf16", "int8", "int4", "topk"])
+@pytest.mark.parametrize("name", ["fp32", "bf16", "int8", "int4", "int2", "topk"])
 def test_every_codec_is_deterministic_and_smaller_than_the_last(name):
     d = _delta(3)
     a, b = Codec(name).encode(d), Codec(name).encode({k: v.copy() for k, v in d.items()})
     assert a == b  # a retried task sends the same bytes
-    sizes = {c: len(Codec(c).encode(d)) for c in ("fp32", "bf16", "int8", "int4", "topk")}
-    assert sizes["fp32"] > sizes["bf16"] > sizes["int8"] > sizes["int4"] > sizes["topk"]
+    sizes = {c: len(Codec(c).encode(d)) for c in ("fp32", "bf16", "int8", "int4", "int2", "topk")}
+    assert sizes["fp32"] > sizes["bf16"] > sizes["int8"] > sizes["int4"] > sizes["int2"] > sizes["topk"]
 
 
 @given(st.integers(1, 8), st.lists(st.integers(0, 255), min_size=1, max_size=200))
@@ -118,3 +118,34 @@ def test_an_update_carries_exactly_the_changed_weights(n, share, seed):
     assert all(np.array_equal(got[k].view(np.uint32), new[k].view(np.uint32)) for k in new)
     if share < 0.05 and n >= 1000:
         assert len(payload) < 0.25 * sum(v.nbytes for v in new.values()) + 400
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2", "topk"])
+def test_an_encoded_step_lands_bit_for_bit_and_the_driver_keeps_what_it_did_not_send(name):
+    """The driver's side of a round with downlink = codec: it encodes the step from the weights the workers hold
+    (h) to its exact weights (x), and both sides compute h + decode with the same function: equal bits. What one
+    step does not deliver stays in x - h, so over steps the workers' weights follow the exact ones."""
+    from sparklm.train.strategies.codec import apply_update
+
+    codec = Codec(name, density=0.05, bits=2)
+    g = np.random.default_rng(7)
+    held = {"w": g.standard_normal(1000).astype(np.float32), "b": g.standard_normal(3).astype(np.float32)}
+    exact = {n: a.copy() for n, a in held.items()}
+    for _ in range(30):
+        exact = {n: a - 0.01 * g.standard_normal(a.shape).astype(np.float32) for n, a in exact.items()}
+        payload = codec.encode({n: exact[n] - held[n] for n in exact})
+        driver = apply_update(held, payload)
+        worker = apply_update({n: a.copy() for n, a in held.items()}, bytes(payload))
+        assert all(np.array_equal(driver[n], worker[n]) for n in driver)
+        assert all(np.array_equal(driver[n], held[n] + decode(payload)[n]) for n in driver)
+        held = driver
+    # bounded by what a step can leave behind (the 30 steps moved each weight by ~0.05), not growing with them
+    assert np.abs(exact["w"] - held["w"]).max() < 0.1
+
+
+def test_non_finite_values_are_refused_in_one_line():
+    for bad in (np.nan, np.inf):
+        d = _delta()
+        d["b"][5] = bad
+        with pytest.raises(ValueError, match="non-finite value in 'b'"):
+            Codec("int4").encode(d)

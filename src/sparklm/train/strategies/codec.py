@@ -4,8 +4,9 @@ Codecs (``train.rounds.codec``):
 
 - ``fp32``: the arrays as they are (lossless; the default before codecs existed);
 - ``bf16``: each value rounded to bfloat16 (half the bytes);
-- ``int8`` / ``int4``: each block of ``BLOCK`` values scaled by its largest magnitude and rounded to 8 or 4 bits
-  (two values per byte), the scale kept in bfloat16;
+- ``int8`` / ``int4`` / ``int2``: each block of ``BLOCK`` values scaled by its largest magnitude and rounded to 8
+  or 4 bits (two values per byte), or to -1, 0 or +1 times that magnitude in 2 bits (four per byte: the values
+  above half the block's largest; error feedback carries the rest until they are), the scale kept in bfloat16;
 - ``topk``: chunk-wise Top-k (SparseLoCo, Sarfi et al. 2025): the flattened array cut into chunks of ``chunk``
   values, the ``density``·chunk largest magnitudes of each kept with their position in the chunk (one byte when a
   chunk holds at most 256 values), and those values rounded to ``bits`` bits around a per-chunk bfloat16 scale
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-CODECS = ("fp32", "bf16", "int8", "int4", "topk")
+CODECS = ("fp32", "bf16", "int8", "int4", "int2", "topk")
 BLOCK = 64  # values per scale of the int8/int4 codecs
 
 
@@ -61,6 +62,10 @@ class Codec:
         from safetensors.numpy import save
 
         names = sorted(arrays)
+        for n in names:
+            if not np.isfinite(arrays[n]).all():  # a diverged worker: no codec can scale it, nothing should apply it
+                raise ValueError(f"non-finite value in {n!r} (NaN or infinity): the training diverged; "
+                                 "lower the learning rate or set train.grad_clip")
         shapes = {n: list(np.shape(arrays[n])) for n in names}
         flat = np.concatenate([np.ascontiguousarray(arrays[n], np.float32).reshape(-1) for n in names]) if names \
             else np.zeros(0, np.float32)
@@ -95,6 +100,15 @@ class Codec:
     def _dec_int4(self, parts: dict, n: int) -> np.ndarray:
         padded = -(-n // BLOCK) * BLOCK
         q = unpack_nibbles(parts["q"], padded).astype(np.float32) - 8
+        return _dequantize_blocks(q, parts["s"], n)
+
+    def _enc_int2(self, x: np.ndarray) -> dict:
+        parts = _quantize_blocks(x, 1)
+        return {"q": pack_bits((parts["q"] + 1).astype(np.uint8), 2), "s": parts["s"]}
+
+    def _dec_int2(self, parts: dict, n: int) -> np.ndarray:
+        padded = -(-n // BLOCK) * BLOCK
+        q = unpack_bits(parts["q"], 2, padded).astype(np.float32) - 1
         return _dequantize_blocks(q, parts["s"], n)
 
     def _enc_topk(self, x: np.ndarray) -> dict:
@@ -263,10 +277,16 @@ def digest(arrays: Mapping) -> str:
 
 
 def apply_update(old: Mapping[str, np.ndarray], payload: bytes) -> dict[str, np.ndarray]:
-    """``old`` with an :func:`encode_update` payload applied (new arrays; ``old`` is left as it is)."""
+    """``old`` with an update applied (new arrays; ``old`` is left as it is): an :func:`encode_update` payload (the
+    changed weights, set) or a :meth:`Codec.encode` payload of a step (decoded and added in float32: the driver
+    computes its own copy with this same function, so every worker holds bit for bit what the driver holds)."""
     from safetensors.numpy import load
 
-    shapes = json.loads(_metadata(payload)["update"])["shapes"]
+    meta = _metadata(payload)
+    if "codec" in meta:
+        step = decode(payload)
+        return {n: np.add(np.asarray(old[n], np.float32), step[n]) for n in step}
+    shapes = json.loads(meta["update"])["shapes"]
     parts = load(payload)
     out = {}
     for name, shape in shapes.items():

@@ -32,7 +32,7 @@ from ..recorder import Best, Recorder
 from ..schedule import Schedule
 from ..sinks import CsvSink, Sink, Sinks
 from .base import BEST, Job, Partial, RoundSpec, RunResult, WorkerResult
-from .codec import Codec, decode, digest, encode_update
+from .codec import Codec, apply_update, decode, digest, encode_update
 
 # A testing aid: "round=R,worker=W[,attempts=K][,at=start|end|crash]" fails that task's first K attempts
 # (default 1) at its start, after its work (default end), or by killing its Python worker after its work.
@@ -114,7 +114,13 @@ class _Driver:
         self.shards = tuple(tuple(s) for s in (shards or [(w, job.workers) for w in range(job.workers)]))
         self.comm = {"broadcast": 0, "returned": 0}
         self.codec = Codec.of(rc)
-        self.sent: tuple[int, dict] | None = None  # (step, weights) the workers received last: an update's base
+        # With a lossy codec: ``params`` are the weights the workers hold (what they train from, evaluate and export),
+        # ``exact`` the outer optimizer's own weights when the driver's step travels encoded (params + what the codec
+        # has not delivered yet), ``update`` the encoded step from the weights of step ``update[0]`` to ``params``,
+        # and ``sent_step`` the step whose weights the workers received last.
+        self.exact: dict | None = None
+        self.update: tuple[int, bytes] | None = None
+        self.sent_step: int | None = None
         self.per_step_s: float | None = None
         self.pending_eval = False  # the schedule asked for an evaluation after the last round: the next one does it
         self.dropped_last: list[int] = []  # workers left out of the last round: their optimizer state restarts
@@ -124,7 +130,8 @@ class _Driver:
         """With --resume: the newest readable checkpoint's weights, momentum, counters and best evaluation."""
         found = None
         if self.job.resume:  # the workers' inner states too are verified here, once
-            found = checkpoint.restore_run(self.ckpt_dir, world=self.job.workers, names=("model", "outer", "best"),
+            found = checkpoint.restore_run(self.ckpt_dir, world=self.job.workers,
+                                           names=("model", "outer", "best", "exact"),
                                            storage=self.storage, warn=self.rec.warn, verify="inner/")
         if found is not None:
             last, run, files = found
@@ -134,6 +141,7 @@ class _Driver:
                 raise SparklmError(f"checkpoint {last} does not fit the model", hint="resume with the same model config")
             self.params = {n: saved[n].float() for n in params}
             self.momentum = {n: saved_outer[n] for n in params} if saved_outer else None
+            self.exact = {n: files["exact"][n].float() for n in params} if files["exact"] else None
             self.step, self.tokens_seen, self.elapsed_before = run.step, run.tokens_seen, run.elapsed
             self.rnd = run.extra["round"]
             # the schedule asked for an evaluation of these weights, which the next round was to make: it still must
@@ -164,19 +172,16 @@ class _Driver:
         payload = save_bytes({n: t.contiguous() for n, t in {**self.params, **(also or {})}.items()})
         sc = self.spark.sparkContext
         bc, bu = sc.broadcast(payload), None
-        if not self.codec.lossless and not also and self.sent is None and self.step == 0:
-            # round 0: every worker builds the same seeded model the driver did (as DDP's ranks do); the weights
-            # go only to a worker whose own differ from this digest
-            spec = dataclasses.replace(spec, initial_digest=digest(self.params))
-        elif not self.codec.lossless and not also and self.sent is not None:
-            # the workers hold the weights of the last round: send what changed since, when that is smaller
-            # (a sparse outer step changes few; Spark fetches a broadcast only where a task reads it)
-            update = encode_update({n: t.numpy() for n, t in self.sent[1].items()},
-                                   {n: t.numpy() for n, t in self.params.items()})
-            if len(update) < len(payload):
-                bu, spec = sc.broadcast(update), dataclasses.replace(spec, base_step=self.sent[0])
-        if not also:
-            self.sent = (self.step, self.params)  # outer steps make new tensors: these stay as sent
+        if not self.codec.lossless and not also:
+            if self.sent_step is None and self.step == 0:
+                # round 0: every worker builds the same seeded model the driver did (as DDP's ranks do); the
+                # weights go only to a worker whose own differ from this digest
+                spec = dataclasses.replace(spec, initial_digest=digest(self.params))
+            elif self.update is not None and self.update[0] == self.sent_step and len(self.update[1]) < len(payload):
+                # a worker holding the last round's weights reads the step since (Spark fetches a broadcast only
+                # where a task reads it); one that does not (a new process) reads the whole weights
+                bu, spec = sc.broadcast(self.update[1]), dataclasses.replace(spec, base_step=self.sent_step)
+            self.sent_step = self.step
         broadcast_s = time.time() - t0
         try:
             partial = _round_job(self.spark, self.job, bc, bu, spec, self.fault, self.max_failures)
@@ -231,9 +236,10 @@ class _Driver:
         stop = self.pending_eval and self.rec.best.should_stop(self.tc.early_stop)  # decided on this evaluation
         self._check_dropped(partial, done)
         avg = {n: torch.from_numpy(a) / sum(r.weight for r in done) for n, a in summed(partial).items()}
-        new_params, self.momentum = outer.outer_step(self.params, avg, self.momentum, lr=self.lr, mu=self.mu)
-        update_norm = outer.norm({n: new_params[n] - self.params[n] for n in self.params})
-        self.params = new_params
+        before = self.exact if self.exact is not None else self.params
+        new_params, self.momentum = outer.outer_step(before, avg, self.momentum, lr=self.lr, mu=self.mu)
+        update_norm = outer.norm({n: new_params[n] - before[n] for n in before})
+        self.publish(new_params, begin)
         aggregate_s = time.time() - t_agg + max(round_s - broadcast_s - max(r.task_s for r in done), 0.0)
         self.step, self.rnd = end, self.rnd + 1
         self.tokens_seen += steps * self.plan.tokens_per_step
@@ -242,6 +248,28 @@ class _Driver:
         if ckpt_now:
             self.save(persist)
         return stop and self.rec.should_stop(f"round {self.rnd}")
+
+    def publish(self, new: dict, base: int) -> None:
+        """The outer step's weights ``new`` become the next round's. With a lossy codec the step from the weights
+        the workers hold (those of step ``base``) is encoded now: with ``downlink = codec`` by the codec itself, the
+        workers' weights moving by what it delivers and the driver keeping ``new`` as its exact weights (error
+        feedback on the driver's side: what one step does not deliver, the next one carries); with ``exact``, the
+        weights that changed."""
+        import torch
+
+        self.update = None
+        if self.codec.lossless:
+            self.params = new
+            return
+        held = {n: t.numpy() for n, t in self.params.items()}
+        if self.tc.rounds.downlink == "codec":
+            payload = self.codec.encode({n: (new[n] - self.params[n]).numpy() for n in new})
+            self.params = {n: torch.from_numpy(a) for n, a in apply_update(held, payload).items()}
+            self.exact = new
+        else:
+            payload = encode_update(held, {n: t.numpy() for n, t in new.items()})
+            self.params = new
+        self.update = (base, payload)
 
     def _check_dropped(self, partial: Partial, done: tuple[WorkerResult, ...]) -> None:
         dropped = partial.errors
@@ -294,6 +322,8 @@ class _Driver:
         files = {"model": self.params}
         if self.momentum is not None:
             files["outer"] = self.momentum
+        if self.exact is not None:
+            files["exact"] = self.exact
         files.update(self.rec.best.checkpoint_files(self.best_params, step))
         run = checkpoint.RunState(strategy=self.name, world=self.job.workers, step=step, tokens_seen=self.tokens_seen,
                                   position=step * self.plan.rows_per_step, elapsed=time.time() - self.started,
