@@ -7,6 +7,7 @@ In a notebook::
     result = sparklm.fit(data=ds, output="s3://bucket/runs/first", settings={"train.max_steps": 200})
     result.generate("Once upon a time", max_new_tokens=40)
     out = sparklm.generate_dataframe(prompts_df, model=result.run_dir)      # lazy, keeps prompts_df's columns
+    vecs = sparklm.embed_dataframe(docs_df, model="/models/all-MiniLM-L6-v2", text_col="body")  # an encoder's too
 """
 
 from .config import Config, load_config  # noqa: E402
@@ -15,7 +16,8 @@ from .version import __version__  # noqa: E402
 
 # The API's functions are imported on first use: `import sparklm` stays light (no torch, no pyspark).
 _LAZY = {"prepare": "api", "fit": "api", "FitResult": "api", "generate": "api", "evaluate": "api", "export": "api",
-         "generate_dataframe": "infer.batch", "Sampling": "infer.sampling"}
+         "generate_dataframe": "infer.batch", "Sampling": "infer.sampling",
+         "classify_dataframe": "infer.encode", "embed_dataframe": "infer.encode"}
 
 __all__ = ["Config", "SparklmError", "load_config", "__version__", *_LAZY]
 

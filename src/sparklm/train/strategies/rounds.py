@@ -262,7 +262,7 @@ class _Driver:
             self.params = new
             return
         held = {n: t.numpy() for n, t in self.params.items()}
-        if self.tc.rounds.downlink == "codec":
+        if encoded_downlink(self.tc.rounds):
             payload = self.codec.encode({n: (new[n] - self.params[n]).numpy() for n in new})
             self.params = {n: torch.from_numpy(a) for n, a in apply_update(held, payload).items()}
             self.exact = new
@@ -362,6 +362,12 @@ class _Driver:
                                trainable_params=sum(t.numel() for t in self.params.values()),
                                bytes_broadcast=comm["broadcast"], bytes_returned=comm["returned"],
                                bytes_communicated=comm["broadcast"] + comm["returned"])
+
+
+def encoded_downlink(rounds) -> bool:
+    """Whether the driver's step travels encoded by the round's (lossy) codec: ``downlink`` codec, or auto with a
+    dense codec (for Top-k, the sum of the workers' sparse deltas re-sparsified lost quality: it goes exact)."""
+    return rounds.downlink == "codec" or (rounds.downlink == "auto" and rounds.codec != "topk")
 
 
 def _round_job(spark, job: Job, bc, bu, spec: RoundSpec, fault: FaultSpec | None, max_failures: int) -> Partial:

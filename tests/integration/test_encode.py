@@ -1,0 +1,114 @@
+"""Encoders scoring DataFrames (infer/encode.py): a tiny random BERT with its own WordPiece tokenizer, built here,
+classifies and embeds rows on real Spark as HF's pipeline and a plain forward pass do, whatever the partitioning."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_text
+from sparklm.errors import SparklmError
+
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+
+
+def tiny_bert(directory, *, head: bool = True, seed: int = 0) -> str:
+    """A 2-layer BERT (random weights, 3 labels with names) and a WordPiece tokenizer trained on random text."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import BertConfig, BertForSequenceClassification, BertModel, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok.train_from_iterator(make_text(60, seed=3).splitlines(), trainers.WordPieceTrainer(vocab_size=300,
+                                                                                          special_tokens=specials))
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                                       special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+                                   sep_token="[SEP]", mask_token="[MASK]", model_max_length=48)
+    config = BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=48, num_labels=3, id2label=LABELS,
+                        label2id={v: k for k, v in LABELS.items()})
+    torch.manual_seed(seed)
+    model = (BertForSequenceClassification if head else BertModel)(config)
+    model.save_pretrained(str(directory))
+    fast.save_pretrained(str(directory))
+    return str(directory)
+
+
+def texts() -> list[str | None]:
+    lines = [line for line in make_text(30, seed=11).splitlines() if line.strip()][:14]
+    return [*lines, None, "   ", " ".join(lines) * 3]  # a null, a blank and a text longer than 48 positions
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    return tiny_bert(tmp_path_factory.mktemp("bert") / "model")
+
+
+def test_classify_dataframe_answers_as_the_pipeline_whatever_the_partitioning(spark, bert):
+    from transformers import pipeline
+
+    import sparklm
+
+    rows = [(i, t) for i, t in enumerate(texts())]
+    df = spark.createDataFrame(rows, "id long, text string")
+    got = {}
+    for parts in (1, 3):
+        out = sparklm.classify_dataframe(df.repartition(parts), model=bert, probabilities_col="probs",
+                                         batch_size=4).collect()
+        assert set(out[0].asDict()) == {"id", "text", "label", "score", "truncated", "probs"}
+        got[parts] = {r["id"]: r for r in out}
+    clf = pipeline("text-classification", model=bert, tokenizer=bert, device="cpu")
+    for i, text in rows:
+        a, b = got[1][i], got[3][i]
+        if text is None or not text.strip():
+            assert a["label"] is None and a["score"] is None and a["probs"] is None
+            continue
+        assert a["label"] == b["label"] and a["score"] == pytest.approx(b["score"], abs=1e-5)
+        want = clf(text, truncation=True, max_length=48)[0]
+        assert a["label"] == want["label"] and a["score"] == pytest.approx(want["score"], abs=1e-5)
+        assert sum(a["probs"]) == pytest.approx(1.0, abs=1e-5) and a["label"] in LABELS.values()
+        assert a["truncated"] == (len(clf.tokenizer(text)["input_ids"]) > 48)
+    assert got[1][len(rows) - 1]["truncated"] and not all(r["truncated"] for r in got[1].values() if r["label"])
+
+
+def test_embed_dataframe_pools_as_a_plain_forward_pass(spark, bert):
+    from transformers import AutoModel, AutoTokenizer
+
+    import sparklm
+
+    rows = [(i, t) for i, t in enumerate(texts()[:6])]
+    df = spark.createDataFrame(rows, "id long, text string").repartition(2)
+    model, tok = AutoModel.from_pretrained(bert).eval(), AutoTokenizer.from_pretrained(bert)
+    for pooling in ("mean", "cls"):
+        got = {r["id"]: r for r in sparklm.embed_dataframe(df, model=bert, pooling=pooling, batch_size=4).collect()}
+        for i, text in rows:
+            with torch.no_grad():
+                hidden = model(**tok(text, truncation=True, max_length=48, return_tensors="pt")).last_hidden_state[0]
+            want = hidden.mean(0) if pooling == "mean" else hidden[0]
+            assert np.allclose(got[i]["embedding"], want.numpy(), atol=1e-5), (pooling, i)
+    unit = sparklm.embed_dataframe(df, model=bert, normalize=True, output_col="v").collect()
+    assert all(abs(np.linalg.norm(r["v"]) - 1) < 1e-5 for r in unit)
+
+
+def test_scoring_mistakes_are_one_line_on_the_driver(spark, bert, tmp_path):
+    import sparklm
+
+    df = spark.createDataFrame([(1, "a b c")], "n long, body string")
+    base = tiny_bert(tmp_path / "base", head=False)
+    with pytest.raises(SparklmError, match="has no classification head"):
+        sparklm.classify_dataframe(df, model=base, text_col="body")
+    with pytest.raises(SparklmError, match="has no column 'text'"):
+        sparklm.classify_dataframe(df, model=bert)
+    with pytest.raises(SparklmError, match="holds bigint, not text"):
+        sparklm.embed_dataframe(df, model=bert, text_col="n")
+    with pytest.raises(SparklmError, match="pooling 'max' is not one of"):
+        sparklm.embed_dataframe(df, model=bert, text_col="body", pooling="max")
+    with pytest.raises(SparklmError, match="already has column"):
+        sparklm.embed_dataframe(df, model=bert, text_col="body", output_col="n")
+    with pytest.raises(SparklmError, match="not found"):
+        sparklm.embed_dataframe(df, model=str(tmp_path / "nothing"), text_col="body")
