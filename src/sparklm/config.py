@@ -205,13 +205,16 @@ class DdpConfig:
 class RoundsConfig:
     """Strategies ``average`` and ``diloco``: rounds of plain Spark tasks (``[train.rounds]``)."""
 
-    sync_every: int = _f(32, "inner steps each worker runs between synchronisations (H)", min=1, flag="--sync-every")
+    sync_every: int = _f(0, "inner steps each worker runs between synchronisations (H); 0: diloco 64 (with the "
+                            "default codec, the measured best within 2% of DDP: BENCHMARKS.md), average 32",
+                         min=0, flag="--sync-every")
     outer_lr: float = _f(0.7, "diloco: outer learning rate (average uses 1.0)", min=0.0)
-    outer_momentum: float = _f(0.9, "diloco: outer Nesterov momentum, as in the paper (average uses none); for "
-                                    "runs of a few dozen rounds 0.5 measured better (BENCHMARKS.md)",
-                               min=0.0, max=0.999)
-    codec: Literal["fp32", "bf16", "int8", "int4", "int2", "topk"] = _f(
-        "fp32", "what a round sends: fp32 (lossless), bf16, int8/int4/int2 (per-block scales; int2: -1, 0, +1), "
+    outer_momentum: float = _f(0.5, "diloco: outer Nesterov momentum (average uses none); the paper's 0.9 carries "
+                                    "early, large deltas into the last rounds of runs of a few dozen rounds: 0.5 "
+                                    "measured better (BENCHMARKS.md)", min=0.0, max=0.999)
+    codec: Literal["auto", "fp32", "bf16", "int8", "int4", "int2", "topk"] = _f(
+        "auto", "what a round sends: auto (diloco: int4, chosen by measurement in BENCHMARKS.md; average: fp32, the "
+                "workers' exact average), fp32 (lossless), bf16, int8/int4/int2 (per-block scales; int2: -1, 0, +1), "
                 "topk (each chunk's largest values, quantized to rounds.bits); a lossy codec keeps what it drops "
                 "per worker (error feedback) and adds it to the next round's delta", flag="--codec")
     downlink: Literal["auto", "codec", "exact"] = _f(

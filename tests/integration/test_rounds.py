@@ -7,6 +7,7 @@ single-process loop, against itself with identical data, with a worker failing, 
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 import torch
@@ -65,18 +66,25 @@ def test_two_workers_averaging_identical_data_equal_one_worker(spark, dataset, t
     assert worst(one, two) <= 1e-6
 
 
-def test_diloco_learns_and_accounts_its_communication(spark, dataset, tmp_path):
+@pytest.mark.parametrize("codec", ["fp32", "auto"])
+def test_diloco_learns_and_accounts_its_communication(spark, dataset, tmp_path, codec):
     run = tmp_path / "diloco"
     s = train(dataset, output=str(run), config=cfg(max_steps=12, samples=0, strategy="diloco", sync_every=4,
-                                                   workers=2, eval_every=4), spark=spark)
+                                                   workers=2, eval_every=4, codec=codec), spark=spark)
     rows = rounds(run)
     assert len(rows) == 3 and all(r["workers_done"] == "2" for r in rows)
     losses = [float(r["loss"]) for r in rows]
     assert losses[-1] < losses[0]
     params = s["params"]
-    # each round: the weights to 2 workers, 2 fp32 deltas back (tied embeddings counted once)
-    assert all(int(r["returned_bytes"]) == 2 * 4 * params for r in rows)
-    assert all(int(r["broadcast_bytes"]) >= 2 * 4 * params for r in rows)
+    if codec == "fp32":  # each round: the weights to 2 workers, 2 fp32 deltas back (tied embeddings counted once)
+        assert all(int(r["returned_bytes"]) == 2 * 4 * params for r in rows)
+        assert all(int(r["broadcast_bytes"]) >= 2 * 4 * params for r in rows)
+    else:  # the default, int4 both ways (4 bits and a bfloat16 scale per 64 values); round 0 sends no weights
+        int4 = 2 * params * 4.25 / 8
+        assert all(int4 <= int(r["returned_bytes"]) < 1.1 * int4 for r in rows)
+        assert rows[0]["broadcast_bytes"] == "0" and all(int4 <= int(r["broadcast_bytes"]) < 1.1 * int4
+                                                         for r in rows[1:])
+        assert json.loads((run / "config.json").read_text())["config"]["train"]["rounds"]["codec"] == "int4"
     assert s["bytes_communicated"] >= sum(int(r["returned_bytes"]) + int(r["broadcast_bytes"]) for r in rows)
     assert all(float(r["outer_update_norm"]) > 0 and float(r["compute_s"]) > 0 for r in rows)
     metrics = read_metrics(run / "metrics.csv")

@@ -74,8 +74,11 @@ def settings(config: Config, n_threads: int) -> Config:
     config already decided comes back unchanged)."""
     tc = config.train
     dtype = compute_dtype(tc.dtype, n_threads)
+    from .strategies.codec import resolved
+
     train = replace(tc, threads=n_threads, dtype=dtype, lr=peak_lr(config),
-                    optimizer=optimizer(tc, n_threads, pretrained=bool(config.model.init_from)))
+                    optimizer=optimizer(tc, n_threads, pretrained=bool(config.model.init_from)),
+                    rounds=resolved(tc.rounds, tc.strategy))
     lora = replace(config.lora, base_dtype=lora_base_dtype(config.lora, dtype))
     return config.replace(train=train, lora=lora)
 

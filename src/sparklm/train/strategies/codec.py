@@ -44,9 +44,9 @@ class Codec:
             raise ValueError(f"bad codec settings: density {self.density}, bits {self.bits}, chunk {self.chunk}")
 
     @classmethod
-    def of(cls, rounds) -> Codec:
-        """The codec ``[train.rounds]`` (a RoundsConfig) chooses."""
-        return cls(rounds.codec, density=rounds.density, bits=rounds.bits)
+    def of(cls, rounds, strategy: str) -> Codec:
+        """The codec ``[train.rounds]`` (a RoundsConfig) chooses for ``strategy``."""
+        return cls(resolved(rounds, strategy).codec, density=rounds.density, bits=rounds.bits)
 
     @property
     def lossless(self) -> bool:
@@ -147,6 +147,19 @@ class Codec:
         out = np.zeros((chunks, c), np.float32)
         np.put_along_axis(out, idx, vals, axis=1)
         return out.reshape(-1)[:n]
+
+
+def resolved(rounds, strategy: str):
+    """``[train.rounds]`` with its automatic choices made. For diloco, int4 both ways every 64 steps: the point
+    measured within 2% of DDP with the fewest bytes (BENCHMARKS.md); average stays the workers' exact average
+    (fp32) every 32 steps. downlink auto is the codec itself for dense codecs and the exact changed weights for
+    topk (re-sparsifying the sum of the workers' Top-k deltas measured worse)."""
+    from dataclasses import replace
+
+    diloco = strategy == "diloco"
+    codec = rounds.codec if rounds.codec != "auto" else "int4" if diloco else "fp32"
+    downlink = rounds.downlink if rounds.downlink != "auto" else "exact" if codec == "topk" else "codec"
+    return replace(rounds, codec=codec, downlink=downlink, sync_every=rounds.sync_every or (64 if diloco else 32))
 
 
 def decode(payload: bytes) -> dict[str, np.ndarray]:

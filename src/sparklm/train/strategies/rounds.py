@@ -32,7 +32,7 @@ from ..recorder import Best, Recorder
 from ..schedule import Schedule
 from ..sinks import CsvSink, Sink, Sinks
 from .base import BEST, Job, Partial, RoundSpec, RunResult, WorkerResult
-from .codec import Codec, apply_update, decode, digest, encode_update
+from .codec import Codec, apply_update, decode, digest, encode_update, resolved
 
 # A testing aid: "round=R,worker=W[,attempts=K][,at=start|end|crash]" fails that task's first K attempts
 # (default 1) at its start, after its work (default end), or by killing its Python worker after its work.
@@ -48,13 +48,19 @@ class Rounds:
 
     def describe(self, config: Config) -> str:
         n = config.train.workers
-        return f"{self.name}, {n} worker{'s' * (n > 1)}, sync every {config.train.rounds.sync_every} steps"
+        rc = resolved(config.train.rounds, self.name)
+        return (f"{self.name}, {n} worker{'s' * (n > 1)}, sync every {rc.sync_every} steps"
+                + (f", {rc.codec} both ways" if rc.codec != "fp32" and rc.downlink == "codec" else
+                   f", {rc.codec} deltas" if rc.codec != "fp32" else ""))
 
     def prestart(self, config: Config, master: str):
         return nullcontext(())  # a round's worker trains inside its Spark task: no process of its own
 
     def run(self, spark, job: Job, sink: Sink, shards: list[tuple[int, int]] | None = None) -> RunResult:
         """Train ``job`` in rounds; ``shards`` (tests) overrides which slice of the data each worker streams."""
+        tc = job.config.train  # run.py resolved the settings already; a job made elsewhere (tests) gets them here
+        job = dataclasses.replace(job, config=job.config.replace(
+            train=dataclasses.replace(tc, rounds=resolved(tc.rounds, self.name))))
         try:
             return self._train(spark, job, sink, shards)
         finally:  # the workers' inner states in the temporary directory (shared with the driver in local mode)
@@ -113,7 +119,7 @@ class _Driver:
         self.max_failures = _max_failures(spark)
         self.shards = tuple(tuple(s) for s in (shards or [(w, job.workers) for w in range(job.workers)]))
         self.comm = {"broadcast": 0, "returned": 0}
-        self.codec = Codec.of(rc)
+        self.codec = Codec.of(rc, name)
         # With a lossy codec: ``params`` are the weights the workers hold (what they train from, evaluate and export),
         # ``exact`` the outer optimizer's own weights when the driver's step travels encoded (params + what the codec
         # has not delivered yet), ``update`` the encoded step from the weights of step ``update[0]`` to ``params``,
@@ -262,7 +268,7 @@ class _Driver:
             self.params = new
             return
         held = {n: t.numpy() for n, t in self.params.items()}
-        if encoded_downlink(self.tc.rounds):
+        if resolved(self.tc.rounds, self.name).downlink == "codec":
             payload = self.codec.encode({n: (new[n] - self.params[n]).numpy() for n in new})
             self.params = {n: torch.from_numpy(a) for n, a in apply_update(held, payload).items()}
             self.exact = new
@@ -362,12 +368,6 @@ class _Driver:
                                trainable_params=sum(t.numel() for t in self.params.values()),
                                bytes_broadcast=comm["broadcast"], bytes_returned=comm["returned"],
                                bytes_communicated=comm["broadcast"] + comm["returned"])
-
-
-def encoded_downlink(rounds) -> bool:
-    """Whether the driver's step travels encoded by the round's (lossy) codec: ``downlink`` codec, or auto with a
-    dense codec (for Top-k, the sum of the workers' sparse deltas re-sparsified lost quality: it goes exact)."""
-    return rounds.downlink == "codec" or (rounds.downlink == "auto" and rounds.codec != "topk")
 
 
 def _round_job(spark, job: Job, bc, bu, spec: RoundSpec, fault: FaultSpec | None, max_failures: int) -> Partial:

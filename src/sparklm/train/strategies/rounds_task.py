@@ -49,7 +49,7 @@ def run_worker(job: Job, worker: int, full: Callable[[], bytes], spec: RoundSpec
     device.set_allocator(job.config.train.allocator)
     trainer: Trainer = process_local(("rounds", job.uid), lambda: _trainer(job))
     tc = trainer.tc
-    codec = Codec.of(tc.rounds)
+    codec = Codec.of(tc.rounds, tc.strategy)
     t0 = time.time()
     trainable = trainer.task.trainable(trainer.model)
     global_w, fetched = global_weights(job, spec, full, update, hold=not codec.lossless, own=trainable)
