@@ -4,8 +4,10 @@ bytes mean for a round's time on real links — the step-time model of BENCHMARK
     .venv/bin/python benchmarks/codec_speed.py
 
 Speed: a delta of P float32 values (normal, scale 1e-3, as round deltas are), P = 10 M and 135 M, one process,
-1 thread, median of 3: encode, decode, and for Top-k the driver's update (encode_update / apply_update of the
-weights a 2-worker union changes). Bytes per parameter per round and worker are the ones measured by
+1 thread, median of 3: encode, decode, and the driver's step to the workers: for the dense codecs (downlink
+codec) the driver encodes its step once and both it and every worker decode and add it (encode + 2 decodes on
+the critical path); for Top-k (downlink exact) encode_update / apply_update of the weights a 2-worker union
+changes. Bytes per parameter per round and worker are the ones measured by
 benchmarks/strategies.py (BENCHMARKS.md, "What a round sends"). The model then prices a round for N = 8 workers
 on 25 Gbit/s, 1 Gbit/s and 100 Mbit/s links and P = 10 M, 135 M, 1 B (codec times scaled linearly from 135 M),
 against DDP's ring all-reduce every step.
@@ -23,8 +25,9 @@ from sparklm.train.strategies.codec import Codec, apply_update, decode, encode_u
 
 torch.set_num_threads(1)
 
-# bits per parameter per round and worker, measured at 256 steps (out: what a worker reads; back: what it sends)
-MEASURED = {"fp32": (32.0, 32.0), "int4": (32.0, 4.254), "topk 1%": (0.953, 0.184), "topk 3%": (2.430, 0.379)}
+# bits per parameter per round and worker, measured at 256 steps (out: what a worker reads; back: what it sends);
+# int4 both ways is the diloco default (the driver's step int4-encoded too, train.rounds.downlink codec)
+MEASURED = {"fp32": (32.0, 32.0), "int4": (4.254, 4.254), "topk 1%": (0.953, 0.184), "topk 3%": (2.430, 0.379)}
 H = {"fp32": 64, "int4": 64, "topk 1%": 32, "topk 3%": 16}  # the H each was measured at
 LINKS = {"25 Gbit/s": (25e9 / 8, 50e-6), "1 Gbit/s": (1e9 / 8, 500e-6), "100 Mbit/s": (100e6 / 8, 20e-3)}
 N = 8
@@ -49,6 +52,8 @@ def speeds(p: int) -> dict[str, tuple[float, float, float]]:
                          ("topk 3%", Codec("topk", density=0.03))):
         payload = codec.encode(delta)
         enc, dec, extra = timed(lambda c=codec: c.encode(delta)), timed(lambda b=payload: decode(b)), 0.0
+        if label == "int4":  # the driver encodes its step; it and each worker (in parallel) decode and add it
+            extra = enc + 2 * dec
         if label.startswith("topk"):  # the union of 2 workers' kept positions changes
             old = {"w": g.standard_normal(p).astype(np.float32)}
             new = {"w": old["w"].copy()}

@@ -112,3 +112,35 @@ def test_scoring_mistakes_are_one_line_on_the_driver(spark, bert, tmp_path):
         sparklm.embed_dataframe(df, model=bert, text_col="body", output_col="n")
     with pytest.raises(SparklmError, match="not found"):
         sparklm.embed_dataframe(df, model=str(tmp_path / "nothing"), text_col="body")
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_an_encoder_exports_to_onnx_and_answers_as_torch(bert, tmp_path, quantize):
+    """The classifier's graph (and the head-less encoder's hidden states) run in onnxruntime as torch computes
+    them: fp32 to float precision, int8 weights close enough to keep the probabilities."""
+    import onnxruntime as ort
+    from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+
+    from sparklm.infer.export import export
+
+    base = tiny_bert(tmp_path / "base", head=False)
+    tok = AutoTokenizer.from_pretrained(bert)
+    batch = tok([t for t in texts() if t and t.strip()][:5], padding=True, truncation=True, max_length=48,
+                return_tensors="pt")
+    feed = {"input_ids": batch["input_ids"].numpy(), "attention_mask": batch["attention_mask"].numpy()}
+    for source, cls, output in ((bert, AutoModelForSequenceClassification, "logits"),
+                                (base, AutoModel, "last_hidden_state")):
+        out = tmp_path / f"onnx-{output}"
+        info = export(source, str(out), quantize=quantize)
+        assert info["outputs"] == [output] and (info["labels"] is not None) == (output == "logits")
+        got = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+        with torch.no_grad():
+            want = getattr(cls.from_pretrained(source).eval()(**batch), output).numpy()
+        if output == "last_hidden_state":
+            keep = batch["attention_mask"].numpy().astype(bool)  # padded positions are not compared
+            got, want = got[keep], want[keep]
+        tol = 1e-4 if quantize == "none" else 0.1
+        assert np.abs(got - want).max() < tol, np.abs(got - want).max()
+        if output == "logits":
+            p, q = torch.softmax(torch.from_numpy(got), -1), torch.softmax(torch.from_numpy(want), -1)
+            assert (p - q).abs().max() < (1e-5 if quantize == "none" else 0.02)

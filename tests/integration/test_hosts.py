@@ -10,6 +10,8 @@ through the environment the driver ships (``spark.ship_env``).
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import shutil
@@ -184,6 +186,12 @@ def test_hosts_that_share_only_object_storage(isolated_cluster, s3_server, spark
         assert summary["spark_master"] == master and summary["steps"] == 6
     rounds = s3.get_object(Bucket="hosts", Key="runs/diloco/rounds.csv")["Body"].read().decode()
     assert ";1" in rounds or "1;" in rounds  # the injected failure was retried
+    # DiLoCo's defaults: int4 both ways, the workers' residuals beside their inner states on S3 (hosts share no disk)
+    ran = json.loads(s3.get_object(Bucket="hosts", Key="runs/diloco/config.json")["Body"].read())["config"]
+    assert (ran["train"]["rounds"]["codec"], ran["train"]["rounds"]["downlink"]) == ("int4", "codec")
+    params = json.loads(s3.get_object(Bucket="hosts", Key="runs/diloco/summary.json")["Body"].read())["params"]
+    sent = [int(r["returned_bytes"]) for r in csv.DictReader(io.StringIO(rounds))]
+    assert sent and all(b < 2 * 4 * params / 6 for b in sent)  # two int4 deltas a round, not two fp32 ones
     assert json.loads((tmp_path / "eval.json").read_text())["tokens"] > 0
     assert len((tmp_path / "gen.jsonl").read_text().splitlines()) == 3
 

@@ -1,5 +1,8 @@
 """``sparklm export``: an ONNX graph (input ids, attention mask → logits), optionally quantized.
 
+A causal LM's graph gives next-token logits; an encoder's (BERT, RoBERTa, MiniLM, ...) gives its classifier's
+logits when it has a sequence-classification head, else its last hidden states (embeddings are pooled from them).
+
 int8: onnxruntime's dynamic quantization of the MatMul weights (activations quantized on the fly);
 int4: onnxruntime's block-wise 4-bit weight-only MatMulNBits. The graph has no KV-cache inputs:
 ``generate --backend onnx`` recomputes the (context-bounded) sequence each step.
@@ -46,33 +49,14 @@ def export(model: str, output: str, *, quantize: str = "none", overwrite: bool =
 
     if quantize not in ("none", "int8", "int4"):
         raise SparklmError(f"--quantize {quantize}: use none, int8 or int4")
-    onnx, ort = _onnx_modules()
+    _onnx_modules()
     out = _output(output, overwrite)
+    architectures = _architectures(model, storage)
+    if architectures and not any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
+        return _export_encoder(model, out, architectures, quantize=quantize, storage=storage)
     lm = load(model, storage=storage)
     with staged_dir(str(out), marker=MARKER) as tmp:
-        graph = LogitsGraph(lm.model).eval()
-        ids = torch.ones((2, 8), dtype=torch.long)
-        mask = torch.ones((2, 8), dtype=torch.long)
-        fp32 = tmp / ("model-fp32.onnx" if quantize != "none" else ONNX_FILE)
-        batch, seq = torch.export.Dim("batch", min=1), torch.export.Dim("sequence", min=1, max=lm.context)
-        with torch.no_grad(), _quiet_toolchain():
-            torch.onnx.export(graph, (ids, mask), str(fp32), input_names=["input_ids", "attention_mask"],
-                              output_names=["logits"], dynamo=True, external_data=False,
-                              dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}})
-        if quantize == "int8":
-            from onnxruntime.quantization import QuantType, quantize_dynamic
-
-            with _quiet_toolchain():
-                quantize_dynamic(str(fp32), str(tmp / ONNX_FILE), weight_type=QuantType.QInt8, per_channel=True)
-        elif quantize == "int4":
-            from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-            q = MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=32, is_symmetric=True)
-            with _quiet_toolchain():
-                q.process()
-            q.model.save_model_to_file(str(tmp / ONNX_FILE), use_external_data_format=False)
-        if fp32.name != ONNX_FILE:
-            fp32.unlink()
+        _write_graph(LogitsGraph(lm.model).eval(), tmp, "logits", lm.context, quantize)
         lm.tokenizer.save_pretrained(str(tmp))
         if merge:
             lm.model.config.use_cache = True
@@ -86,6 +70,75 @@ def export(model: str, output: str, *, quantize: str = "none", overwrite: bool =
 
 
 MARKER = "sparklm_export.json"  # what an export of ours holds: --overwrite replaces nothing else
+
+
+def _write_graph(graph: torch.nn.Module, tmp: Path, output: str, context: int, quantize: str) -> None:
+    """``graph`` (input_ids, attention_mask → ``output``) as tmp/model.onnx, batch and length dynamic, quantized
+    as asked."""
+    onnx, _ = _onnx_modules()
+    ids = torch.ones((2, 8), dtype=torch.long)
+    mask = torch.ones((2, 8), dtype=torch.long)
+    fp32 = tmp / ("model-fp32.onnx" if quantize != "none" else ONNX_FILE)
+    batch, seq = torch.export.Dim("batch", min=1), torch.export.Dim("sequence", min=1, max=context)
+    with torch.no_grad(), _quiet_toolchain():
+        torch.onnx.export(graph, (ids, mask), str(fp32), input_names=["input_ids", "attention_mask"],
+                          output_names=[output], dynamo=True, external_data=False,
+                          dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}})
+    if quantize == "int8":
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        with _quiet_toolchain():
+            quantize_dynamic(str(fp32), str(tmp / ONNX_FILE), weight_type=QuantType.QInt8, per_channel=True)
+    elif quantize == "int4":
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        q = MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=32, is_symmetric=True)
+        with _quiet_toolchain():
+            q.process()
+        q.model.save_model_to_file(str(tmp / ONNX_FILE), use_external_data_format=False)
+    if fp32.name != ONNX_FILE:
+        fp32.unlink()
+
+
+def _architectures(model: str, storage: StorageConfig | None) -> list:
+    """The architectures ``model``'s config.json names ([] for a LoRA adapter or a .gguf file: causal LMs)."""
+    from ..fs import exists, join, read_text
+    from .generate import model_uri
+
+    path = model_uri(model, storage)
+    if not exists(join(path, "config.json"), storage):
+        return []
+    return json.loads(read_text(join(path, "config.json"), storage)).get("architectures") or []
+
+
+class EncoderGraph(torch.nn.Module):
+    """input_ids, attention_mask → a classifier's logits, or an encoder's last hidden states."""
+
+    def __init__(self, model: torch.nn.Module, output: str):
+        super().__init__()
+        self.model, self.output = model, output
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return getattr(self.model(input_ids=input_ids, attention_mask=attention_mask), self.output)
+
+
+def _export_encoder(model: str, out: Path, architectures: list, *, quantize: str, storage: StorageConfig | None
+                    ) -> dict:
+    from .encode import load_encoder
+
+    head = any(str(a).endswith("ForSequenceClassification") for a in architectures)
+    enc = load_encoder(model, classify=head, storage=storage)
+    output = "logits" if head else "last_hidden_state"
+    with staged_dir(str(out), marker=MARKER) as tmp:
+        _write_graph(EncoderGraph(enc.model, output).eval(), tmp, output, enc.max_length, quantize)
+        enc.tokenizer.save_pretrained(str(tmp))
+        enc.model.config.save_pretrained(str(tmp))
+        info = {"format": "onnx", "quantize": quantize, "task": "text-classification" if head else
+                "feature-extraction", "context": enc.max_length, "labels": enc.labels,
+                "inputs": ["input_ids", "attention_mask"], "outputs": [output]}
+        (tmp / MARKER).write_text(json.dumps(info, indent=2))
+    return {**info, "path": str(out), "bytes": (out / ONNX_FILE).stat().st_size}
+
 
 
 def _output(output: str, overwrite: bool) -> Path:
@@ -184,6 +237,9 @@ def load_onnx(path: str, *, threads: int = 0):
         raise SparklmError(f"{path} is not an ONNX export (no {ONNX_FILE} / sparklm_export.json)",
                            hint="make one with `sparklm export MODEL --format onnx --output DIR`")
     info = json.loads(info_file.read_text())
+    if info.get("task", "text-generation") != "text-generation":
+        raise SparklmError(f"{path} is an export of an encoder ({info['task']}), which does not generate text",
+                           hint="run it with onnxruntime: its inputs are input_ids and attention_mask")
     tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     return LoadedModel(OnnxModel(directory / ONNX_FILE, threads), tok, str(directory), int(info["context"]),
                        bool(info["add_bos"]))
