@@ -151,6 +151,26 @@ def _add_inference(sub) -> None:
     x.add_argument("--overwrite", action="store_true")
     _common(x)
 
+    pr = sub.add_parser("predict", help="classify or embed a table of texts with an encoder (a Spark job)",
+                        description="Score every row of CSV/TSV (with a header), JSON lines or Parquet inputs with an "
+                                    "HF text classifier (label, score) or, with --embed, any encoder (an embedding "
+                                    "vector); the input columns are kept; the output is a Parquet directory.")
+    pr.add_argument("model", metavar="MODEL", help="an HF model directory (or a sparklm run), local or on an object "
+                                                   "store: copied once per host")
+    pr.add_argument("--input", dest="inputs", action="append", required=True, metavar="PATH",
+                    help="a file or directory Spark reads (repeatable)")
+    pr.add_argument("--input-format", choices=["auto", "csv", "tsv", "json", "parquet"], default="auto")
+    pr.add_argument("--output", "-o", required=True, metavar="DIR", help="the Parquet directory to write")
+    pr.add_argument("--text-field", dest="text_col", default="text", metavar="NAME", help="the column of texts")
+    pr.add_argument("--embed", action="store_true", help="write embeddings instead of labels")
+    pr.add_argument("--pooling", choices=["mean", "cls", "last"], default="mean", help="--embed: how tokens pool")
+    pr.add_argument("--normalize", action="store_true", help="--embed: unit-length vectors")
+    pr.add_argument("--probabilities", action="store_true", help="also every label's probability")
+    pr.add_argument("--batch-size", type=int, default=32, metavar="N")
+    pr.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads per task (default: all)")
+    pr.add_argument("--overwrite", action="store_true", help="replace an earlier prediction at --output")
+    _common(pr)
+
     i = sub.add_parser("import", help="convert a GGUF model file into an HF model directory (safetensors)",
                        description="Convert a .gguf model (llama.cpp's format; quantized weights are dequantized to "
                                    "float32) with transformers' GGUF loader into an HF directory that --init-from, "
@@ -405,6 +425,27 @@ def _generate_on_spark(args: argparse.Namespace, sampling) -> int:
     return 0
 
 
+def _predict(args: argparse.Namespace) -> int:
+    from .fs import effective
+    from .infer.predict import check_output, predict
+
+    if args.batch_size < 1:
+        raise SparklmError("--batch-size must be >= 1")
+    config, _ = _config(args)
+    storage = effective(config.storage)
+    check_output(Path(args.output).expanduser().resolve(), args.overwrite)  # before Spark starts
+    spark = _session_factory(args, config)()
+    with progress.stage(spark, "predict", quiet=True):
+        info = predict(spark, args.model, args.inputs, args.output, text_col=args.text_col, embed=args.embed,
+                       pooling=args.pooling, normalize=args.normalize, probabilities=args.probabilities,
+                       input_format_=args.input_format, batch_size=args.batch_size, threads=args.threads,
+                       overwrite=args.overwrite, storage=storage)
+    labels = ", ".join(f"{k} {v:,}" for k, v in sorted(info.get("labels", {}).items()))
+    progress.plain(f"{info['rows']:,} rows → {info['path']}" + (f" ({labels})" if labels else "")
+                   + (f"; {info['truncated']:,} truncated to the model's positions" if info["truncated"] else ""))
+    return 0
+
+
 def _eval(args: argparse.Namespace) -> int:
     from .infer.evaluate import evaluate
 
@@ -474,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         commands = {"prepare": _prepare, "train": _train, "run": _run, "report": _report, "generate": _generate,
-                    "eval": _eval, "export": _export, "import": _import, "config": _print_config}
+                    "eval": _eval, "export": _export, "import": _import, "config": _print_config,
+                    "predict": _predict}
         return commands[args.command](args)
     except SparklmError as e:
         if args.debug:

@@ -3,6 +3,8 @@ classifies and embeds rows on real Spark as HF's pipeline and a plain forward pa
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -144,3 +146,49 @@ def test_an_encoder_exports_to_onnx_and_answers_as_torch(bert, tmp_path, quantiz
         if output == "logits":
             p, q = torch.softmax(torch.from_numpy(got), -1), torch.softmax(torch.from_numpy(want), -1)
             assert (p - q).abs().max() < (1e-5 if quantize == "none" else 0.02)
+
+
+def test_predict_scores_a_csv_into_parquet_with_its_columns_and_replaces_only_its_own(bert, tmp_path):
+    """`sparklm predict` as a user runs it: a CSV with a header (quoted commas and newlines in the text), the labels
+    and scores equal classify_dataframe's, embeddings with --embed; mistakes are one line with nothing written."""
+    import csv
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+
+    rows = [(i, t) for i, t in enumerate(texts()) if t is not None]
+    rows.append((99, 'a "quoted", two-line\ntext'))
+    with (tmp_path / "in.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["id", "body"])
+        w.writerows(rows)
+
+    def predict(*args):
+        return subprocess.run([sys.executable, "-m", "sparklm", "predict", bert, "--input", str(tmp_path / "in.csv"),
+                               "--text-field", "body", "--master", "local[2]", "--set", "spark.ui=false", *args],
+                              capture_output=True, text=True, timeout=300)
+
+    out = tmp_path / "scored"
+    r = predict("--output", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"{len(rows)} rows → {out}" in r.stdout + r.stderr
+    table = pq.read_table(str(out)).to_pylist()
+    got = {int(t["id"]): t for t in table}
+    assert set(got) == {i for i, _ in rows} and set(table[0]) == {"id", "body", "label", "score", "truncated"}
+    assert got[99]["body"] == 'a "quoted", two-line\ntext'
+    info = json.loads((out / "_sparklm_predict.json").read_text())
+    assert info["rows"] == len(rows) and sum(info["labels"].values()) == len(rows) - 1  # the blank text: no label
+    # again, embeddings, over the earlier prediction (ours: replaced); over a directory of someone else's: refused
+    r = predict("--output", str(out), "--embed", "--overwrite")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(pq.read_table(str(out)).column("embedding")[0].as_py()) == 32
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "keep.txt").write_text("mine")
+    r = predict("--output", str(theirs), "--overwrite")
+    assert r.returncode != 0 and "refusing to --overwrite" in r.stderr and "Traceback" not in r.stderr
+    assert (theirs / "keep.txt").read_text() == "mine"
+    r = predict("--output", str(tmp_path / "x"), "--text-field", "nope")
+    assert r.returncode != 0 and "has no column 'nope'" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.sparklm-tmp-*"))

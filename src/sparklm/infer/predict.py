@@ -1,0 +1,101 @@
+"""``sparklm predict``: score a table of texts with an encoder on Spark and write the rows back with the answers.
+
+The input is read by Spark's own readers (CSV/TSV with a header row, JSON lines, Parquet; any path Spark reads),
+scored by :func:`encode.classify_dataframe` or :func:`encode.embed_dataframe` (every input column kept), and
+written by Spark as Parquet into a hidden sibling of ``--output`` that replaces it only once complete; a
+``_sparklm_predict.json`` inside says what was written (so ``--overwrite`` replaces only an earlier prediction).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from ..errors import SparklmError, spark_errors
+
+MARKER = "_sparklm_predict.json"  # "_": Spark and pyarrow readers of the directory skip it
+FORMATS = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+def input_format(paths: list[str], given: str = "auto") -> str:
+    """The reader for ``paths``: ``given``, or their common extension (a directory: Parquet, as Spark writes)."""
+    if given != "auto":
+        return given
+    kinds = set()
+    for p in paths:
+        name = p.rstrip("/").lower().removesuffix(".gz")
+        suffix = Path(name).suffix
+        kinds.add(FORMATS.get(suffix, "parquet" if not suffix else "?"))
+    if len(kinds) != 1 or "?" in kinds:
+        raise SparklmError(f"cannot tell the format of {', '.join(paths)} from the extension(s)",
+                           hint="use .csv, .tsv, .jsonl or .parquet files (one kind), or pass --input-format")
+    return kinds.pop()
+
+
+def read(spark, paths: list[str], fmt: str):
+    if fmt in ("csv", "tsv"):
+        return spark.read.csv(paths, header=True, sep="\t" if fmt == "tsv" else ",", multiLine=True, escape='"')
+    return spark.read.json(paths) if fmt == "json" else spark.read.parquet(paths)
+
+
+def predict(spark, model: str, inputs: list[str], output: str, *, text_col: str = "text", embed: bool = False,
+            pooling: str = "mean", normalize: bool = False, probabilities: bool = False, input_format_: str = "auto",
+            batch_size: int = 32, threads: int = 0, overwrite: bool = False, storage=None) -> dict:
+    """Score ``inputs`` and write ``output`` (a Parquet directory); returns what ``_sparklm_predict.json`` says."""
+    from .encode import classify_dataframe, embed_dataframe
+
+    out = Path(output).expanduser().resolve()
+    check_output(out, overwrite)
+    fmt = input_format(inputs, input_format_)
+    started = time.time()
+    with spark_errors():
+        try:
+            df = read(spark, inputs, fmt)
+        except Exception as e:  # AnalysisException: a path that does not exist, an unreadable file
+            raise SparklmError(f"cannot read {', '.join(inputs)} as {fmt}: {_first_line(e)}",
+                               hint="check the paths, or pass --input-format") from None
+        if embed:
+            scored = embed_dataframe(df, model=model, text_col=text_col, pooling=pooling, normalize=normalize,
+                                     batch_size=batch_size, threads=threads, storage=storage)
+        else:
+            scored = classify_dataframe(df, model=model, text_col=text_col, batch_size=batch_size, threads=threads,
+                                        probabilities_col="probabilities" if probabilities else None, storage=storage)
+        staging = out.parent / f".{out.name}.sparklm-tmp-{int(started * 1000)}"
+        scored.write.parquet(str(staging))
+        written = scored.sparkSession.read.parquet(str(staging))
+        counts = {"rows": written.count(), "truncated": written.filter("truncated").count()}
+        if not embed:
+            counts["labels"] = {r[0]: r[1] for r in written.groupBy("label").count().collect() if r[0] is not None}
+    info = {"model": model, "inputs": inputs, "format": fmt, "task": "embed" if embed else "classify",
+            "text_col": text_col, **counts, "seconds": round(time.time() - started, 3)}
+    (staging / MARKER).write_text(json.dumps(info, indent=2))
+    _swap(staging, out)
+    return {**info, "path": str(out)}
+
+
+def check_output(out: Path, overwrite: bool) -> None:
+    if out.exists() and (out.is_file() or any(out.iterdir())):
+        if not overwrite:
+            raise SparklmError(f"{out} already exists", hint="pass --overwrite or another --output")
+        if not (out / MARKER).is_file():
+            raise SparklmError(f"refusing to --overwrite {out}: it is neither a sparklm prediction (no {MARKER}) "
+                               "nor empty", hint="choose another --output")
+
+
+def _swap(staging: Path, out: Path) -> None:
+    """``staging`` becomes ``out``; an earlier prediction there stays whole until the new one is in place."""
+    import shutil
+
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.sparklm-old-{staging.name.rsplit('-', 1)[-1]}"
+        out.rename(old)
+    staging.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _first_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text.split(" JVM stacktrace")[0][:300]
