@@ -151,25 +151,7 @@ def _add_inference(sub) -> None:
     x.add_argument("--overwrite", action="store_true")
     _common(x)
 
-    pr = sub.add_parser("predict", help="classify or embed a table of texts with an encoder (a Spark job)",
-                        description="Score every row of CSV/TSV (with a header), JSON lines or Parquet inputs with an "
-                                    "HF text classifier (label, score) or, with --embed, any encoder (an embedding "
-                                    "vector); the input columns are kept; the output is a Parquet directory.")
-    pr.add_argument("model", metavar="MODEL", help="an HF model directory (or a sparklm run), local or on an object "
-                                                   "store: copied once per host")
-    pr.add_argument("--input", dest="inputs", action="append", required=True, metavar="PATH",
-                    help="a file or directory Spark reads (repeatable)")
-    pr.add_argument("--input-format", choices=["auto", "csv", "tsv", "json", "parquet"], default="auto")
-    pr.add_argument("--output", "-o", required=True, metavar="DIR", help="the Parquet directory to write")
-    pr.add_argument("--text-field", dest="text_col", default="text", metavar="NAME", help="the column of texts")
-    pr.add_argument("--embed", action="store_true", help="write embeddings instead of labels")
-    pr.add_argument("--pooling", choices=["mean", "cls", "last"], default="mean", help="--embed: how tokens pool")
-    pr.add_argument("--normalize", action="store_true", help="--embed: unit-length vectors")
-    pr.add_argument("--probabilities", action="store_true", help="also every label's probability")
-    pr.add_argument("--batch-size", type=int, default=32, metavar="N")
-    pr.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads per task (default: all)")
-    pr.add_argument("--overwrite", action="store_true", help="replace an earlier prediction at --output")
-    _common(pr)
+    _add_predict(sub)
 
     i = sub.add_parser("import", help="convert a GGUF model file into an HF model directory (safetensors)",
                        description="Convert a .gguf model (llama.cpp's format; quantized weights are dequantized to "
@@ -206,6 +188,28 @@ def _config_flags(group, sections: tuple[str, ...] = (), keys: tuple[str, ...] =
         optional = {"nargs": "?", "const": f.metadata["const"]} if "const" in f.metadata else {}  # --mlflow [URI]
         group.add_argument(flag, dest=key, type=kind, choices=allowed, metavar=metavar, help=help_text, **optional)
 
+
+def _add_predict(sub) -> None:
+    """sparklm predict: an encoder scoring a table of texts on Spark."""
+    pr = sub.add_parser("predict", help="classify or embed a table of texts with an encoder (a Spark job)",
+                        description="Score every row of CSV/TSV (with a header), JSON lines or Parquet inputs with an "
+                                    "HF text classifier (label, score) or, with --embed, any encoder (an embedding "
+                                    "vector); the input columns are kept; the output is a Parquet directory.")
+    pr.add_argument("model", metavar="MODEL", help="an HF model directory (or a sparklm run), local or on an object "
+                                                   "store: copied once per host")
+    pr.add_argument("--input", dest="inputs", action="append", required=True, metavar="PATH",
+                    help="a file or directory Spark reads (repeatable)")
+    pr.add_argument("--input-format", choices=["auto", "csv", "tsv", "json", "parquet"], default="auto")
+    pr.add_argument("--output", "-o", required=True, metavar="DIR", help="the Parquet directory to write")
+    pr.add_argument("--text-field", dest="text_col", default="text", metavar="NAME", help="the column of texts")
+    pr.add_argument("--embed", action="store_true", help="write embeddings instead of labels")
+    pr.add_argument("--pooling", choices=["mean", "cls", "last"], default="mean", help="--embed: how tokens pool")
+    pr.add_argument("--normalize", action="store_true", help="--embed: unit-length vectors")
+    pr.add_argument("--probabilities", action="store_true", help="also every label's probability")
+    pr.add_argument("--batch-size", type=int, default=32, metavar="N")
+    pr.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads per task (default: all)")
+    pr.add_argument("--overwrite", action="store_true", help="replace an earlier prediction at --output")
+    _common(pr)
 
 def _config(args: argparse.Namespace):
     """(the resolved Config, what the user set: file, --set, --conf and flags, as nested data)."""
