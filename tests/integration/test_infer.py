@@ -260,6 +260,24 @@ def test_batch_generation_on_spark_equals_one_by_one(spark, run_dir):
             generate_dataframe(frame, **{"model": str(run_dir), "sampling": one, **kwargs})
 
 
+def test_a_causal_model_embeds_its_texts_by_their_last_token(spark, run_dir):
+    """embed_dataframe on a sparklm causal model: the last real token's hidden state (the decoder's summary of the
+    whole text), the same batched on Spark as one text at a time through the base model."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from sparklm.infer.encode import embed_dataframe
+
+    rows = [(i, p) for i, p in enumerate(PROMPTS)]
+    df = spark.createDataFrame(rows, "id long, text string").repartition(2)
+    got = {r.id: r.embedding for r in embed_dataframe(df, model=str(run_dir), pooling="last", batch_size=3).collect()}
+    base, tok = AutoModel.from_pretrained(str(run_dir / "model")).eval(), AutoTokenizer.from_pretrained(
+        str(run_dir / "model"))
+    for i, text in rows:
+        with torch.no_grad():
+            want = base(**tok(text, return_tensors="pt")).last_hidden_state[0, -1]
+        assert len(got[i]) == 32 and torch.allclose(torch.tensor(got[i]), want, atol=1e-4), i
+
+
 def test_eval_equals_a_direct_computation(spark, run_dir, tmp_path):
     from sparklm.config import from_dict
     from sparklm.infer.evaluate import evaluate
