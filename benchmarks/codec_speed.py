@@ -3,11 +3,11 @@ bytes mean for a round's time on real links — the step-time model of BENCHMARK
 
     .venv/bin/python benchmarks/codec_speed.py
 
-Speed: a delta of P float32 values (normal, scale 1e-3, as round deltas are), P = 10 M and 135 M, one process,
-1 thread, median of 3: encode, decode, and the driver's step to the workers: for the dense codecs (downlink
-codec) the driver encodes its step once and both it and every worker decode and add it (encode + 2 decodes on
-the critical path); for Top-k (downlink exact) encode_update / apply_update of the weights a 2-worker union
-changes. Bytes per parameter per round and worker are the ones measured by
+Speed: a delta of P float32 values (normal, scale 1e-3, as round deltas are), P = 5.3 M (the benchmarks' model),
+10 M and 135 M, one process, 1 thread, median of 3: encode, decode, and the driver's step to the workers: for the
+dense codecs (downlink codec) the driver encodes its step once and both it and every worker decode and add it
+(encode + 2 decodes on the critical path); for Top-k (downlink exact) encode_update / apply_update of the weights
+a 2-worker union changes. Bytes per parameter per round and worker are the ones measured by
 benchmarks/strategies.py (BENCHMARKS.md, "What a round sends"). The model then prices a round for N = 8 workers
 on 25 Gbit/s, 1 Gbit/s and 100 Mbit/s links and P = 10 M, 135 M, 1 B (codec times scaled linearly from 135 M),
 against DDP's ring all-reduce every step.
@@ -66,12 +66,12 @@ def speeds(p: int) -> dict[str, tuple[float, float, float]]:
 
 
 def main() -> None:
-    measured = {p: speeds(p) for p in (10_000_000, 135_000_000)}
-    print("| codec | encode 10M | decode 10M | update 10M | encode 135M | decode 135M | update 135M |")
-    print("|---|---|---|---|---|---|---|")
+    sizes = (5_310_000, 10_000_000, 135_000_000)  # the benchmarks' model (strategies.py), 10M, 135M
+    measured = {p: speeds(p) for p in sizes}
+    print("| codec | " + " | ".join(f"{w} {p / 1e6:g}M" for p in sizes for w in ("encode", "decode", "update")) + " |")
+    print("|---|" + "---|" * 3 * len(sizes))
     for label in MEASURED:
-        a, b = measured[10_000_000][label], measured[135_000_000][label]
-        print(f"| {label} | " + " | ".join(f"{v:.3f} s" for v in (*a, *b)) + " |")
+        print(f"| {label} | " + " | ".join(f"{v:.3f} s" for p in sizes for v in measured[p][label]) + " |")
     print(f"\nCommunication seconds per optimizer step, N = {N} workers (DDP: ring all-reduce of fp32 gradients every "
           "step; DiLoCo: a round every H steps: what each worker reads and sends, the tree's √N fan-in at the "
           "aggregators, latency, encode on the worker and the driver's decode of N deltas), per link:\n")
