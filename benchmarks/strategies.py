@@ -32,17 +32,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 
+M09 = ["train.rounds.outer_momentum=0.9"]
+# Round contenders name their codec: the default (auto) is int4 for diloco since issue 41, fp32 before it.
 CONTENDERS = {
     "ddp": [],
     "average-8": ["--strategy", "average", "--sync-every", "8"],
     "average-32": ["--strategy", "average", "--sync-every", "32"],
-    "diloco-32": ["--strategy", "diloco", "--sync-every", "32"],
-    "diloco-128": ["--strategy", "diloco", "--sync-every", "128"],
-    "diloco-32-reset": ["--strategy", "diloco", "--sync-every", "32", "--set", "train.rounds.inner_state=\"reset\""],
+    # the paper's outer momentum, 0.9 (the default before issue 41)
+    "diloco-32": ["--strategy", "diloco", "--sync-every", "32", "--codec", "fp32", "--set", *M09],
+    "diloco-128": ["--strategy", "diloco", "--sync-every", "128", "--codec", "fp32", "--set", *M09],
+    "diloco-32-reset": ["--strategy", "diloco", "--sync-every", "32", "--codec", "fp32", "--set", *M09,
+                        "--set", "train.rounds.inner_state=\"reset\""],
     # The paper's outer momentum (0.9) carries early, large deltas into the last rounds of a short run;
     # with a few dozen rounds at most, a shorter memory:
-    "diloco-64-m0.5": ["--strategy", "diloco", "--sync-every", "64", "--set", "train.rounds.outer_momentum=0.5"],
-    "diloco-128-m0.5": ["--strategy", "diloco", "--sync-every", "128", "--set", "train.rounds.outer_momentum=0.5"],
+    "diloco-64-m0.5": ["--strategy", "diloco", "--sync-every", "64", "--codec", "fp32",
+                        "--set", "train.rounds.outer_momentum=0.5"],
+    "diloco-128-m0.5": ["--strategy", "diloco", "--sync-every", "128", "--codec", "fp32",
+                        "--set", "train.rounds.outer_momentum=0.5"],
     "average-8-reset": ["--strategy", "average", "--sync-every", "8", "--set", "train.rounds.inner_state=\"reset\""],
     # What a round sends (train.rounds.codec): SparseLoCo's rule (Top-k in 2 bits, error feedback decaying 0.95, no
     # outer momentum, outer lr 1: a sparse outer step, so the driver sends back only the changed weights), and a
