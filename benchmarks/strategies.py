@@ -45,6 +45,8 @@ CONTENDERS = {
                         "--set", "train.rounds.inner_state=\"reset\""],
     # The paper's outer momentum (0.9) carries early, large deltas into the last rounds of a short run;
     # with a few dozen rounds at most, a shorter memory:
+    "diloco-32-m0.5": ["--strategy", "diloco", "--sync-every", "32", "--codec", "fp32",
+                       "--set", "train.rounds.outer_momentum=0.5"],
     "diloco-64-m0.5": ["--strategy", "diloco", "--sync-every", "64", "--codec", "fp32",
                         "--set", "train.rounds.outer_momentum=0.5"],
     "diloco-128-m0.5": ["--strategy", "diloco", "--sync-every", "128", "--codec", "fp32",
