@@ -263,7 +263,7 @@ class _Driver:
         weights that changed."""
         import torch
 
-        self.update = None
+        self.update, self.exact = None, None  # (a run resumed with another codec may have held exact weights)
         if self.codec.lossless:
             self.params = new
             return
