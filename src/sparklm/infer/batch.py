@@ -50,24 +50,14 @@ def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: st
     from .generate import model_uri
 
     fields = {f.name: f.dataType for f in df.schema.fields}
-    columns = ", ".join(df.columns) or "none"
-    if prompt_col not in fields:
-        raise SparklmError(f"the DataFrame has no column {prompt_col!r} (columns: {columns})",
-                           hint="name the prompt column with prompt_col=")
-    if not isinstance(fields[prompt_col], T.StringType):
-        raise SparklmError(f"column {prompt_col!r} holds {fields[prompt_col].simpleString()}, not text",
-                           hint=f"cast it: df.withColumn({prompt_col!r}, F.col({prompt_col!r}).cast('string'))")
     if id_col is not None and id_col not in fields:
-        raise SparklmError(f"the DataFrame has no column {id_col!r} (columns: {columns})",
+        raise SparklmError(f"the DataFrame has no column {id_col!r} (columns: {', '.join(df.columns) or 'none'})",
                            hint="name the id column with id_col=, or leave it out to key rows by their prompt")
     id_col = id_col if id_col is not None else "id" if "id" in fields else None
     added = [T.StructField("sample", T.IntegerType()), T.StructField(output_col, T.StringType()),
              T.StructField("prompt_tokens", T.IntegerType()), T.StructField("new_tokens", T.IntegerType()),
              T.StructField("truncated", T.BooleanType())]
-    clash = [f.name for f in added if f.name in fields]
-    if clash:
-        raise SparklmError(f"the DataFrame already has column(s) {', '.join(map(repr, clash))}, which "
-                           "generate_dataframe adds", hint="rename or drop them, or choose output_col=")
+    check_columns(df, prompt_col, "prompt_col", added, "generate_dataframe")
     storage = effective(storage or StorageConfig())
     model_path = model_uri(model, storage)  # a missing model fails here, not in a task
     context = _context(model_path, storage)
@@ -99,6 +89,24 @@ def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: st
             yield pa.RecordBatch.from_arrays([*table.columns, *extra.values()], [*table.schema.names, *extra])
 
     return df.mapInArrow(run, T.StructType([*df.schema.fields, *added]))
+
+
+def check_columns(df, text_col: str, flag: str, added: list, adder: str) -> None:
+    """One line unless ``df`` has a string column ``text_col`` (named by the argument ``flag``) and none of the
+    ``added`` fields (StructFields) that ``adder`` appends."""
+    from pyspark.sql import types as T
+
+    fields = {f.name: f.dataType for f in df.schema.fields}
+    if text_col not in fields:
+        raise SparklmError(f"the DataFrame has no column {text_col!r} (columns: {', '.join(df.columns) or 'none'})",
+                           hint=f"name the column with {flag}=")
+    if not isinstance(fields[text_col], T.StringType):
+        raise SparklmError(f"column {text_col!r} holds {fields[text_col].simpleString()}, not text",
+                           hint=f"cast it: df.withColumn({text_col!r}, F.col({text_col!r}).cast('string'))")
+    clash = [f.name for f in added if f.name in fields]
+    if clash:
+        raise SparklmError(f"the DataFrame already has column(s) {', '.join(map(repr, clash))}, which {adder} adds",
+                           hint="rename or drop them, or choose other output column names")
 
 
 def _context(model_path: str, storage: StorageConfig) -> int | None:

@@ -23,6 +23,7 @@ from ..cache import process_local
 from ..config import StorageConfig
 from ..errors import SparklmError
 from ..fs import effective
+from .batch import check_columns
 
 POOLINGS = ("mean", "cls", "last")
 
@@ -148,22 +149,6 @@ def embed_texts(enc: Encoder, texts: list[str], *, pooling: str = "mean", normal
     return out, truncated
 
 
-def _checked_text_column(df, text_col: str, added: list) -> None:
-    from pyspark.sql import types as T
-
-    fields = {f.name: f.dataType for f in df.schema.fields}
-    if text_col not in fields:
-        raise SparklmError(f"the DataFrame has no column {text_col!r} (columns: {', '.join(df.columns) or 'none'})",
-                           hint="name the text column with text_col=")
-    if not isinstance(fields[text_col], T.StringType):
-        raise SparklmError(f"column {text_col!r} holds {fields[text_col].simpleString()}, not text",
-                           hint=f"cast it: df.withColumn({text_col!r}, F.col({text_col!r}).cast('string'))")
-    clash = [f.name for f in added if f.name in fields]
-    if clash:
-        raise SparklmError(f"the DataFrame already has column(s) {', '.join(map(repr, clash))}, which would be "
-                           "added", hint="rename or drop them, or choose other output column names")
-
-
 def classify_dataframe(df, *, model: str, text_col: str = "text", label_col: str = "label", score_col: str = "score",
                        probabilities_col: str | None = None, batch_size: int = 32, threads: int = 0,
                        storage: StorageConfig | None = None):
@@ -176,7 +161,7 @@ def classify_dataframe(df, *, model: str, text_col: str = "text", label_col: str
              T.StructField("truncated", T.BooleanType())]
     if probabilities_col:
         added.append(T.StructField(probabilities_col, T.ArrayType(T.DoubleType())))
-    _checked_text_column(df, text_col, added)
+    check_columns(df, text_col, "text_col", added, "classify_dataframe")
     storage = effective(storage or StorageConfig())
     path = _model_path(model, storage, classify=True)
 
@@ -216,7 +201,7 @@ def embed_dataframe(df, *, model: str, text_col: str = "text", output_col: str =
         raise SparklmError(f"pooling {pooling!r} is not one of {', '.join(POOLINGS)}",
                            hint="mean (sentence-transformers' usual), cls (BERT's first token) or last (decoders)")
     added = [T.StructField(output_col, T.ArrayType(T.FloatType())), T.StructField("truncated", T.BooleanType())]
-    _checked_text_column(df, text_col, added)
+    check_columns(df, text_col, "text_col", added, "embed_dataframe")
     storage = effective(storage or StorageConfig())
     path = _model_path(model, storage, classify=False)
 
