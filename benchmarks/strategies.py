@@ -60,7 +60,7 @@ CONTENDERS = {
                                "--set", "train.rounds.outer_lr=1.0", "--set", "train.rounds.residual_decay=0.95"]
        for h in (8, 16, 32, 64) for d in (1, 3)},
     **{f"diloco-{h}-{c}-m0.5": ["--strategy", "diloco", "--sync-every", str(h), "--codec", c,
-                                "--set", "train.rounds.outer_momentum=0.5"] for h in (32, 64, 128) for c in ("int4", "int2")},
+                                "--set", "train.rounds.outer_momentum=0.5"] for h in (16, 32, 64, 128) for c in ("int4", "int2")},
     # the driver's step sent whole (train.rounds.downlink exact) instead of encoded: what the encoding costs
     "diloco-64-int4-m0.5-exact": ["--strategy", "diloco", "--sync-every", "64", "--codec", "int4",
                                   "--set", "train.rounds.outer_momentum=0.5", "--set", 'train.rounds.downlink="exact"'],
