@@ -149,3 +149,12 @@ def test_non_finite_values_are_refused_in_one_line():
         d["b"][5] = bad
         with pytest.raises(ValueError, match="non-finite value in 'b'"):
             Codec("int4").encode(d)
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "int8", "int4", "int2", "topk"])
+def test_empty_and_odd_sized_tensors_keep_their_shapes(name):
+    arrays = {"empty": np.zeros((0, 3), np.float32), "odd": np.arange(7, dtype=np.float32).reshape(7, 1),
+              "scalar": np.array(2.0, np.float32)}
+    got = decode(Codec(name).encode(arrays))
+    assert {n: a.shape for n, a in got.items()} == {n: a.shape for n, a in arrays.items()}
+    assert decode(Codec(name).encode({})) == {}
