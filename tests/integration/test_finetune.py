@@ -149,7 +149,11 @@ def test_finetune_with_every_strategy(spark, bases, tmp_path, strategy, arch, lo
     assert s["trainable_params"] == sum(t.numel() for t in saved.values()) < s["params"] / 5
     if strategy != "ddp":  # the global weights broadcast each round and the workers' deltas: adapters only
         adapter_bytes = 4 * s["trainable_params"]
-        assert s["bytes_returned"] == s["rounds"] * 2 * adapter_bytes
+        if strategy == "average":  # fp32: exactly the adapters
+            assert s["bytes_returned"] == s["rounds"] * 2 * adapter_bytes
+        else:  # diloco's default codec, int4: 4.25 bits a value, plus each payload's header (names and shapes,
+            # which weigh on an adapter this small: 4,096 values)
+            assert s["rounds"] * 2 * adapter_bytes * 4.25 / 32 < s["bytes_returned"] < s["rounds"] * 2 * adapter_bytes / 3
     config = json.loads((run / "model" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(model_dir.resolve())
     assert (run / "model" / "adapter_model.safetensors").is_file() and not (run / "model" / "model.safetensors").exists()
