@@ -257,6 +257,17 @@ def staging_path(path: str) -> str:
     return f"{parent}/.{name}.sparklm-tmp-{uuid.uuid4().hex[:12]}"
 
 
+def check_replaceable(out: Path, overwrite: bool, *, marker: str, kind: str) -> None:
+    """One line unless the local directory ``out`` is new, empty, or (with ``overwrite``) an earlier ``kind`` of
+    sparklm's, which its ``marker`` file says: --overwrite never replaces what sparklm did not write."""
+    if out.exists() and (out.is_file() or any(out.iterdir())):
+        if not overwrite:
+            raise SparklmError(f"{out} already exists", hint="pass --overwrite or another --output")
+        if not (out / marker).is_file():
+            raise SparklmError(f"refusing to --overwrite {out}: it is neither {kind} (no {marker}) nor empty",
+                               hint="choose another --output")
+
+
 def swap_in(filesystem: pafs.FileSystem, staging: str, target: str, *, marker: str) -> None:
     """Make the complete directory ``staging`` become ``target`` on ``filesystem`` (what Spark tasks wrote there).
 

@@ -165,28 +165,20 @@ def classify_dataframe(df, *, model: str, text_col: str = "text", label_col: str
     storage = effective(storage or StorageConfig())
     path = _model_path(model, storage, classify=True)
 
-    def run(batches):
+    def answer(enc: Encoder, texts: list[str]) -> dict:
         import pyarrow as pa
 
-        enc = process_local(("classifier", path, threads),
-                            lambda: load_encoder(path, classify=True, threads=threads, storage=storage))
-        for rb in batches:
-            texts = rb.column(text_col).to_pylist()
-            todo = [i for i, t in enumerate(texts) if t is not None and t.strip()]
-            probs, cut = classify_texts(enc, [texts[i] for i in todo], batch_size=batch_size)
-            best = probs.argmax(axis=1) if len(todo) else np.zeros(0, np.int64)
-            at = {i: j for j, i in enumerate(todo)}
-            cols = {label_col: pa.array([enc.labels[best[at[i]]] if i in at else None for i in range(rb.num_rows)],
-                                        pa.string()),
-                    score_col: pa.array([float(probs[at[i], best[at[i]]]) if i in at else None
-                                         for i in range(rb.num_rows)], pa.float64()),
-                    "truncated": pa.array([cut[at[i]] if i in at else None for i in range(rb.num_rows)], pa.bool_())}
-            if probabilities_col:
-                cols[probabilities_col] = pa.array([probs[at[i]].astype(float).tolist() if i in at else None
-                                                    for i in range(rb.num_rows)], pa.list_(pa.float64()))
-            yield pa.RecordBatch.from_arrays([*rb.columns, *cols.values()], [*rb.schema.names, *cols])
+        probs, cut = classify_texts(enc, texts, batch_size=batch_size)
+        best = probs.argmax(axis=1) if len(texts) else np.zeros(0, np.int64)
+        cols = {label_col: pa.array([enc.labels[b] for b in best], pa.string()),
+                score_col: pa.array(probs[np.arange(len(best)), best].astype(float), pa.float64()),
+                "truncated": pa.array(cut, pa.bool_())}
+        if probabilities_col:
+            cols[probabilities_col] = pa.array(probs.astype(float).tolist(), pa.list_(pa.float64()))
+        return cols
 
-    return df.mapInArrow(run, T.StructType([*df.schema.fields, *added]))
+    return _answered(df, text_col, added, ("classifier", path, threads),
+                     lambda: load_encoder(path, classify=True, threads=threads, storage=storage), answer)
 
 
 def embed_dataframe(df, *, model: str, text_col: str = "text", output_col: str = "embedding", pooling: str = "mean",
@@ -205,20 +197,32 @@ def embed_dataframe(df, *, model: str, text_col: str = "text", output_col: str =
     storage = effective(storage or StorageConfig())
     path = _model_path(model, storage, classify=False)
 
+    def answer(enc: Encoder, texts: list[str]) -> dict:
+        import pyarrow as pa
+
+        vecs, cut = embed_texts(enc, texts, pooling=pooling, normalize=normalize, batch_size=batch_size)
+        return {output_col: pa.array(vecs.tolist(), pa.list_(pa.float32())), "truncated": pa.array(cut, pa.bool_())}
+
+    return _answered(df, text_col, added, ("encoder", path, threads),
+                     lambda: load_encoder(path, classify=False, threads=threads, storage=storage), answer)
+
+
+def _answered(df, text_col: str, added: list, key: tuple, load, answer):
+    """``df`` with the ``added`` columns: in each Arrow batch the non-blank texts go to ``answer(encoder, texts)``
+    (the encoder loaded once per Python worker), which returns a column per added field, a value per text; rows
+    with a null or blank text get nulls."""
+    from pyspark.sql import types as T
+
     def run(batches):
         import pyarrow as pa
 
-        enc = process_local(("encoder", path, threads),
-                            lambda: load_encoder(path, classify=False, threads=threads, storage=storage))
+        enc = process_local(key, load)
         for rb in batches:
             texts = rb.column(text_col).to_pylist()
             todo = [i for i, t in enumerate(texts) if t is not None and t.strip()]
-            vecs, cut = embed_texts(enc, [texts[i] for i in todo], pooling=pooling, normalize=normalize,
-                                    batch_size=batch_size)
             at = {i: j for j, i in enumerate(todo)}
-            cols = {output_col: pa.array([vecs[at[i]].tolist() if i in at else None for i in range(rb.num_rows)],
-                                         pa.list_(pa.float32())),
-                    "truncated": pa.array([cut[at[i]] if i in at else None for i in range(rb.num_rows)], pa.bool_())}
+            rows = pa.array([at.get(i) for i in range(rb.num_rows)], pa.int64())  # null: no answer for the row
+            cols = {name: values.take(rows) for name, values in answer(enc, [texts[i] for i in todo]).items()}
             yield pa.RecordBatch.from_arrays([*rb.columns, *cols.values()], [*rb.schema.names, *cols])
 
     return df.mapInArrow(run, T.StructType([*df.schema.fields, *added]))

@@ -143,13 +143,10 @@ def _export_encoder(model: str, out: Path, architectures: list, *, quantize: str
 
 def _output(output: str, overwrite: bool) -> Path:
     """The export directory: new, empty, or (with ``overwrite``) an earlier export of ours."""
+    from ..fs import check_replaceable
+
     out = Path(output)
-    if out.exists() and (out.is_file() or any(out.iterdir())):
-        if not overwrite:
-            raise SparklmError(f"{output} already exists", hint="pass --overwrite or another --output")
-        if not (out / MARKER).is_file():
-            raise SparklmError(f"refusing to --overwrite {output}: it is neither a sparklm export (no {MARKER}) "
-                               "nor empty", hint="choose another --output")
+    check_replaceable(out, overwrite, marker=MARKER, kind="a sparklm export")
     return out
 
 

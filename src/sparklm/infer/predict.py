@@ -12,7 +12,10 @@ import json
 import time
 from pathlib import Path
 
+import pyarrow.fs as pafs
+
 from ..errors import SparklmError, spark_errors
+from ..fs import check_replaceable, staging_path, swap_in
 
 MARKER = "_sparklm_predict.json"  # "_": Spark and pyarrow readers of the directory skip it
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -61,7 +64,7 @@ def predict(spark, model: str, inputs: list[str], output: str, *, text_col: str 
         else:
             scored = classify_dataframe(df, model=model, text_col=text_col, batch_size=batch_size, threads=threads,
                                         probabilities_col="probabilities" if probabilities else None, storage=storage)
-        staging = out.parent / f".{out.name}.sparklm-tmp-{int(started * 1000)}"
+        staging = Path(staging_path(str(out)))
         scored.write.parquet(str(staging))
         written = scored.sparkSession.read.parquet(str(staging))
         counts = {"rows": written.count(), "truncated": written.filter("truncated").count()}
@@ -70,30 +73,12 @@ def predict(spark, model: str, inputs: list[str], output: str, *, text_col: str 
     info = {"model": model, "inputs": inputs, "format": fmt, "task": "embed" if embed else "classify",
             "text_col": text_col, **counts, "seconds": round(time.time() - started, 3)}
     (staging / MARKER).write_text(json.dumps(info, indent=2))
-    _swap(staging, out)
+    swap_in(pafs.LocalFileSystem(), str(staging), str(out), marker=MARKER)  # the old one stays whole till then
     return {**info, "path": str(out)}
 
 
 def check_output(out: Path, overwrite: bool) -> None:
-    if out.exists() and (out.is_file() or any(out.iterdir())):
-        if not overwrite:
-            raise SparklmError(f"{out} already exists", hint="pass --overwrite or another --output")
-        if not (out / MARKER).is_file():
-            raise SparklmError(f"refusing to --overwrite {out}: it is neither a sparklm prediction (no {MARKER}) "
-                               "nor empty", hint="choose another --output")
-
-
-def _swap(staging: Path, out: Path) -> None:
-    """``staging`` becomes ``out``; an earlier prediction there stays whole until the new one is in place."""
-    import shutil
-
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.sparklm-old-{staging.name.rsplit('-', 1)[-1]}"
-        out.rename(old)
-    staging.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    check_replaceable(out, overwrite, marker=MARKER, kind="a sparklm prediction")
 
 
 def _first_line(e: BaseException) -> str:
