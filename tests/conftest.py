@@ -339,3 +339,94 @@ def weights(run_dir):
 
     ckpt = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
     return load_file(str(ckpt / "model.safetensors"))
+
+
+# -- encoders: tiny random models with their own tokenizers (no downloads) ------------------------------------
+
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+
+
+def tiny_bert(directory, *, head: bool = True, seed: int = 0, corpus: str = "") -> str:
+    """A 2-layer BERT (random weights, 3 labels with names) and a WordPiece tokenizer trained on random text (and
+    ``corpus``)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import BertConfig, BertForSequenceClassification, BertModel, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok.train_from_iterator(make_text(60, seed=3).splitlines() + corpus.splitlines(), trainers.WordPieceTrainer(vocab_size=300,
+                                                                                          special_tokens=specials))
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                                       special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+                                   sep_token="[SEP]", mask_token="[MASK]", model_max_length=48)
+    config = BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=48, num_labels=3, id2label=LABELS,
+                        label2id={v: k for k, v in LABELS.items()})
+    torch.manual_seed(seed)
+    model = (BertForSequenceClassification if head else BertModel)(config)
+    model.save_pretrained(str(directory))
+    fast.save_pretrained(str(directory))
+    return str(directory)
+
+
+def tiny_roberta(directory, *, corpus: str = "", seed: int = 0) -> str:
+    """A 2-layer RoBERTa masked LM (random weights) and a byte-level BPE tokenizer with <s>/</s> framing."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast, RobertaConfig, RobertaForMaskedLM
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    tok.train_from_iterator(make_text(60, seed=4).splitlines() + corpus.splitlines(),
+                            trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.RobertaProcessing(("</s>", tok.token_to_id("</s>")), ("<s>", tok.token_to_id("<s>")))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>", cls_token="<s>", sep_token="</s>", mask_token="<mask>",
+                                   model_max_length=48)
+    config = RobertaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=48 + 2, type_vocab_size=1, pad_token_id=1,
+                           bos_token_id=0, eos_token_id=2)
+    torch.manual_seed(seed)
+    RobertaForMaskedLM(config).save_pretrained(str(directory))
+    fast.save_pretrained(str(directory))
+    return str(directory)
+
+
+CUES = {"pos": "good great happy lovely fine nice", "neg": "bad awful sad poor ugly grim",
+        "mid": "maybe perhaps somewhat fairly rather average"}
+FILLER = "the a cat dog house tree river road of and on".split()
+
+
+def labelled_records(n: int, *, seed: int = 0, classes: tuple[str, ...] = ("neg", "pos"), pairs: bool = False,
+                     words: tuple[int, int] = (4, 30)) -> list[dict]:
+    """Separable toy records: filler words mixed with words that only their class uses (with pairs: the cue
+    words are in the second text)."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        label = rng.choice(classes)
+        cues = CUES[label].split()
+        text = " ".join(rng.choice(FILLER + cues) for _ in range(rng.randint(*words)))
+        record = {"text": text, "label": label}
+        if pairs:
+            record = {"text": " ".join(rng.choice(FILLER) for _ in range(rng.randint(3, 8))), "second": text,
+                      "label": label}
+        out.append(record)
+    return out
+
+
+def toy_corpus() -> str:
+    """Every word the toy records use, for the tiny tokenizers' training."""
+    return " ".join(FILLER + " ".join(CUES.values()).split()) + "\n"
+

@@ -69,7 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", default="prepared", metavar="DIR", help="output directory (default: prepared)")
     p.add_argument("--validation-input", dest="validation_inputs", action="append", default=[], metavar="PATH",
                    help="explicit validation files (repeatable); otherwise a hash split by --val-fraction")
-    _config_flags(p.add_argument_group("data and tokenizer"), _FLAG_SECTIONS["prepare"], _FLAG_KEYS["prepare"])
+    g = p.add_argument_group("data and tokenizer")
+    g.add_argument("--task", dest="prepare_task", choices=["causal-lm", "classify", "mlm"],
+                   help="what the dataset is for (data.task): causal-lm (default), classify (labelled records, for "
+                        "an encoder: --label-field, --tokenizer MODEL_DIR) or mlm (documents, for an encoder)")
+    _config_flags(g, _FLAG_SECTIONS["prepare"], _FLAG_KEYS["prepare"])
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     _common(p)
 
@@ -220,6 +224,8 @@ def _config(args: argparse.Namespace):
             raise SparklmError(f"bad --conf '{item}'", hint="write --conf key=value, e.g. --conf spark.executor.memory=4g")
         overrides.append(f"spark.conf.{key}={value}")
     flags = {key: getattr(args, key) for key, _, _ in fields_with_flags() if getattr(args, key, None) is not None}
+    if getattr(args, "prepare_task", None):  # prepare's --task is data.task (train's and run's is model.task)
+        flags["data.task"] = args.prepare_task
     if "tokenizer.path" in flags and "tokenizer.vocab_size" in flags:
         raise SparklmError("--tokenizer and --vocab-size exclude each other",
                            hint="--vocab-size sizes a tokenizer sparklm trains; --tokenizer uses an existing one")
@@ -287,6 +293,8 @@ def _run(args: argparse.Namespace) -> int:
     config = config.replace(train=tc)
     if config.model.init_from and not config.tokenizer.path:  # a pretrained model reads text with its own tokenizer
         config = config.replace(tokenizer=replace(config.tokenizer, path=config.model.init_from))
+    if config.model.task != "causal-lm":  # the data is prepared for the task the run trains
+        config = config.replace(data=replace(config.data, task=config.model.task))
     run_dir = args.output or f"runs/run-{time.strftime('%Y%m%d-%H%M%S')}"
     inputs = _inputs(args)
     start = _session_factory(args, config)

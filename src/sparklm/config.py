@@ -40,7 +40,18 @@ def _section(cls: type, help: str) -> Any:
 class DataConfig:
     """How raw text becomes documents, and documents become training sequences."""
 
+    task: Literal["causal-lm", "classify", "mlm"] = _f(
+        "causal-lm", "what the dataset is for: causal-lm (packed token streams), classify (one labelled text or text "
+                     "pair per row, for an encoder) or mlm (one document per row, for masked-LM pretraining of an "
+                     "encoder); classify and mlm need --tokenizer: the encoder's, with its CLS/SEP conventions")
     text_field: str = _f("text", "column/field holding the text in JSONL, CSV and Parquet inputs", flag="--text-field")
+    label_field: str = _f("label", "classify: the column/field holding each record's label", flag="--label-field")
+    pair_field: str = _f("", "classify: a second text column/field, for sentence-pair tasks (empty: single texts)",
+                         flag="--pair-field")
+    long: Literal["auto", "truncate", "window"] = _f(
+        "auto", "classify and mlm: a text longer than seq_len is truncated, or cut into windows (each a row with the "
+                "record's label; data.stride apart, 0: disjoint); auto: truncate for classify, window for mlm",
+        flag="--long")
     format: Literal["text", "instruction", "chat"] = _f(
         "text", "what the records hold: text (every token trains), instruction (a prompt and a response field) or "
                 "chat (a messages field: a list of {role, content}); the loss counts response/assistant tokens only",
@@ -123,7 +134,7 @@ class ModelConfig:
     """The decoder-only transformer (built with transformers)."""
 
     task: str = _f("causal-lm", "what is trained; " + "; ".join(f"{n}: {t.help}" for n, t in TASKS.items()),
-                   choices=tuple(TASKS))
+                   choices=tuple(TASKS), flag="--task")
     arch: Literal["llama", "gpt2"] = _f("llama", "llama: RMSNorm, RoPE, SwiGLU; gpt2: LayerNorm, learned positions, GELU")
     n_layer: int = _f(4, "transformer blocks", min=1)
     n_head: int = _f(4, "attention heads", min=1)
@@ -138,6 +149,11 @@ class ModelConfig:
                                 "layers too: the first that the budget trains on >= 0.45 tokens per non-embedding "
                                 "parameter at this machine's measured speed (BENCHMARKS.md), written to the run's "
                                 "config.json. false: exactly n_layer x n_embd")
+    labels: list = _f([], "classify: the class names in id order (set by train from the dataset's manifest)")
+    mlm_probability: float = _f(0.15, "mlm: the share of real tokens chosen to recover (80% masked, 10% random, "
+                                       "10% kept)", min=0.01, max=0.9)
+    whole_word_mask: bool = _f(False, "mlm: choose whole words (all their tokens together) instead of single tokens",
+                               flag="--whole-word-mask")
     init_from: str = _f("", "start from a pretrained model instead of a fresh one: an HF causal-LM directory (local or "
                             "on an object store; safetensors weights), a sparklm run, or a .gguf file (converted once "
                             "into sparklm's cache)", flag="--init-from")
@@ -588,6 +604,8 @@ def _check(key: str, value: Any, tp: Any, meta: Any) -> Any:
         if value not in allowed:
             raise SparklmError(f"config key '{key}' is {value!r}; allowed values: {', '.join(map(repr, allowed))}")
         return value
+    if origin is list or tp is list:
+        return _strings(key, value)
     if origin is dict:
         if not isinstance(value, dict):
             raise SparklmError(f"config key '{key}' must be a table of key = value")
@@ -616,11 +634,19 @@ def _check(key: str, value: Any, tp: Any, meta: Any) -> Any:
     return value
 
 
+def _strings(key: str, value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SparklmError(f"config key '{key}' must be a list of strings, got {value!r}")
+    return list(value)
+
+
 def _type_name(tp: Any, meta: Any) -> str:
     if (allowed := choices(tp, meta)) is not None:
         return "one of " + ", ".join(repr(a) for a in allowed)
     if typing.get_origin(tp) is dict:
         return "table"
+    if tp is list:
+        return "list of strings"
     return tp.__name__
 
 
@@ -629,6 +655,8 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, str):
         return json.dumps(value)
+    if isinstance(value, list):
+        return json.dumps(value, ensure_ascii=False)
     if isinstance(value, dict):
         return "{}" if not value else "{ " + ", ".join(f'"{k}" = {json.dumps(v)}' for k, v in value.items()) + " }"
     return repr(value)

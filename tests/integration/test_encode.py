@@ -9,36 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_text
+from conftest import LABELS, make_text, tiny_bert
 from sparklm.errors import SparklmError
-
-LABELS = {0: "negative", 1: "neutral", 2: "positive"}
-
-
-def tiny_bert(directory, *, head: bool = True, seed: int = 0) -> str:
-    """A 2-layer BERT (random weights, 3 labels with names) and a WordPiece tokenizer trained on random text."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import BertConfig, BertForSequenceClassification, BertModel, PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tok.train_from_iterator(make_text(60, seed=3).splitlines(), trainers.WordPieceTrainer(vocab_size=300,
-                                                                                          special_tokens=specials))
-    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
-    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-                                                       special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                                   sep_token="[SEP]", mask_token="[MASK]", model_max_length=48)
-    config = BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=48, num_labels=3, id2label=LABELS,
-                        label2id={v: k for k, v in LABELS.items()})
-    torch.manual_seed(seed)
-    model = (BertForSequenceClassification if head else BertModel)(config)
-    model.save_pretrained(str(directory))
-    fast.save_pretrained(str(directory))
-    return str(directory)
 
 
 def texts() -> list[str | None]:

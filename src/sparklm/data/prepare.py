@@ -19,6 +19,7 @@ import json
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import pyarrow as pa
@@ -30,7 +31,7 @@ from ..config import Config, flatten
 from ..errors import SparklmError, spark_errors
 from ..fs import effective, remove_stale, resolve, staging_path, swap_in, uri_like
 from ..version import __version__
-from . import clean, instruct, sources
+from . import clean, instruct, labelled, sources
 from . import tokenizer as tokenizers_mod
 from .manifest import FORMAT, MANIFEST, SPLITS, PreparedDataset, load_prepared
 from .packing import Packed, Packer, PackSpec
@@ -75,6 +76,8 @@ def prepare(
                            + ("data.chat_template is false" if not data.chat_template else "a trained tokenizer has none"),
                            hint="pass --tokenizer with a model's tokenizer directory that has a chat template, or "
                                 "use --format instruction for prompt/response records")
+    if data.task in labelled.ENCODER_TASKS:
+        labelled.check(data, config.tokenizer.path)
     trackers.check(config, "prepare")
     started = time.time()
     fs, out_path = resolve(output, storage)
@@ -206,8 +209,9 @@ def _run(spark, source: Source, config: Config, inputs: list[str], validation_in
     staging = uri_like(output, staged)
     try:
         with spark_errors():
-            if data.dedup:  # duplicates are only known after a look at everything
-                agg, losers, sample, cached = _scan(spark, source, config, sample_only=False)
+            classes = None
+            if data.dedup or data.task == "classify":  # duplicates and classes are known after a look at everything
+                agg, losers, sample, cached, classes = _scan(spark, source, config, sample_only=False)
                 stats = _stats(agg, n_files, data.encoding)
             else:
                 agg, losers = None, {}
@@ -223,10 +227,12 @@ def _run(spark, source: Source, config: Config, inputs: list[str], validation_in
             fs.create_dir(staged, recursive=True)
             with progress.stage(spark, "read + clean + tokenize + pack + write" if agg is None else
                                 "tokenize + pack + write"):
-                files, write_agg = _write(spark, source, config, spec, pack, losers, staging)
+                files, write_agg = _write(spark, source, config, spec, pack, losers, staging, classes)
             if agg is None:  # one pass did it all: its counts are the statistics
                 stats = _stats(write_agg, n_files, data.encoding)
         manifest = _manifest(config, inputs, validation_inputs, stats, files, spec, pack, started, spark_start)
+        if data.task in labelled.ENCODER_TASKS:
+            manifest = _encoder_manifest(manifest, config, files, classes)
         _commit(fs, staged, out_path, files, spec, manifest)
     except BaseException:
         _remove(fs, staged)
@@ -268,19 +274,24 @@ def _scan(spark, source: Source, config: Config, *, sample_only: bool):
     want_sample = not config.tokenizer.path
     read = source.read
 
+    classify = data.task == "classify"
+
     def scan(it):
         for unit, pos, status, text, invalid, dig in read(it):
             ok = status == sources.OK
-            split = _split_of(unit, dig, data.val_fraction) if ok else None
+            # labelled records of hash-split inputs get their split from their class's threshold (stratify, below)
+            split = None if not ok or (classify and unit.group == "auto") else _split_of(unit, dig, data.val_fraction)
             doc = clean.doc_id(dig) if ok else None
             # A deterministic sample by content hash; its size is bounded for the driver.
             sampled = want_sample and ok and split == "train" and (doc & 0xFFFFFF) < sample_fraction * 2**24
+            label = text.label if ok and classify else None
             text = sources.text_of(text) if ok else None
             yield (unit.uri, pos, status, split, len(text.encode("utf-8", "surrogatepass")) if ok else 0,
-                   invalid, doc, dig, text if sampled else None)
+                   invalid, doc, dig, text if sampled else None, label, labelled.split_key(dig) if ok else None,
+                   unit.group == "auto")
 
     ddl = ("source string, pos long, status string, split string, n_bytes long, n_invalid long, doc_id long, "
-           "digest binary, sample string")
+           "digest binary, sample string, label string, split_key long, auto boolean")
     meta = spark.createDataFrame(source.rdd.mapPartitions(scan), ddl)
     if config.data.dedup and not sample_only:  # keep one copy per content hash: the validation one, then the first by (source, pos)
         # as many partitions as scan tasks, not spark.sql.shuffle.partitions (200): the rows are small, and the
@@ -290,7 +301,14 @@ def _scan(spark, source: Source, config: Config, *, sample_only: bool):
         meta = meta.withColumn("copy", F.when(F.col("digest").isNull(), 1).otherwise(F.row_number().over(order)))
     else:
         meta = meta.withColumn("copy", F.lit(1))
-    meta = meta.persist(StorageLevel.MEMORY_AND_DISK)
+    meta = persisted = meta.persist(StorageLevel.MEMORY_AND_DISK)
+    classes = None
+    if classify and not sample_only:
+        with progress.stage(spark, f"read + clean + split {source.label} by label"):
+            meta, cut = labelled.stratify(meta, data.val_fraction)
+            counts = (meta.where((F.col("status") == sources.OK) & (F.col("copy") == 1))
+                      .groupBy("split", "label").count().collect())
+        classes = _classes(counts, cut, data)
     losers: dict[str, list[int]] = defaultdict(list)
     agg = []
     if not sample_only:
@@ -302,7 +320,20 @@ def _scan(spark, source: Source, config: Config, *, sample_only: bool):
             for r in meta.where(F.col("copy") > 1).select("source", "pos").collect():
                 losers[r["source"]].append(r["pos"])
     sample = meta.where((F.col("copy") == 1) & F.col("sample").isNotNull()).select("source", "pos", "sample")
-    return agg, {k: frozenset(v) for k, v in losers.items()}, sample, meta
+    return agg, {k: frozenset(v) for k, v in losers.items()}, sample, persisted, classes
+
+
+def _classes(counts, cut: dict, data) -> dict:
+    """The classes of a labelled dataset from (split, label, count) rows: names in id order, documents per split,
+    and each label's validation threshold; one class only is refused (there would be nothing to tell apart)."""
+    per: dict[str, dict[str, int]] = {s: {} for s in SPLITS}
+    for r in counts:
+        per[r["split"]][r["label"]] = r["count"]
+    names = labelled.ordered(set(per["train"]) | set(per["validation"]))
+    if len(names) == 1:
+        raise SparklmError(f"the label column '{data.label_field}' holds one class only ({names[0]!r})",
+                           hint="a classifier needs examples of two or more classes: check --label-field and the inputs")
+    return {"names": names, "documents": {s: {n: per[s].get(n, 0) for n in names} for s in SPLITS}, "cut": cut}
 
 def _tokenizer_sample(spark, source: Source, config: Config):
     """Without dedup there is no full scan: read just enough units (chosen by hash) for the sample (all of a
@@ -310,7 +341,7 @@ def _tokenizer_sample(spark, source: Source, config: Config):
     if config.tokenizer.path:
         return None, None
     if source.bins is None:
-        return _scan(spark, source, config, sample_only=True)[2:]
+        return _scan(spark, source, config, sample_only=True)[2:4]
     bins = source.bins
     units = sorted((u for b in bins for u in b), key=lambda u: clean.digest(f"{u.uri}@{u.start}"))
     budget = 2 * config.tokenizer.sample_mb * 2**20  # twice the sample: the split and hashing thin it out
@@ -321,7 +352,7 @@ def _tokenizer_sample(spark, source: Source, config: Config):
         chosen.append(u)
         total += u.nbytes * (3 if u.compression else 1)
     return _scan(spark, Source.of_files(spark, _bins(chosen, len(bins)), config.data, config.storage), config,
-                 sample_only=True)[2:]
+                 sample_only=True)[2:4]
 
 
 def _stats(agg: list[dict], files: int, encoding: str) -> dict:
@@ -351,7 +382,7 @@ def _stats(agg: list[dict], files: int, encoding: str) -> dict:
     if splits["train"]["documents"] == 0:
         reasons = ", ".join(f"{n} {k}" for k, n in stats["dropped"].items()) or "the inputs hold no text"
         raise SparklmError(f"no training documents left after cleaning ({reasons})",
-                           hint="check the inputs, data.text_field, data.doc_mode and data.min_chars")
+                           hint="check the inputs, data.text_field (and data.label_field), data.doc_mode and data.min_chars")
     if splits["validation"]["documents"] == 0:
         progress.warn("the validation split is empty: raise data.val_fraction or pass --validation-input")
     return stats
@@ -374,30 +405,46 @@ def _pack_spec(config: Config, spec: tokenizers_mod.TokenizerSpec) -> PackSpec:
                     concat=data.concat, pad_last=pad_last)
 
 
-def _write(spark, source: Source, config: Config, spec, pack: PackSpec, losers: dict, staging: str) -> dict[str, list[dict]]:
-    """Pass 2: read and clean again, skip duplicates, tokenize, pack and write each split's file."""
+def _write(spark, source: Source, config: Config, spec, pack: PackSpec, losers: dict, staging: str,
+           classes: dict | None = None) -> dict[str, list[dict]]:
+    """Pass 2: read and clean again, skip duplicates, tokenize, pack (or encode, for an encoder) and write each
+    split's file."""
     sc = spark.sparkContext
     spec_bc, losers_bc = sc.broadcast(spec), sc.broadcast(losers)
     rows_per_group = max(16, config.output.row_group_mb * 1024 * 1024 // (pack.seq_len * 4))
     data, storage = config.data, config.storage
     templated = _templated(data, spec)
     read = source.read
+    cut = classes["cut"] if classes else None
+
+    def split_of(unit, dig, doc) -> str:
+        if cut is None:
+            return _split_of(unit, dig, data.val_fraction)
+        return labelled.split_of(unit.group, labelled.split_key(dig), doc.label, cut)
+
+    def writer(split: str, name: str):
+        if data.task not in labelled.ENCODER_TASKS:
+            return _SplitWriter(split, name, staging, storage, pack, spec_bc.value, rows_per_group, data)
+        return labelled.Writer(split, name, partial(_open_staged, staging, storage), seq_len=data.seq_len,
+                               rows_per_group=rows_per_group, pad_id=spec_bc.value.pad_id,
+                               window=labelled.windowing(data) == "window",
+                               overlap=data.seq_len - data.stride if data.stride else 0, pairs=bool(data.pair_field),
+                               label_ids={n: i for i, n in enumerate(classes["names"])} if classes else None)
 
     def write(it):
         from pyspark import TaskContext
 
         ctx = TaskContext.get()
         # text inside a document is text, even "<|eos|>"; a chat template's rendering holds real special tokens
-        tok = _tokenizer_for(spec_bc.value, specials=templated)
+        tok = _tokenizer_for(spec_bc.value, specials=templated, encoder=data.task in labelled.ENCODER_TASKS)
         render = _renderer_for(spec_bc.value) if templated else None
         drop = losers_bc.value
-        writers = {s: _SplitWriter(s, f"part-{ctx.partitionId():05d}-{ctx.attemptNumber()}.parquet", staging,
-                                   storage, pack, spec_bc.value, rows_per_group, data) for s in SPLITS}
+        writers = {s: writer(s, f"part-{ctx.partitionId():05d}-{ctx.attemptNumber()}.parquet") for s in SPLITS}
         batch: dict[str, tuple[list, list]] = {s: ([], []) for s in SPLITS}
         counts: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0])  # (source, status, split, kept) -> n, bytes, invalid
         size = 0
         for unit, pos, status, doc, invalid, dig in read(it):
-            split = _split_of(unit, dig, data.val_fraction) if status == sources.OK else None
+            split = split_of(unit, dig, doc) if status == sources.OK else None
             kept = status == sources.OK and pos not in drop.get(unit.uri, ())
             c = counts[(unit.uri, status, split, kept or status != sources.OK)]
             c[0] += 1
@@ -410,7 +457,8 @@ def _write(spark, source: Source, config: Config, spec, pack: PackSpec, losers: 
             docs, ids = batch[split]
             docs.append(doc)
             ids.append(clean.doc_id(dig))
-            size += len(doc) if isinstance(doc, str) else sum(len(piece) for piece, _ in doc)
+            size += len(doc) if isinstance(doc, str) else len(doc.content) if isinstance(doc, labelled.Record) \
+                else sum(len(piece) for piece, _ in doc)
             if size > 4 * 2**20:  # tokenize in batches of a few MB: the tokenizer parallelises inside
                 for s, (docs, ids) in batch.items():
                     writers[s].add(tok, docs, ids)
@@ -428,15 +476,24 @@ def _write(spark, source: Source, config: Config, spec, pack: PackSpec, losers: 
     return files, agg
 
 
+def _open_staged(staging: str, storage, name: str):
+    """An output stream for ``name`` (split/part-….parquet) inside the staging directory."""
+    fs, path = resolve(staging, storage)
+    fs.create_dir(f"{path}/{name.rsplit('/', 1)[0]}", recursive=True)
+    return fs.open_output_stream(f"{path}/{name}")
+
+
 _TOKENIZERS: dict[tuple, object] = {}
 
 
-def _tokenizer_for(spec: tokenizers_mod.TokenizerSpec, *, specials: bool = False):
+def _tokenizer_for(spec: tokenizers_mod.TokenizerSpec, *, specials: bool = False, encoder: bool = False):
     """The worker's tokenizer; ``specials``: special tokens written in the text are special tokens (a chat
-    template's rendering), else they are text ("<|eos|>" inside a document is not the end of it)."""
-    tok = _TOKENIZERS.get((spec.sha256, specials))
+    template's rendering), else they are text ("<|eos|>" inside a document is not the end of it). ``encoder``: one
+    of its own, whose truncation the encoder writer sets."""
+    key = (spec.sha256, specials, encoder)
+    tok = _TOKENIZERS.get(key)
     if tok is None:  # once per Python worker, not once per task
-        tok = _TOKENIZERS[(spec.sha256, specials)] = spec.tokenizer()
+        tok = _TOKENIZERS[key] = spec.tokenizer()
         tok.encode_special_tokens = not specials
     return tok
 
@@ -681,6 +738,7 @@ def _manifest(config, inputs, validation_inputs, stats, files, spec, pack: PackS
     total_tokens = sum(s["tokens"] for s in splits.values())
     return {
         "format": FORMAT,
+        "task": config.data.task,
         "sparklm_version": __version__,
         "created_unix": round(time.time(), 3),
         "inputs": list(inputs),
@@ -710,6 +768,37 @@ def _manifest(config, inputs, validation_inputs, stats, files, spec, pack: PackS
     }
 
 
+def _encoder_manifest(manifest: dict, config, files: dict, classes: dict | None) -> dict:
+    """A causal manifest turned into an encoder dataset's: rows are records (or windows of documents), each with the
+    tokenizer's own special tokens; a labelled one names its classes and counts them per split."""
+    data = config.data
+    long = labelled.windowing(data)
+    for split, metas in files.items():
+        manifest["splits"][split]["truncated"] = sum(m["truncated"] for m in metas)
+    manifest["packing"] = {
+        "seq_len": data.seq_len, "long": long, "stride": (data.stride or data.seq_len) if long == "window" else None,
+        "has_attention_mask": True, "pairs": bool(data.pair_field),
+        "rows": "one record per row" if long == "truncate" else "each document's windows, one per row",
+        "special_tokens": "the tokenizer's own (its post-processor: CLS/SEP, <s>/</s>, pairs as the model expects)"}
+    columns = {"input_ids": "list<int32>, seq_len token ids, padded", "attention_mask": "list<int8>, 0 on padding"}
+    if data.pair_field:
+        columns["token_type_ids"] = "list<int8>, 0 on the first text, 1 on the second"
+    if classes:
+        rows: dict[str, dict[str, int]] = {}
+        for split, metas in files.items():
+            per: dict[str, int] = defaultdict(int)
+            for m in metas:
+                for k, v in m["labels"].items():
+                    per[classes["names"][int(k)]] += v
+            rows[split] = {n: per.get(n, 0) for n in classes["names"]}
+        manifest["labels"] = {"field": data.label_field, "names": classes["names"],
+                              "documents": classes["documents"], "rows": rows}
+        columns["labels"] = "int64, the class id (labels.names[id])"
+    columns["doc_id"] = "int64, stable id (content hash) of the record"
+    manifest["columns"] = columns
+    return manifest
+
+
 def _framing(data, spec) -> str:
     """What one document is, in the manifest's words."""
     bos = "BOS " if spec.add_bos else ""
@@ -731,6 +820,12 @@ def _summary(m: dict) -> None:
         rows.append((f"{split}: tokens / sequences", f"{s['tokens']:,}", f"{s['sequences']:,}"))
         if "loss_tokens" in s:
             rows.append((f"{split}: tokens in the loss", f"{s['loss_tokens']:,}", ""))
+        if s.get("truncated"):
+            rows.append((f"{split}: texts longer than seq_len", f"{s['truncated']:,}", m["packing"]["long"] + "d"))
+    if "labels" in m:
+        docs = m["labels"]["documents"]
+        rows += [(f"class {name!r}: train / validation", f"{docs['train'][name]:,}", f"{docs['validation'][name]:,}")
+                 for name in m["labels"]["names"][:20]]
     t = m["timing"]
     rows.append(("time / throughput", f"{t['seconds']:.1f}s", f"{t['tokens_per_second']:,.0f} tokens/s"))
     progress.table("prepare summary", rows, ("", "", ""))

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 from ..config import DataConfig, StorageConfig
 from ..errors import SparklmError
 from ..fs import expand, resolve, storage_hint, uri_like
-from . import clean, instruct
+from . import clean, instruct, labelled
 
 _COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4"}
 _FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv",
@@ -70,9 +70,12 @@ def plan_units(inputs: list[str], *, group: str, data: DataConfig, storage: Stor
     for uri in inputs:
         for file_uri, info in _files(uri, storage):
             fmt, compression = detect_format(info.path)
-            if data.format != "text" and fmt == "text":
-                raise SparklmError(f"{file_uri} is plain text, and --format {data.format} reads records",
-                                   hint="pass .jsonl, .csv or .parquet files of records, or use --format text")
+            if reads_records(data) and fmt == "text":
+                what = "--task classify reads labelled records" if data.task == "classify" else \
+                    f"--format {data.format} reads records"
+                raise SparklmError(f"{file_uri} is plain text, and {what}",
+                                   hint="pass .jsonl, .csv or .parquet files of records" +
+                                        ("" if data.task == "classify" else ", or use --format text"))
             splittable = not compression and (fmt == "jsonl" or (fmt == "text" and data.doc_mode != "file"))
             if splittable and info.size > chunk:
                 units += [ReadUnit(file_uri, fmt, "", s, min(s + chunk, info.size), group, info.size)
@@ -128,7 +131,7 @@ def frame_documents(rows: Iterator[tuple[str, dict]], partition: int, data: Data
         for group, values in rows:
             unit, pos = units[group], counters[group]
             counters[group] += 1
-            if data.format != "text":
+            if reads_records(data):
                 yield unit, pos, OK, _record(values, data, partial(_where, None, "", unit, pos, by_line=True)), 0
             else:
                 yield (unit, pos, *_value(values[data.text_field], data))
@@ -152,9 +155,11 @@ def _cleaned(raw: Iterable[tuple], data: DataConfig) -> Iterator[tuple]:
     """Clean raw ``(unit, pos, status, text or record, invalid bytes)`` into :func:`documents`' tuples."""
     for unit, pos, status, doc, invalid in raw:
         if status == OK:
-            if isinstance(doc, instruct.Record):
+            if isinstance(doc, (instruct.Record, labelled.Record)):
                 doc = doc.map(lambda text: clean.clean_text(text, data.normalize))
-                status = EMPTY if not doc.trains else TOO_SHORT if len(doc.text) < data.min_chars else OK
+                status = EMPTY if not doc.trains else TOO_SHORT if len(text_of(doc)) < data.min_chars else OK
+                if status == OK and isinstance(doc, labelled.Record) and doc.label is None:
+                    status = labelled.NO_LABEL
             else:
                 doc = clean.clean_text(doc, data.normalize)
                 status = EMPTY if not doc else TOO_SHORT if len(doc) < data.min_chars else OK
@@ -163,8 +168,10 @@ def _cleaned(raw: Iterable[tuple], data: DataConfig) -> Iterator[tuple]:
         yield unit, pos, status, doc if ok else None, invalid, digest
 
 
-def text_of(doc: str | instruct.Record) -> str:
+def text_of(doc: str | instruct.Record | labelled.Record) -> str:
     """A document's text: itself, or a record's contents (for byte counts and the tokenizer sample)."""
+    if isinstance(doc, labelled.Record):
+        return doc.content
     return doc if isinstance(doc, str) else doc.text
 
 
@@ -195,8 +202,10 @@ def _where(fs, path: str, unit: ReadUnit, pos: int, *, by_line: bool) -> str:
     return f"{unit.uri} line {newlines + 1}"
 
 
-def _record(values: dict, data: DataConfig, where) -> instruct.Record:
-    """An instruction or chat record from a row's values; ``where()`` names the row for an error."""
+def _record(values: dict, data: DataConfig, where) -> instruct.Record | labelled.Record:
+    """An instruction, chat or labelled record from a row's values; ``where()`` names the row for an error."""
+    if data.task == "classify":  # a missing text or label is dropped and counted, not an error
+        return labelled.record(values, data.text_field, data.pair_field, data.label_field)
     try:
         if data.format == "chat":
             return instruct.chat_record(values, data.messages_field)
@@ -206,6 +215,8 @@ def _record(values: dict, data: DataConfig, where) -> instruct.Record:
 
 
 def _fields_hint(data: DataConfig) -> str:
+    if data.task == "classify":
+        return "name the columns with --text-field, --label-field (and --pair-field)"
     if data.format == "chat":
         return ("name the messages field with --messages-field (--format instruction reads prompt/response records), "
                 "or fix the record")
@@ -213,8 +224,16 @@ def _fields_hint(data: DataConfig) -> str:
             "or fix the record")
 
 
+def reads_records(data: DataConfig) -> bool:
+    """Whether a row is read as a record of several fields (instruction, chat, labelled) rather than one text."""
+    return data.format != "text" or data.task == "classify"
+
+
 def record_fields(data: DataConfig) -> list[str]:
-    """The columns a record format needs: the text, the prompt and response, or the messages."""
+    """The columns a record format needs: the text, the prompt and response, the messages, or a labelled
+    record's text (pair) and label."""
+    if data.task == "classify":
+        return labelled.fields(data)
     return {"text": [data.text_field], "instruction": [data.prompt_field, data.response_field],
             "chat": [data.messages_field]}[data.format]
 
@@ -239,7 +258,7 @@ def _read_unit(unit: ReadUnit, data: DataConfig, storage: StorageConfig) -> Iter
         tally = _Tally()
         lines = tally.feed(_lines(fs, path, unit, encoding, data.doc_mode))
         stop = unit.end if unit.end >= 0 else None
-        if unit.fmt == "jsonl" and data.format != "text":
+        if unit.fmt == "jsonl" and reads_records(data):
             by_line = bool(unit.compression) or encoding in ("utf-16", "utf-32")
             for pos, line in clean.group_documents(lines, "line", stop=stop):
                 status, values = _json_object(line)
@@ -360,14 +379,14 @@ def _read_csv(fs, path: str, unit: ReadUnit, data: DataConfig, encoding: str) ->
             return
         header = [h.lstrip("\ufeff").strip() for h in header]
         _check_columns(unit.uri, header, data)
-        col = header.index(data.text_field) if data.format == "text" else max(map(header.index, record_fields(data)))
+        col = max(map(header.index, record_fields(data)))
         before = clean.invalid_total()
         for number, row in enumerate(reader, start=1):
             now = clean.invalid_total()
             if col >= len(row):
                 yield number, MALFORMED, None, now - before
-            elif data.format == "text":
-                yield number, OK, row[col], now - before
+            elif not reads_records(data):
+                yield number, OK, row[header.index(data.text_field)], now - before
             else:
                 where = partial(_where, None, path, unit, number, by_line=True)
                 yield number, OK, _record(dict(zip(header, row)), data, where), now - before
@@ -378,7 +397,7 @@ def _check_columns(uri: str, names: list[str], data: DataConfig) -> None:
     """A CSV or Parquet file must have the columns its format reads (one line naming the file and what it has)."""
     for name in record_fields(data):
         if name not in names:
-            hint = "name the text column with --text-field or data.text_field" if data.format == "text" else _fields_hint(data)
+            hint = _fields_hint(data) if reads_records(data) else "name the text column with --text-field or data.text_field"
             raise SparklmError(f"{uri} has no column '{name}' (columns: {', '.join(names[:20])})", hint=hint)
 
 
@@ -387,7 +406,7 @@ def _read_parquet(fs, path: str, unit: ReadUnit, data: DataConfig) -> Iterator[t
         pf = pq.ParquetFile(raw)
         names = pf.schema_arrow.names
         _check_columns(path, names, data)
-        if data.format != "text":
+        if reads_records(data):
             yield from _parquet_records(pf, unit, data)
             return
         number = 0

@@ -53,11 +53,14 @@ def unreadable(uri: str, e: BaseException) -> SparklmError:
 class Rows(NamedTuple):
     """Rows of a prepared split: ``input_ids`` [rows, seq_len] int64; ``attention_mask`` [rows, seq_len] int8,
     None when nothing is padded; ``loss_mask`` [rows, seq_len] int8, 1 where predicting the token counts in
-    the loss (instruction data), None when every real token does."""
+    the loss (instruction data), None when every real token does; an encoder dataset's ``labels`` [rows] int64
+    (classify: the class ids) and ``token_type_ids`` [rows, seq_len] int8 (text pairs)."""
 
     input_ids: np.ndarray
     attention_mask: np.ndarray | None = None
     loss_mask: np.ndarray | None = None
+    labels: np.ndarray | None = None
+    token_type_ids: np.ndarray | None = None
 
     def take(self, index) -> Rows:
         """The rows at ``index`` (a slice, a boolean mask or positions) of every array."""
@@ -92,7 +95,9 @@ def read_rows(group: RowGroup, seq_len: int, storage: StorageConfig | None = Non
             return None
         return to_numpy(table.column(name).combine_chunks().flatten(), dtype).reshape(-1, seq_len)
 
-    return Rows(column("input_ids", np.int64), column("attention_mask", np.int8), column("loss_mask", np.int8))
+    labels = to_numpy(table.column("labels").combine_chunks(), np.int64) if "labels" in names else None
+    return Rows(column("input_ids", np.int64), column("attention_mask", np.int8), column("loss_mask", np.int8),
+                labels, column("token_type_ids", np.int8))
 
 
 class TokenStream:

@@ -34,23 +34,24 @@ def targets(cfg: LoraConfig) -> str | list[str]:
     return ALL_LINEAR if names == [ALL_LINEAR] else names
 
 
-def peft_config(cfg: LoraConfig, model: torch.nn.Module):
+def peft_config(cfg: LoraConfig, model: torch.nn.Module, task_type: str | None = "CAUSAL_LM"):
     from peft import LoraConfig as PeftLoraConfig
 
     # GPT-2 stores its projections as Conv1D (weight transposed): peft needs to be told
     conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())
     return PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets(cfg),
-                          task_type="CAUSAL_LM", fan_in_fan_out=conv1d, bias="none")
+                          task_type=task_type, fan_in_fan_out=conv1d, bias="none")
 
 
-def wrap(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
-    """``model`` with LoRA adapters (float32, whatever the base's dtype); every base weight frozen."""
+def wrap(model: torch.nn.Module, cfg: LoraConfig, task_type: str | None = "CAUSAL_LM") -> torch.nn.Module:
+    """``model`` with LoRA adapters (float32, whatever the base's dtype); every base weight frozen, except, for
+    peft's ``SEQ_CLS`` task, the classification head (it starts untrained: it always trains)."""
     from peft import get_peft_model
 
     check_targets(model, cfg)
     with warnings.catch_warnings():  # peft warns about fan_in_fan_out, which peft_config sets on purpose
         warnings.simplefilter("ignore")
-        return get_peft_model(model, peft_config(cfg, model), autocast_adapter_dtype=True)
+        return get_peft_model(model, peft_config(cfg, model, task_type), autocast_adapter_dtype=True)
 
 
 def check_targets(model: torch.nn.Module, cfg: LoraConfig) -> None:

@@ -56,6 +56,7 @@ class Task(Protocol):
 
     name: str
     figure_set: FigureSet  # the named figures ``figures`` returns (model/tasks.py: what the driver reads)
+    eval_width: int  # the length of ``eval_sums``' vector (the loop sums them over batches and ranks)
 
     def build(self, config: Config, spec: TokenizerSpec, context: int) -> torch.nn.Module: ...
 
@@ -112,6 +113,7 @@ class CausalLM:
 
     name = "causal-lm"
     figure_set = LM_FIGURES
+    eval_width = 4  # nats, tokens, correct, bytes
     base: str = ""  # the pretrained model LoRA adapts (named in the exported adapter's config)
     chunk: int = 0  # train.loss_chunk: positions per chunk of the LM-head loss; 0: by the vocabulary; -1: off
     compiled: bool = False  # train.compile: the chunked loss's hook does not survive torch.compile
@@ -149,7 +151,7 @@ class CausalLM:
         return model
 
     def batch(self, rows: tuple) -> Batch:
-        return make_batch(*rows)
+        return make_batch(*rows[:3])
 
     def weight(self, batch: Batch) -> int:
         return targets(batch)

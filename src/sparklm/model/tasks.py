@@ -71,18 +71,81 @@ LM_FIGURES = FigureSet((
 ), loss="val_loss", headline="val_bpb")
 
 
+def safe_name(label: str) -> str:
+    """A class name as part of a figure's key (``val_recall/<name>``): characters trackers accept in metric names."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9_.\- ]", "_", label)[:64] or "_"
+
+
+def classify_figures(sums: list[float], labels: list[str]) -> dict:
+    """Loss, accuracy, macro-F1, per-class precision/recall and the confusion matrix from summed
+    [nats, examples, correct, confusion (true class-major, K×K)]; {} when nothing was scored. A class the split
+    never holds nor predicts has no precision/recall and is left out of the macro average (as scikit-learn's
+    ``labels=`` present-only convention: its F1 would be 0/0)."""
+    nats, n, correct = sums[:3]
+    if n == 0:
+        return {}
+    k = len(labels)
+    cm = [[int(round(v)) for v in sums[3 + i * k:3 + (i + 1) * k]] for i in range(k)]
+    per, f1s = {}, []
+    for c, name in enumerate(labels):
+        tp = cm[c][c]
+        actual, predicted = sum(cm[c]), sum(cm[r][c] for r in range(k))
+        if actual == 0 and predicted == 0:
+            continue
+        precision = tp / predicted if predicted else 0.0
+        recall = tp / actual if actual else 0.0
+        f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+        per[name] = {"precision": precision, "recall": recall, "f1": f1, "support": actual}
+        f1s.append(f1)
+    out = {"loss": nats / n, "accuracy": correct / n, "macro_f1": sum(f1s) / len(f1s), "examples": int(n),
+           "per_class": per, "confusion": {"labels": list(labels), "matrix": cm}}
+    return out
+
+
+def mlm_figures(nats: float, tokens: float, correct: float, _unused: float = 0.0) -> dict:
+    """Masked-LM loss (nats per masked token), perplexity, accuracy of the masked predictions, their count."""
+    if tokens == 0:
+        return {}
+    loss = nats / tokens
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700)), "accuracy": correct / tokens, "tokens": int(tokens)}
+
+
+CLASSIFY_FIGURES = FigureSet((
+    Figure("val_loss", "loss", "loss", ".4f"),
+    Figure("val_acc", "accuracy", "accuracy", ".2%"),
+    Figure("val_f1", "macro_f1", "macro-F1", ".4f"),
+    Figure("val_examples", "examples", "examples", ",d", shown=False),
+), loss="val_loss", headline="val_acc")
+
+MLM_FIGURES = FigureSet((
+    Figure("val_loss", "loss", "loss", ".4f"),
+    Figure("val_ppl", "perplexity", "perplexity", ".3f"),
+    Figure("val_acc", "accuracy", "masked accuracy", ".2%"),
+    Figure("val_tokens", "tokens", "masked tokens", ",d", shown=False),
+), loss="val_loss", headline="val_loss")
+
+
 @dataclass(frozen=True)
 class TaskInfo:
     module: str  # the module (under sparklm.model) and class that implement it
     cls: str
     figures: FigureSet
     help: str
-
+    data: tuple[str, ...] = ("causal-lm",)  # the datasets (manifest "task") it trains on
 
 # name → where it lives and what it reports; the keys are what ``model.task`` accepts (config.py reads them here)
 REGISTRY: dict[str, TaskInfo] = {
     "causal-lm": TaskInfo("task", "CausalLM", LM_FIGURES,
                           "next-token prediction with a decoder (built from [model], or --init-from a pretrained one)"),
+    "classify": TaskInfo("encoders", "SequenceClassifier", CLASSIFY_FIGURES,
+                         "text (pair) classification: --init-from any model AutoModelForSequenceClassification loads "
+                         "(BERT, RoBERTa, DistilBERT, MiniLM, XLM-R, or a decoder), on data prepared with --task "
+                         "classify", data=("classify",)),
+    "mlm": TaskInfo("encoders", "MaskedLM", MLM_FIGURES,
+                    "masked-LM continued pretraining of an encoder (--init-from; 15% of tokens, 80/10/10), on data "
+                    "prepared with --task mlm or classify", data=("mlm", "classify")),
 }
 NAMES: tuple[str, ...] = tuple(REGISTRY)
 

@@ -184,11 +184,12 @@ class Trainer:
 
     @torch.no_grad()
     def eval_sums(self, part: int, parts: int) -> torch.Tensor:
-        """[nats, tokens, correct, bytes] over this worker's part of the validation split (row i → part i mod parts)."""
+        """The task's evaluation sums ([nats, tokens, correct, bytes] for a causal LM) over this worker's part of the
+        validation split (row i → part i mod parts)."""
         tc = self.tc
         self.model.eval()
         limit = tc.eval_batches * tc.batch_size if tc.eval_batches else None
-        sums = self.device.zeros(4, dtype=torch.float64)
+        sums = self.device.zeros(self.task.eval_width, dtype=torch.float64)
         for rows in validation_rows(self.val_groups, seq_len=self.seq_len, rank=part, world=parts, limit=limit,
                                     storage=self.config.storage):
             for i in range(0, len(rows.input_ids), tc.batch_size):

@@ -40,6 +40,40 @@ def plot_loss(run_dir: str, figures: FigureSet, storage: StorageConfig | None = 
     write_bytes(join(run_dir, "loss.png"), png.getvalue(), storage)
 
 
+def plot_confusion(run_dir: str, confusion: dict, storage: StorageConfig | None = None) -> None:
+    """confusion.png: a classifier's confusion matrix (rows: the true class, columns: the predicted one), each cell
+    its count and its share of the row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    labels, cm = confusion["labels"], np.asarray(confusion["matrix"], dtype=float)
+    k = len(labels)
+    share = cm / np.maximum(cm.sum(axis=1, keepdims=True), 1)
+    size = min(12, 2.5 + 0.5 * k)
+    fig, ax = plt.subplots(figsize=(size, size * 0.85), dpi=120)
+    im = ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
+    ax.set_xticks(range(k), [str(x)[:16] for x in labels], rotation=45, ha="right")
+    ax.set_yticks(range(k), [str(x)[:16] for x in labels])
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    if k <= 20:
+        for i in range(k):
+            for j in range(k):
+                ax.text(j, i, f"{int(cm[i, j])}\n{share[i, j]:.0%}", ha="center", va="center", fontsize=8,
+                        color="white" if share[i, j] > 0.5 else "black")
+    acc = np.trace(cm) / max(cm.sum(), 1)
+    ax.set_title(f"validation confusion matrix (model/): accuracy {acc:.1%} of {int(cm.sum()):,}")
+    fig.colorbar(im, ax=ax, fraction=0.046, label="share of the true class")
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    plt.close(fig)
+    write_bytes(join(run_dir, "confusion.png"), png.getvalue(), storage)
+
+
 def write_samples(model, spec, run_dir: str, dataset, config) -> None:
     """samples.txt: a few sampled continuations (sparklm's default sampling) of fixed prompts (openings of
     validation documents), written by the worker that holds the final model."""

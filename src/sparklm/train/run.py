@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from .. import progress, spark_figures, trackers
@@ -66,6 +67,7 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
     trackers.check(config)  # a missing package or a bad setting is one line before anything is written
     master = planned_master(config.spark, None if callable(spark) else spark)
     dataset = load_prepared(data, storage)
+    config = task_data(config, dataset, data)
     spec = load_tokenizer(dataset, storage)
     # Every "auto" decided here, once, for every rank and round worker (a resumed run's were decided before).
     asked = config
@@ -78,7 +80,7 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
             progress.info(note)
     # Processes the strategy starts now (local mode), so that their imports overlap Spark's start.
     with strategy.prestart(config, master) as warm:
-        _check_init_from(config, spec)
+        _check_init_from(config, spec, dataset.seq_len)
         shapes = memory.model_shapes(config, spec, dataset.seq_len)  # and LoRA's targets checked, before Spark
         if dataset.manifest["splits"]["train"]["sequences"] == 0:
             raise SparklmError(f"{data} has no training sequences", hint="prepare more text or a shorter --seq-len")
@@ -206,9 +208,33 @@ def _check_resumable(run_dir: str, config: Config) -> None:
                            hint=f"resume with --strategy {was}")
 
 
-def _check_init_from(config: Config, spec: TokenizerSpec) -> None:
+def task_data(config: Config, dataset: PreparedDataset, data: str) -> Config:
+    """The dataset must be prepared for what the run trains (model/tasks.py says which); a classifier's classes
+    come from its manifest (a resumed run's must be the same)."""
+    from ..model.tasks import REGISTRY
+
+    task, prepared = config.model.task, dataset.manifest.get("task", "causal-lm")
+    fits = REGISTRY[task].data
+    if prepared not in fits:
+        raise SparklmError(f"{data} was prepared for --task {prepared}, and this run trains --task {task}",
+                           hint=f"prepare the data with `sparklm prepare --task {fits[0]}`, or train with "
+                                f"--task {prepared}")
+    if task != "classify":
+        return config
+    names = list(dataset.manifest["labels"]["names"])
+    if config.model.labels and list(config.model.labels) != names:
+        raise SparklmError(f"{data} has the classes {names}, and the run was trained on {list(config.model.labels)}",
+                           hint="resume on the dataset the run started with")
+    return config.replace(model=replace(config.model, labels=names))
+
+
+def _check_init_from(config: Config, spec: TokenizerSpec, seq_len: int | None = None) -> None:
     """Before Spark starts: the pretrained model exists and loads (config and safetensors weights) and its tokenizer
     is the dataset's (LoRA's targets are checked with the model's shapes, memory.model_shapes)."""
+    if config.model.task != "causal-lm" and not config.model.init_from:
+        from ..model.encoders import check_loadable
+
+        check_loadable(config, seq_len)  # says --init-from is missing
     if not config.model.init_from:
         if config.lora.r:
             from ..model import lora  # imports torch (~1 s): only on the error's path
@@ -226,6 +252,10 @@ def _check_init_from(config: Config, spec: TokenizerSpec) -> None:
     if (path / "tokenizer.json").is_file() and load(str(path)).sha256 != spec.sha256:
         raise SparklmError(f"the tokenizer of {name} differs from the dataset's",
                            hint=f"prepare the data with --tokenizer {name}")
+    if config.model.task != "causal-lm":
+        from ..model.encoders import check_loadable
+
+        check_loadable(config, seq_len)
 
 
 def _summary(run_dir: str, config: Config, dataset: PreparedDataset, result: RunResult, spark, seconds: float,
