@@ -210,6 +210,8 @@ def _add_predict(sub) -> None:
     pr.add_argument("--pooling", choices=["mean", "cls", "last"], default="mean", help="--embed: how tokens pool")
     pr.add_argument("--normalize", action="store_true", help="--embed: unit-length vectors")
     pr.add_argument("--probabilities", action="store_true", help="also every label's probability")
+    pr.add_argument("--label-field", metavar="NAME", help="a column of true labels: the accuracy against it is "
+                                                          "recorded (labels the model does not know are refused)")
     pr.add_argument("--batch-size", type=int, default=32, metavar="N")
     pr.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads per task (default: all)")
     pr.add_argument("--overwrite", action="store_true", help="replace an earlier prediction at --output")
@@ -451,7 +453,10 @@ def _predict(args: argparse.Namespace) -> int:
         info = predict(spark, args.model, args.inputs, args.output, text_col=args.text_col, embed=args.embed,
                        pooling=args.pooling, normalize=args.normalize, probabilities=args.probabilities,
                        input_format_=args.input_format, batch_size=args.batch_size, threads=args.threads,
-                       overwrite=args.overwrite, storage=storage)
+                       overwrite=args.overwrite, storage=storage, label_field=args.label_field)
+    against = info.get("scored_against")
+    if against and against["accuracy"] is not None:
+        progress.info(f"accuracy against {against['field']!r}: {against['accuracy']:.2%} of {against['rows']:,} rows")
     labels = ", ".join(f"{k} {v:,}" for k, v in sorted(info.get("labels", {}).items()))
     progress.plain(f"{info['rows']:,} rows → {info['path']}" + (f" ({labels})" if labels else "")
                    + (f"; {info['truncated']:,} truncated to the model's positions" if info["truncated"] else ""))

@@ -125,6 +125,15 @@ def test_the_pipeline_on_the_run_model_answers_as_predict(spark, toy, tmp_path):
         w.writerows([t] for t in texts)
     predict(spark, model, [str(path)], str(tmp_path / "out"))
     got = {r["text"]: r for r in pq.read_table(str(tmp_path / "out")).to_pylist()}
+    # scored against true labels: the accuracy is recorded; a label the model does not know is one line
+    gold = tmp_path / "gold.jsonl"
+    _jsonl(gold, labelled_records(30, seed=8))
+    info = predict(spark, model, [str(gold)], str(tmp_path / "scored"), label_field="label")
+    assert info["scored_against"]["rows"] == 30 and 0 <= info["scored_against"]["accuracy"] <= 1
+    _jsonl(gold, [{"text": "a cat", "label": "pos"}, {"text": "a dog", "label": "meh"}])
+    with pytest.raises(SparklmError, match="holds 1 label\\(s\\) the model does not know: 'meh'"):
+        predict(spark, model, [str(gold)], str(tmp_path / "refused"), label_field="label")
+    assert not (tmp_path / "refused").exists()
     clf = pipeline("text-classification", model=model, device="cpu")
     for text, want in zip(texts, clf(texts, truncation=True)):
         assert got[text]["label"] == want["label"] and got[text]["score"] == pytest.approx(want["score"], abs=1e-5)

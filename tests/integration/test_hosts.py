@@ -23,7 +23,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from conftest import make_text, spark_master, stop_processes, wait_for_workers
+from conftest import labelled_records, make_text, spark_master, stop_processes, tiny_bert, toy_corpus, wait_for_workers
 from sparklm.config import from_dict
 from sparklm.java import find_java_home
 from sparklm.train.run import train
@@ -147,6 +147,29 @@ def stages(tmp: Path) -> list[tuple[str, list[str], dict]]:
     ]
 
 
+def _encoder_on_hosts(stage, s3, tmp: Path) -> None:
+    """An encoder fine-tuned on the same hosts (issue 35): labelled JSONL and a BERT directory on S3 only, the
+    tokenizer read by the driver; DiLoCo with its default int4 codec; the classifier lands on S3 with its labels."""
+    bert = Path(tiny_bert(tmp / "bert", corpus=toy_corpus()))
+    for f in bert.iterdir():
+        s3.put_object(Bucket="hosts", Key=f"bert/{f.name}", Body=f.read_bytes())
+    s3.put_object(Bucket="hosts", Key="labelled/a.jsonl",
+                  Body="".join(json.dumps(r) + "\n" for r in labelled_records(240, seed=3)).encode())
+    r = stage("prepare-classify", ["prepare", "s3://hosts/labelled/", "--output", "s3://hosts/clf-data", "--task",
+                                   "classify", "--tokenizer", str(bert), "--seq-len", "32", "--val-fraction", "0.25"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = stage("train-classify", ["train", "--data", "s3://hosts/clf-data", "--output", "s3://hosts/runs/clf", "--task",
+                                 "classify", "--init-from", "s3://hosts/bert", "--strategy", "diloco", "--workers", "2",
+                                 "--max-steps", "80", *_sets({"train": {"lr": 3e-3, "batch_size": 16, "threads": 1,
+                                                                       "dtype": "float32", "eval_every": 40,
+                                                                       "rounds": {"sync_every": 10}}})])
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(s3.get_object(Bucket="hosts", Key="runs/clf/summary.json")["Body"].read())
+    assert summary["best"]["val_acc"] >= 0.8 and summary["rounds"] == 8, summary["best"]
+    config = json.loads(s3.get_object(Bucket="hosts", Key="runs/clf/model/config.json")["Body"].read())
+    assert config["id2label"] == {"0": "neg", "1": "pos"}
+
+
 def test_hosts_that_share_only_object_storage(isolated_cluster, s3_server, spark, tmp_path):
     master, work = isolated_cluster
     s3 = boto3.client("s3", endpoint_url=s3_server)
@@ -199,6 +222,7 @@ def test_hosts_that_share_only_object_storage(isolated_cluster, s3_server, spark
     for run, settings in (("ddp", SETTINGS), ("diloco", _merge(SETTINGS, DILOCO))):
         train("s3://hosts/data", output=f"s3://hosts/local/{run}", config=from_dict(settings), spark=spark)
         assert _losses(f"s3://hosts/local/{run}") == pytest.approx(_losses(f"s3://hosts/runs/{run}"), abs=1e-4)
+    _encoder_on_hosts(stage, s3, tmp_path)
     (work / "figures.json").write_text(json.dumps(figures, indent=2))
     if os.environ.get("SPARKLM_HOSTS_FIGURES"):  # benchmarks/cluster_stages.py
         Path(os.environ["SPARKLM_HOSTS_FIGURES"]).write_text(json.dumps(figures, indent=2))

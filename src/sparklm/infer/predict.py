@@ -44,8 +44,10 @@ def read(spark, paths: list[str], fmt: str):
 
 def predict(spark, model: str, inputs: list[str], output: str, *, text_col: str = "text", embed: bool = False,
             pooling: str = "mean", normalize: bool = False, probabilities: bool = False, input_format_: str = "auto",
-            batch_size: int = 32, threads: int = 0, overwrite: bool = False, storage=None) -> dict:
-    """Score ``inputs`` and write ``output`` (a Parquet directory); returns what ``_sparklm_predict.json`` says."""
+            batch_size: int = 32, threads: int = 0, overwrite: bool = False, storage=None,
+            label_field: str | None = None) -> dict:
+    """Score ``inputs`` and write ``output`` (a Parquet directory); returns what ``_sparklm_predict.json`` says.
+    ``label_field``: a column of true labels, scored against (accuracy) after a check that the model knows them."""
     from .encode import classify_dataframe, embed_dataframe
 
     out = Path(output).expanduser().resolve()
@@ -58,23 +60,58 @@ def predict(spark, model: str, inputs: list[str], output: str, *, text_col: str 
         except Exception as e:  # AnalysisException: a path that does not exist, an unreadable file
             raise SparklmError(f"cannot read {', '.join(inputs)} as {fmt}: {_first_line(e)}",
                                hint="check the paths, or pass --input-format") from None
+        if label_field and not embed:
+            check_labels(df, label_field, model, storage)
+        # an input that holds its true labels in "label" keeps them: the answers get other names
+        label_col = "label" if "label" not in df.columns else "predicted_label"
+        score_col = "score" if "score" not in df.columns else "predicted_score"
         if embed:
             scored = embed_dataframe(df, model=model, text_col=text_col, pooling=pooling, normalize=normalize,
                                      batch_size=batch_size, threads=threads, storage=storage)
         else:
             scored = classify_dataframe(df, model=model, text_col=text_col, batch_size=batch_size, threads=threads,
+                                        label_col=label_col, score_col=score_col,
                                         probabilities_col="probabilities" if probabilities else None, storage=storage)
         staging = Path(staging_path(str(out)))
         scored.write.parquet(str(staging))
         written = scored.sparkSession.read.parquet(str(staging))
         counts = {"rows": written.count(), "truncated": written.filter("truncated").count()}
         if not embed:
-            counts["labels"] = {r[0]: r[1] for r in written.groupBy("label").count().collect() if r[0] is not None}
+            counts["label_col"] = label_col
+            counts["labels"] = {r[0]: r[1] for r in written.groupBy(label_col).count().collect() if r[0] is not None}
+        if label_field and not embed:
+            from pyspark.sql import functions as F
+
+            gold = written.where(F.col(label_field).isNotNull() & F.col(label_col).isNotNull())
+            n = gold.count()
+            right = gold.where(F.col(label_field).cast("string") == F.col(label_col)).count()
+            counts["scored_against"] = {"field": label_field, "rows": n, "accuracy": right / n if n else None}
     info = {"model": model, "inputs": inputs, "format": fmt, "task": "embed" if embed else "classify",
             "text_col": text_col, **counts, "seconds": round(time.time() - started, 3)}
     (staging / MARKER).write_text(json.dumps(info, indent=2))
     swap_in(pafs.LocalFileSystem(), str(staging), str(out), marker=MARKER)  # the old one stays whole till then
     return {**info, "path": str(out)}
+
+
+def check_labels(df, field: str, model: str, storage) -> None:
+    """The column of true labels exists and holds only labels the model knows (one line naming the others)."""
+    from pyspark.sql import functions as F
+
+    from ..fs import join, read_text
+    from .generate import model_uri
+
+    if field not in df.columns:
+        raise SparklmError(f"the input has no column {field!r} (columns: {', '.join(df.columns)})",
+                           hint="name the column of true labels with --label-field")
+    known = set(json.loads(read_text(join(model_uri(model, storage), "config.json"), storage))
+                .get("id2label", {}).values())
+    seen = {r[0] for r in df.select(F.col(field).cast("string")).distinct().limit(10_000).collect() if r[0] is not None}
+    unknown = sorted(seen - known)
+    if unknown:
+        raise SparklmError(f"column {field!r} holds {len(unknown)} label(s) the model does not know: "
+                           f"{', '.join(map(repr, unknown[:5]))}{', …' if len(unknown) > 5 else ''} "
+                           f"(the model's: {', '.join(map(repr, sorted(known)[:10]))})",
+                           hint="score against the labels the model was trained on, or drop --label-field")
 
 
 def check_output(out: Path, overwrite: bool) -> None:

@@ -233,7 +233,7 @@ class SequenceClassifier(_EncoderTask):
                                f"{len(self.labels)}", hint="train on data prepared with `sparklm prepare --task classify`")
         names = dict(enumerate(self.labels))
         model = load_pretrained(config, AutoModelForSequenceClassification, "a sequence classifier",
-                                num_labels=len(self.labels), id2label=names,
+                                id2label=names,
                                 label2id={v: k for k, v in names.items()})
         if model.config.pad_token_id is None:  # decoders pool their last real token: they must know the padding
             model.config.pad_token_id = spec.pad_id

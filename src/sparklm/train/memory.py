@@ -176,7 +176,7 @@ def model_shapes(config, spec, context: int) -> Shapes:
     task = config.model.task
     names = dict(enumerate(config.model.labels or ["0", "1"]))
     auto, extra, peft_task = {"classify": (AutoModelForSequenceClassification,
-                                           {"num_labels": len(names), "id2label": names,
+                                           {"id2label": names,
                                             "label2id": {v: k for k, v in names.items()}}, "SEQ_CLS"),
                               "mlm": (AutoModelForMaskedLM, {}, None)}.get(task, (AutoModelForCausalLM, {}, "CAUSAL_LM"))
     try:  # float32: a bfloat16 base's bytes are counted by plan_for, which knows the dtype training computes in
@@ -194,7 +194,7 @@ def model_shapes(config, spec, context: int) -> Shapes:
     head = model.get_output_embeddings()  # a classifier's logits are its classes, not a vocabulary
     return Shapes(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
                   intermediate=getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size,
-                  vocab=head.weight.shape[0] if head is not None else extra["num_labels"],
+                  vocab=head.weight.shape[0] if head is not None else len(names),
                   params=sum(p.numel() for p in params), weight_bytes=sum(p.numel() * p.element_size() for p in params),
                   trainable=sum(p.numel() for p in params if p.requires_grad),
                   head_trains=head.weight.requires_grad if head is not None else True)
