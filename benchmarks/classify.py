@@ -26,7 +26,8 @@ Contenders, each a fresh process, interleaved (repeat 1 of each, then repeat 2, 
   batch / train_seconds (summary.json; the final evaluation excluded); accuracy and macro-F1 from its final
   evaluation over the whole validation split.
 - hf-trainer: `python benchmarks/classify.py _hf ...`: the same JSONL tokenized with the model's tokenizer
-  (truncated and padded to --seq-len, as sparklm's rows are), AutoModelForSequenceClassification,
+  (truncated to --seq-len; each batch padded to its longest row by DataCollatorWithPadding, as sparklm cuts its
+  rows' padding to the batch's longest one), AutoModelForSequenceClassification,
   transformers.Trainer on the CPU; samples/s from trainer.train()'s train_samples_per_second; accuracy and
   macro-F1 (numpy) of its predictions on the validation set.
 - score-spark: `sparklm.classify_dataframe` on Spark local[2] (2 Python workers, --threads split between
@@ -242,19 +243,20 @@ def macro_f1(truth, pred, k: int) -> float:
 
 
 def hf_rows(tokenizer, records: list[dict], label_ids: dict, seq_len: int):
-    """A torch Dataset of the records, tokenized and padded to seq_len, with their label ids."""
+    """A torch Dataset of the records, tokenized and truncated to seq_len, with their label ids; batches are
+    padded to their longest row by DataCollatorWithPadding (HF's usual recipe; sparklm trims its rows' padding
+    to the batch's longest row the same way)."""
     import torch
 
-    enc = tokenizer([r["text"] for r in records], truncation=True, max_length=seq_len, padding="max_length")
-    columns = {k: torch.tensor(v) for k, v in enc.items()}
-    columns["labels"] = torch.tensor([label_ids[r["label"]] for r in records])
+    enc = tokenizer([r["text"] for r in records], truncation=True, max_length=seq_len)
+    labels = [label_ids[r["label"]] for r in records]
 
     class Rows(torch.utils.data.Dataset):
         def __len__(self):
             return len(records)
 
         def __getitem__(self, i):
-            return {k: v[i] for k, v in columns.items()}
+            return {**{k: v[i] for k, v in enc.items()}, "labels": labels[i]}
 
     return Rows()
 
@@ -272,7 +274,13 @@ def hf_main(argv: list[str]) -> None:
     import numpy as np
     import torch
     import transformers
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        Trainer,
+        TrainingArguments,
+    )
 
     torch.set_num_threads(a.threads)
     transformers.utils.logging.set_verbosity_error()
@@ -292,7 +300,8 @@ def hf_main(argv: list[str]) -> None:
             lr_scheduler_kwargs={"min_lr_rate": MIN_LR_RATIO}, warmup_steps=WARMUP, weight_decay=0.1,
             adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0, use_cpu=True, report_to=[], save_strategy="no",
             eval_strategy="no", logging_strategy="no", dataloader_num_workers=0, seed=SEED, disable_tqdm=True)
-        trainer = Trainer(model=model, args=targs, train_dataset=train_ds)
+        trainer = Trainer(model=model, args=targs, train_dataset=train_ds,
+                          data_collator=DataCollatorWithPadding(tokenizer))
         metrics = trainer.train().metrics
         t0 = time.perf_counter()
         out = trainer.predict(val_ds)  # the evaluation at the end, over the whole validation set

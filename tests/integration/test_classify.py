@@ -233,3 +233,41 @@ def test_encoder_mistakes_are_one_line(spark, toy, tmp_path, dataset):
     assert not (tmp_path / "one").exists()
     with pytest.raises(SparklmError, match="needs the encoder's tokenizer"):
         sparklm.prepare([one], output=str(tmp_path / "x"), settings={"data.task": "classify"}, spark=spark)
+
+
+def test_a_decoder_classifies_from_a_dataframe(spark, tmp_path):
+    """A Llama-style decoder (sparklm's own kind of model) as a classifier: it pools its last real token, so it must
+    know the padding; the data comes from a DataFrame."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, pipeline
+
+    import sparklm
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([toy_corpus()] * 3, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|pad|>", "<|bos|>", "<|eos|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", 1)])
+    model_dir = tmp_path / "llama"
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
+                            pad_token="<|pad|>").save_pretrained(str(model_dir))
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2,
+                                 num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)
+                     ).save_pretrained(str(model_dir))
+    df = spark.createDataFrame([(r["text"], r["label"]) for r in labelled_records(300, seed=4)], "body string, y string")
+    data = sparklm.prepare(df, output=str(tmp_path / "data"), text_col="body", spark=spark,
+                           settings={"data.task": "classify", "data.label_field": "y", "tokenizer.path": str(model_dir),
+                                     "data.seq_len": 40, "data.val_fraction": 0.2})
+    assert data.manifest["labels"]["names"] == ["neg", "pos"] and data.manifest["input"]["files"] == 1
+    s = _fit(data.uri, tmp_path / "run", **{"model.task": "classify", "model.init_from": str(model_dir),
+                                           "train.max_steps": 120, "train.eval_every": 60})
+    assert s["best"]["val_acc"] >= 0.9, s["best"]
+    clf = pipeline("text-classification", model=str(tmp_path / "run" / "model"), device="cpu")
+    config = json.loads((tmp_path / "run" / "model" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"] and config["pad_token_id"] == 0
+    texts = ["the good happy cat", "a bad sad road and a grim ugly tree"]
+    assert [a["label"] for a in clf(texts)] == [a["label"] for a in clf(texts, batch_size=2)]  # padded = alone

@@ -37,11 +37,14 @@ class EncoderBatch:
 
 
 def encoder_batch(rows) -> EncoderBatch:
-    """A batch from a stream's Rows of an encoder dataset."""
-    ids = torch.from_numpy(rows.input_ids)
-    mask = torch.ones_like(ids) if rows.attention_mask is None else torch.from_numpy(rows.attention_mask).long()
+    """A batch from a stream's Rows of an encoder dataset, its padding cut to the batch's longest row (rows are
+    stored padded to seq_len; attention ignores padding, so the answers are the same, for less work)."""
+    width = int(rows.attention_mask.sum(axis=1).max()) if rows.attention_mask is not None else rows.input_ids.shape[1]
+    cut = slice(0, max(width, 1))
+    ids = torch.from_numpy(rows.input_ids[:, cut])
+    mask = torch.ones_like(ids) if rows.attention_mask is None else torch.from_numpy(rows.attention_mask[:, cut]).long()
     labels = None if rows.labels is None else torch.from_numpy(rows.labels)
-    types = None if rows.token_type_ids is None else torch.from_numpy(rows.token_type_ids).long()
+    types = None if rows.token_type_ids is None else torch.from_numpy(rows.token_type_ids[:, cut]).long()
     return EncoderBatch(ids, mask, labels, types)
 
 

@@ -52,7 +52,7 @@ def plot_confusion(run_dir: str, confusion: dict, storage: StorageConfig | None 
     labels, cm = confusion["labels"], np.asarray(confusion["matrix"], dtype=float)
     k = len(labels)
     share = cm / np.maximum(cm.sum(axis=1, keepdims=True), 1)
-    size = min(12, 2.5 + 0.5 * k)
+    size = min(12, 4.5 + 0.5 * k)
     fig, ax = plt.subplots(figsize=(size, size * 0.85), dpi=120)
     im = ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
     ax.set_xticks(range(k), [str(x)[:16] for x in labels], rotation=45, ha="right")
@@ -65,7 +65,7 @@ def plot_confusion(run_dir: str, confusion: dict, storage: StorageConfig | None 
                 ax.text(j, i, f"{int(cm[i, j])}\n{share[i, j]:.0%}", ha="center", va="center", fontsize=8,
                         color="white" if share[i, j] > 0.5 else "black")
     acc = np.trace(cm) / max(cm.sum(), 1)
-    ax.set_title(f"validation confusion matrix (model/): accuracy {acc:.1%} of {int(cm.sum()):,}")
+    ax.set_title(f"model/ on the validation split: accuracy {acc:.1%} of {int(cm.sum()):,}", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.046, label="share of the true class")
     fig.tight_layout()
     png = io.BytesIO()
