@@ -63,7 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 SPARKLM = [sys.executable, "-m", "sparklm"]
 QUIET = ["--master", "local[2]", "--set", "spark.ui=false"]
-CONTENDERS = ("sparklm", "hf-trainer", "score-spark", "score-pipeline")
+CONTENDERS = ("sparklm", "hf-trainer", "score-spark", "score-pipeline", "sparklm-bf16", "hf-trainer-bf16")
 MIN_WORDS, VAL_FRACTION, WARMUP, MIN_LR_RATIO, SEED = 20, 0.1, 5, 0.1, 1337
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -164,8 +164,9 @@ def read_jsonl(path: Path) -> list[dict]:
 # -- contenders (run in this, the parent, process; each starts a fresh one) -------------------------------
 
 
-def run_sparklm(a: argparse.Namespace, work: Path, rep: int) -> dict:
-    data, prepared, run = work / "data", work / "prepared", work / "runs" / f"sparklm-{rep}"
+def run_sparklm(a: argparse.Namespace, work: Path, rep: int, dtype: str = "float32") -> dict:
+    data, prepared = work / "data", work / "prepared"
+    run = work / "runs" / (f"sparklm-{rep}" if dtype == "float32" else f"sparklm-{dtype}-{rep}")
     t0 = time.perf_counter()
     sh([*SPARKLM, "prepare", data / "train.jsonl", "--validation-input", data / "val.jsonl", "--task", "classify",
         "--tokenizer", a.model, "--text-field", "text", "--label-field", "label", "--seq-len", a.seq_len,
@@ -178,7 +179,7 @@ def run_sparklm(a: argparse.Namespace, work: Path, rep: int) -> dict:
         "--eval-every", 0, "--checkpoint-every", 0, "--grad-checkpoint", "off", "--memory-limit", "none",
         "--set", f"train.batch_size={a.batch}", "--set", f"train.warmup_steps={WARMUP}",
         "--set", f"train.min_lr_ratio={MIN_LR_RATIO}", "--set", "train.weight_decay=0.1",
-        "--set", "train.beta2=0.95", "--set", "train.grad_clip=1.0", "--set", 'train.dtype="float32"',
+        "--set", "train.beta2=0.95", "--set", "train.grad_clip=1.0", "--set", f'train.dtype="{dtype}"',
         "--set", f"train.seed={SEED}", "--set", "train.eval_batches=0", "--set", "train.log_every=1",
         "--set", "train.samples=0", *QUIET])
     wall = time.perf_counter() - t0
@@ -199,10 +200,10 @@ def run_child(part: str, args: list) -> dict:
     return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
 
 
-def run_hf(a: argparse.Namespace, work: Path, rep: int) -> dict:
+def run_hf(a: argparse.Namespace, work: Path, rep: int, bf16: bool = False) -> dict:
     return run_child("_hf", ["--model", a.model, "--train", work / "data" / "train.jsonl",
                              "--val", work / "data" / "val.jsonl", "--seq-len", a.seq_len, "--batch", a.batch,
-                             "--threads", a.threads, "--steps", a.steps, "--lr", a.lr])
+                             "--threads", a.threads, "--steps", a.steps, "--lr", a.lr, *(["--bf16"] if bf16 else [])])
 
 
 def scoring_model(work: Path, a: argparse.Namespace) -> Path:
@@ -222,7 +223,10 @@ def run_score(engine: str, a: argparse.Namespace, work: Path, rep: int) -> dict:
 
 RUNNERS = {"sparklm": run_sparklm, "hf-trainer": run_hf,
            "score-spark": lambda a, w, r: run_score("spark", a, w, r),
-           "score-pipeline": lambda a, w, r: run_score("pipeline", a, w, r)}
+           "score-pipeline": lambda a, w, r: run_score("pipeline", a, w, r),
+           # bf16 autocast on both sides (sparklm's train.dtype auto picks it where bf16 matmuls are fast)
+           "sparklm-bf16": lambda a, w, r: run_sparklm(a, w, r, "bfloat16"),
+           "hf-trainer-bf16": lambda a, w, r: run_hf(a, w, r, bf16=True)}
 
 
 # -- the children: HF Trainer, and scoring ----------------------------------------------------------------
@@ -268,6 +272,7 @@ def hf_main(argv: list[str]) -> None:
     for flag in ("--seq-len", "--batch", "--threads", "--steps"):
         p.add_argument(flag, type=int, required=True)
     p.add_argument("--lr", type=float, required=True)
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (TrainingArguments(bf16=True))")
     a = p.parse_args(argv)
     import tempfile
 
@@ -299,7 +304,8 @@ def hf_main(argv: list[str]) -> None:
             learning_rate=a.lr, lr_scheduler_type="cosine_with_min_lr",
             lr_scheduler_kwargs={"min_lr_rate": MIN_LR_RATIO}, warmup_steps=WARMUP, weight_decay=0.1,
             adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0, use_cpu=True, report_to=[], save_strategy="no",
-            eval_strategy="no", logging_strategy="no", dataloader_num_workers=0, seed=SEED, disable_tqdm=True)
+            eval_strategy="no", logging_strategy="no", dataloader_num_workers=0, seed=SEED, disable_tqdm=True,
+            bf16=a.bf16)
         trainer = Trainer(model=model, args=targs, train_dataset=train_ds,
                           data_collator=DataCollatorWithPadding(tokenizer))
         metrics = trainer.train().metrics
@@ -391,15 +397,18 @@ def times(x) -> str:
 
 
 def table(median: dict, settings: dict) -> str:
-    sp, hf = median.get("sparklm"), median.get("hf-trainer")
-    ratio = sp["samples_per_s"] / hf["samples_per_s"] if sp and hf else None
+    sp = median.get("sparklm")
     lines = [f"Training: MiniLM-L6, {settings['steps']} steps, batch {settings['batch']}, seq {settings['seq_len']}, "
              f"{settings['threads']} threads, median of {settings['repeats']}", "",
-             "| contender | accuracy | macro-F1 | training samples/s | sparklm/HF |", "|---|---|---|---|---|"]
-    for name, r in (("sparklm", sp), ("hf-trainer", hf)):
-        if r:
-            cell = times(ratio) if name == "sparklm" else ""
-            lines.append(f"| {name} | {r['accuracy']:.4f} | {r['macro_f1']:.4f} | {r['samples_per_s']:.1f} | {cell} |")
+             "| contender | accuracy | macro-F1 | training samples/s | sparklm/HF (same precision) |",
+             "|---|---|---|---|---|"]
+    for ours, theirs in (("sparklm", "hf-trainer"), ("sparklm-bf16", "hf-trainer-bf16")):
+        a, b = median.get(ours), median.get(theirs)
+        ratio = a["samples_per_s"] / b["samples_per_s"] if a and b else None
+        for name, r in ((ours, a), (theirs, b)):
+            if r:
+                cell = times(ratio) if name == ours else ""
+                lines.append(f"| {name} | {r['accuracy']:.4f} | {r['macro_f1']:.4f} | {r['samples_per_s']:.1f} | {cell} |")
     if sp:
         lines += ["", f"sparklm: prepare {sp['prepare_s']:.1f} s (not in samples/s), steady "
                       f"{sp['steady_samples_per_s']:.1f} samples/s (median ms/step), whole command {sp['command_s']:.1f} s"]
