@@ -15,6 +15,9 @@ import pytest
 from conftest import labelled_records, run_sparklm, tiny_bert, tiny_roberta, toy_corpus
 from sparklm.errors import SparklmError
 
+# the module's datasets and models are built once per test process: keep its tests in one
+pytestmark = pytest.mark.xdist_group("classify")
+
 SETTINGS = {"train.lr": 3e-3, "train.batch_size": 16, "train.warmup_steps": 5, "train.dtype": "float32",
             "train.threads": 1, "train.log_every": 20, "train.eval_batches": 0}
 
@@ -92,21 +95,26 @@ def test_labelled_records_become_a_stratified_stable_dataset_in_the_encoder_toke
     ("ddp", 2, {}),
     ("average", 2, {"train.rounds.sync_every": 20}),
     ("diloco", 2, {"train.rounds.sync_every": 20}),
-    ("ddp", 1, {"lora.r": 8, "train.lr": 1e-2}),
+    ("ddp", 1, {"lora.r": 8, "train.lr": 1e-2, "train.max_steps": 200}),
 ], ids=["ddp", "average", "diloco", "lora"])
 def test_a_classifier_learns_with_each_strategy(spark, toy, tmp_path, strategy, workers, extra):
     s = _fit(toy.data, tmp_path / "run", **{"model.task": "classify", "model.init_from": toy.bert,
                                            "train.strategy": strategy, "train.workers": workers,
                                            "train.max_steps": 120, "train.eval_every": 60, **extra})
     best = s["best"]
-    assert best["val_acc"] >= 0.9 and best["val_f1"] >= 0.9, best
-    assert set(best["val_per_class"]) == {"neg", "pos"} and best["val_recall/pos"] >= 0.8
+    # LoRA adapts a random 2-layer model through rank-8 updates: it learns, less far in these steps (0.88-0.98
+    # over tokenizers trained anew each session; full fine-tuning 0.93-1.0)
+    bar = 0.85 if "lora.r" in extra else 0.9
+    assert best["val_acc"] >= bar and best["val_f1"] >= bar, best
+    assert set(best["val_per_class"]) == {"neg", "pos"} and best["val_recall/pos"] >= bar - 0.1
     assert sum(map(sum, best["val_confusion"]["matrix"])) == best["val_examples"] == 60
     model = tmp_path / "run" / "model"
     config = json.loads((model / "config.json").read_text())
     assert config["id2label"] == {"0": "neg", "1": "pos"} and config["label2id"] == {"neg": 0, "pos": 1}
     assert not (model / "adapter_config.json").exists()  # LoRA exports merged weights: a plain HF classifier
     assert (tmp_path / "run" / "confusion.png").stat().st_size > 5000
+    page = (tmp_path / "run" / "report.html").read_text()
+    assert "Classes (model/, validation split)" in page and "true pos" in page and "No samples.txt" not in page
 
 
 def test_the_pipeline_on_the_run_model_answers_as_predict(spark, toy, tmp_path):

@@ -63,6 +63,7 @@ def load_pretrained(config: Config, auto_class, what: str, **overrides) -> torch
                            hint="pass --init-from MODEL_DIR (an HF model directory, e.g. a BERT or RoBERTa)")
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()  # "newly initialized: classifier..." is what fine-tuning means here
+    torch.manual_seed(config.train.seed)  # a new head's initial weights: the same in every process and run
     path = model_source(name, config.storage)
     check_model_dir(path, name)
     verify_checksums(path)

@@ -116,6 +116,9 @@ class Trainer:
         self.task = task or task_for(config)
         self.seq_len = dataset.seq_len
         self.model = self.device.put(self.task.build(config, spec, self.seq_len))
+        # what draws at random while training (dropout, masked-LM masks) is a function of (seed, rank), whatever ran
+        # in this process before; checkpoints keep the state from there (save/restore below)
+        torch.manual_seed((self.tc.seed << 16) + rank.rank)
         self.net: torch.nn.Module = self.model
         self.optimizer_name = self.tc.optimizer
         self.optimizer = self.new_optimizer()

@@ -116,9 +116,13 @@ def render_run(run: RunData) -> str:
         body += ["<h2>Epochs</h2>", epochs_table(run.epochs)]
     if run.rounds:
         body += ["<h2>Rounds</h2>", charts(round_charts(run)), rounds_table(run.rounds)]
-    body += ["<h2>Samples</h2>", f"<pre>{esc(run.samples)}</pre>" if run.samples else
-             "<p class=note>No samples.txt (train.samples = 0, or the run did not end).</p>",
-             "<h2>Spark</h2>", spark_section(s.get("spark")),
+    kept = s.get("best") or s.get("final") or {}
+    if kept.get("val_confusion"):  # a classifier: its classes instead of text samples
+        body += ["<h2>Classes (model/, validation split)</h2>", classes_section(kept)]
+    else:
+        body += ["<h2>Samples</h2>", f"<pre>{esc(run.samples)}</pre>" if run.samples else
+                 "<p class=note>No samples.txt (train.samples = 0, or the run did not end).</p>"]
+    body += ["<h2>Spark</h2>", spark_section(s.get("spark")),
              "<h2>Configuration</h2>", config_table(run.config)]
     return page(f"sparklm run {run.name}", body)
 
@@ -179,6 +183,20 @@ def table(rows: list[tuple], header: tuple[str, ...], classes: list[str] | None 
     body = "".join(f"<tr{f' class={classes[i]}' if classes and classes[i] else ''}>"
                    + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for i, row in enumerate(rows))
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def classes_section(figures: dict) -> str:
+    """A classifier's evaluation: each class's precision, recall, F1 and support, then the confusion matrix
+    (rows: the true class)."""
+    per = figures.get("val_per_class", {})
+    rows = [(name, f"{v['precision']:.3f}", f"{v['recall']:.3f}", f"{v['f1']:.3f}", f"{v['support']:,}")
+            for name, v in per.items()]
+    cm = figures["val_confusion"]
+    labels = [str(x) for x in cm["labels"]]
+    matrix = [(f"true {name}", *(f"{n:,}" for n in row)) for name, row in zip(labels, cm["matrix"])]
+    return (table(rows, ("class", "precision", "recall", "F1", "support"))
+            + "<p class=sub>Confusion matrix (rows: the true class; columns: the predicted one)</p>"
+            + table(matrix, ("", *labels)))
 
 
 def charts(svgs: list[str]) -> str:
