@@ -312,8 +312,7 @@ def _run(args: argparse.Namespace) -> int:
         raise SparklmError(f"run directory {run_dir} already exists", hint="choose another --output")
     prepare(inputs, output=data_dir, config=config, spark=session)
     summary = train(data_dir, output=run_dir, config=config, spark=session)
-    made = "samples.txt" if config.model.task == "causal-lm" else "confusion.png" if config.model.task == "classify" \
-        else None
+    made = {"causal-lm": "samples.txt", "classify": "confusion.png"}.get(config.model.task)  # beside the report
     progress.info((f"{made}: {run_dir}/{made}, " if made else "") + f"report: {run_dir}/report.html")
     progress.plain(run_dir)
     kept = summary["best"] or summary["final"]

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from ..errors import SparklmError
+from .parts import PartFile, list_column
 
 NO_LABEL = "no_label"  # a record dropped because it has no label (sources.py's statuses)
 ENCODER_TASKS = ("classify", "mlm")
@@ -156,19 +156,22 @@ def stratify(meta, fraction: float):
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    ranked = meta.where(F.col("auto") & (F.col("status") == "ok") & (F.col("copy") == 1))
-    by_label = Window.partitionBy("label")
-    ranked = (ranked.withColumn("n", F.count("*").over(by_label))
-              .withColumn("rank", F.row_number().over(by_label.orderBy("split_key"))))
-    k = F.when(F.col("n") < 2, 0).otherwise(
-        F.least(F.col("n") - 1, F.greatest(F.lit(1), F.round(F.col("n") * F.lit(float(fraction))).cast("long"))))
-    if fraction <= 0:
-        k = F.lit(0)
-    chosen = ranked.where(F.col("rank") <= k).groupBy("label").agg(F.max("split_key").alias("t")).collect()
-    cut = {r["label"]: int(r["t"]) for r in chosen}
+    kept = meta.where(F.col("auto") & (F.col("status") == "ok") & (F.col("copy") == 1))
+    # how many of each class go to validation: validation_count's rule, on one small row per class
+    take = {r["label"]: validation_count(r["count"], fraction) for r in kept.groupBy("label").count().collect()}
+    take = {label: k for label, k in take.items() if k}
+    cut = {}
+    if take:
+        quota = F.create_map(*[F.lit(x) for label, k in take.items() for x in (label, k)])
+        ranked = kept.where(F.col("label").isin(list(take))).withColumn(
+            "rank", F.row_number().over(Window.partitionBy("label").orderBy("split_key")))
+        chosen = ranked.where(F.col("rank") <= F.element_at(quota, F.col("label")))
+        cut = {r["label"]: int(r["t"]) for r in chosen.groupBy("label").agg(F.max("split_key").alias("t")).collect()}
+    # split_of's rule, with one map of thresholds (a class without one stays in train)
     is_val = F.lit(False)
-    for label, t in cut.items():
-        is_val = is_val | ((F.col("label") == F.lit(label)) & (F.col("split_key") <= F.lit(t)))
+    if cut:
+        limits = F.create_map(*[c for label, t in cut.items() for c in (F.lit(label), F.lit(t).cast("long"))])
+        is_val = F.coalesce(F.col("split_key") <= F.element_at(limits, F.col("label")), F.lit(False))
     split = F.when(F.col("auto") & (F.col("status") == "ok"), F.when(is_val, "validation").otherwise("train"))
     return meta.withColumn("split", split.otherwise(F.col("split"))), cut
 
@@ -213,8 +216,7 @@ def encode(tok, texts: list[str], pairs: list[str] | None, *, seq_len: int, wind
     tok.enable_truncation(max_length=seq_len, stride=min(overlap, room - 1) if window else 0,
                           strategy="longest_first")
     batch = list(zip(texts, pairs)) if pairs is not None else texts
-    encodings = tok.encode_batch_fast(batch, add_special_tokens=True) if hasattr(tok, "encode_batch_fast") \
-        else tok.encode_batch(batch, add_special_tokens=True)
+    encodings = tok.encode_batch_fast(batch, add_special_tokens=True)
     rows, source, truncated, dropped = [], [], 0, 0
     for i, e in enumerate(encodings):
         rest = e.overflowing
@@ -248,25 +250,18 @@ def schema(pairs: bool, labelled: bool) -> pa.Schema:
     return pa.schema(cols)
 
 
-def _lists(a: np.ndarray) -> pa.Array:
-    offsets = np.arange(0, a.size + 1, a.shape[1], dtype=np.int32)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(a.reshape(-1)))
-
-
 class Writer:
     """Executor side: one split's records (or documents) of a task → one Parquet file of encoder rows, written in
     row groups; the same interface as prepare's packing writer (``add``, ``close``)."""
 
-    def __init__(self, split: str, name: str, open_file: Callable[[str], Any], *, seq_len: int, rows_per_group: int,
+    def __init__(self, split: str, name: str, staging: str, storage, *, seq_len: int, rows_per_group: int,
                  pad_id: int, window: bool, overlap: int, pairs: bool, label_ids: Mapping[str, int] | None):
-        self.split, self.name, self.open_file = split, f"{split}/{name}", open_file
+        self.split = split
         self.seq_len, self.rows_per_group, self.pad_id = seq_len, rows_per_group, pad_id
         self.window, self.overlap, self.pairs, self.label_ids = window, overlap, pairs, label_ids
-        self.schema = schema(pairs, label_ids is not None)
+        self.file = PartFile(staging, storage, f"{split}/{name}", schema(pairs, label_ids is not None))
         self.pending: list[pa.Table] = []
-        self.writer = self.sink = None
-        self.counts = {"rows": 0, "documents": 0, "pad_tokens": 0, "row_groups": 0, "tokens": 0, "truncated": 0,
-                       "dropped_tokens": 0}
+        self.counts = {"documents": 0, "pad_tokens": 0, "tokens": 0, "truncated": 0, "dropped_tokens": 0}
         self.per_label: Counter = Counter()  # rows per label id
 
     def add(self, tok, docs: list, ids: list[int]) -> None:
@@ -284,39 +279,30 @@ class Writer:
         real = int(enc.attention_mask.sum())
         c["tokens"] += real
         c["pad_tokens"] += enc.attention_mask.size - real
-        cols = [_lists(enc.input_ids), _lists(enc.attention_mask)]
+        cols = [list_column(enc.input_ids), list_column(enc.attention_mask)]
         if enc.token_type_ids is not None:
-            cols.append(_lists(enc.token_type_ids))
+            cols.append(list_column(enc.token_type_ids))
         if labelled:
             labels = np.asarray([self.label_ids[d.label] for d in docs], dtype=np.int64)[enc.source]
             self.per_label.update(labels.tolist())
             cols.append(pa.array(labels))
         cols.append(pa.array(np.asarray(ids, dtype=np.int64)[enc.source]))
-        self.pending.append(pa.Table.from_arrays(cols, schema=self.schema))
+        self.pending.append(pa.Table.from_arrays(cols, schema=self.file.schema))
         self._flush(final=False)
 
     def close(self) -> dict:
         self._flush(final=True)
-        nbytes = 0
-        if self.writer is not None:
-            self.writer.close()
-            nbytes = self.sink.tell()
-            self.sink.close()  # an object-store upload completes on close
-        return {"split": self.split, "path": self.name if self.writer is not None else "", "bytes": nbytes,
-                **self.counts, "labels": {str(k): v for k, v in sorted(self.per_label.items())}}
+        nbytes = self.file.close()
+        return {"split": self.split, "path": self.file.path, "bytes": nbytes, "rows": self.file.rows,
+                "row_groups": self.file.row_groups, **self.counts,
+                "labels": {str(k): v for k, v in sorted(self.per_label.items())}}
 
     def _flush(self, final: bool) -> None:
         table = pa.concat_tables(self.pending) if self.pending else None
         self.pending = []
         while table is not None and len(table) and (final or len(table) >= self.rows_per_group):
             take = len(table) if final else self.rows_per_group
-            if self.writer is None:
-                self.sink = self.open_file(self.name)
-                # page checksums: a damaged file fails its read with a clear error instead of training on garbage
-                self.writer = pq.ParquetWriter(self.sink, self.schema, compression="zstd", write_page_checksum=True)
-            self.writer.write_table(table.slice(0, take), row_group_size=take)
-            self.counts["rows"] += take
-            self.counts["row_groups"] += 1
+            self.file.write(table.slice(0, take))
             table = table.slice(take)
         if table is not None and len(table):
             self.pending = [table]

@@ -19,12 +19,10 @@ import json
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 
 from .. import progress, trackers
 from ..config import Config, flatten
@@ -35,6 +33,7 @@ from . import clean, instruct, labelled, sources
 from . import tokenizer as tokenizers_mod
 from .manifest import FORMAT, MANIFEST, SPLITS, PreparedDataset, load_prepared
 from .packing import Packed, Packer, PackSpec
+from .parts import PartFile, list_column
 
 
 def prepare(
@@ -287,8 +286,8 @@ def _scan(spark, source: Source, config: Config, *, sample_only: bool):
             label = text.label if ok and classify else None
             text = sources.text_of(text) if ok else None
             yield (unit.uri, pos, status, split, len(text.encode("utf-8", "surrogatepass")) if ok else 0,
-                   invalid, doc, dig, text if sampled else None, label, labelled.split_key(dig) if ok else None,
-                   unit.group == "auto")
+                   invalid, doc, dig, text if sampled else None, label,
+                   labelled.split_key(dig) if ok and classify else None, unit.group == "auto")
 
     ddl = ("source string, pos long, status string, split string, n_bytes long, n_invalid long, doc_id long, "
            "digest binary, sample string, label string, split_key long, auto boolean")
@@ -425,7 +424,7 @@ def _write(spark, source: Source, config: Config, spec, pack: PackSpec, losers: 
     def writer(split: str, name: str):
         if data.task not in labelled.ENCODER_TASKS:
             return _SplitWriter(split, name, staging, storage, pack, spec_bc.value, rows_per_group, data)
-        return labelled.Writer(split, name, partial(_open_staged, staging, storage), seq_len=data.seq_len,
+        return labelled.Writer(split, name, staging, storage, seq_len=data.seq_len,
                                rows_per_group=rows_per_group, pad_id=spec_bc.value.pad_id,
                                window=labelled.windowing(data) == "window",
                                overlap=data.seq_len - data.stride if data.stride else 0, pairs=bool(data.pair_field),
@@ -451,14 +450,14 @@ def _write(spark, source: Source, config: Config, spec, pack: PackSpec, losers: 
             c[2] += invalid
             if not kept:
                 continue
-            c[1] += len(sources.text_of(doc).encode("utf-8", "surrogatepass"))
+            nbytes = len(sources.text_of(doc).encode("utf-8", "surrogatepass"))
+            c[1] += nbytes
             if isinstance(doc, instruct.Record):  # → (piece, trains) pairs
                 doc = _segments(doc, render, data, unit, pos, storage)
             docs, ids = batch[split]
             docs.append(doc)
             ids.append(clean.doc_id(dig))
-            size += len(doc) if isinstance(doc, str) else len(doc.content) if isinstance(doc, labelled.Record) \
-                else sum(len(piece) for piece, _ in doc)
+            size += nbytes
             if size > 4 * 2**20:  # tokenize in batches of a few MB: the tokenizer parallelises inside
                 for s, (docs, ids) in batch.items():
                     writers[s].add(tok, docs, ids)
@@ -474,13 +473,6 @@ def _write(spark, source: Source, config: Config, spec, pack: PackSpec, losers: 
     agg = [dict(zip(("source", "status", "split", "kept", "n", "bytes", "invalid"), c))
            for m in metas if m["split"] == "" for c in m["counts"]]
     return files, agg
-
-
-def _open_staged(staging: str, storage, name: str):
-    """An output stream for ``name`` (split/part-….parquet) inside the staging directory."""
-    fs, path = resolve(staging, storage)
-    fs.create_dir(f"{path}/{name.rsplit('/', 1)[0]}", recursive=True)
-    return fs.open_output_stream(f"{path}/{name}")
 
 
 _TOKENIZERS: dict[tuple, object] = {}
@@ -538,7 +530,7 @@ class _SplitWriter:
     """Executor side: packs one split's documents and writes them to one Parquet file in row groups."""
 
     def __init__(self, split, name, staging, storage, pack: PackSpec, spec, rows_per_group: int, data):
-        self.split, self.name, self.staging, self.storage = split, f"{split}/{name}", staging, storage
+        self.split = split
         self.pack, self.rows_per_group = pack, rows_per_group
         bos = spec.bos_id if spec.add_bos else None
         self.packer = Packer(pack, bos_id=bos, eos_id=spec.eos_id)
@@ -546,9 +538,9 @@ class _SplitWriter:
         # a chat template's rendering holds its own special tokens; contents joined as they are get BOS and EOS
         self.specials = (None, None) if _templated(data, spec) else (bos, spec.eos_id)
         self.schema = _data_schema(pack.has_mask, self.records)
+        self.file = PartFile(staging, storage, f"{split}/{name}", self.schema)
         self.pending: list[Packed] = []
-        self.writer = self.sink = None
-        self.counts = {"rows": 0, "documents": 0, "pad_tokens": 0, "row_groups": 0}
+        self.counts = {"documents": 0, "pad_tokens": 0}
         if self.records:
             self.counts["loss_tokens"] = 0
 
@@ -576,13 +568,10 @@ class _SplitWriter:
     def close(self) -> dict:
         self.pending.extend(self.packer.finish())
         self._flush(final=True)
-        nbytes = 0
-        if self.writer is not None:
-            self.writer.close()
-            nbytes = self.sink.tell()
-            self.sink.close()  # an object-store upload completes on close
-        return {"split": self.split, "path": self.name if self.writer is not None else "", "bytes": nbytes,
-                "tokens": self.packer.tokens_in, "dropped_tokens": self.packer.tokens_dropped, **self.counts}
+        nbytes = self.file.close()
+        return {"split": self.split, "path": self.file.path, "bytes": nbytes, "rows": self.file.rows,
+                "row_groups": self.file.row_groups, "tokens": self.packer.tokens_in,
+                "dropped_tokens": self.packer.tokens_dropped, **self.counts}
 
     def _flush(self, final: bool) -> None:
         while self.pending and (final or sum(len(p) for p in self.pending) >= self.rows_per_group):
@@ -591,17 +580,8 @@ class _SplitWriter:
             loss = np.concatenate([p.loss_mask for p in self.pending]) if self.records else None
             doc = np.concatenate([p.doc_id for p in self.pending])
             take = len(ids) if final else self.rows_per_group
-            if self.writer is None:
-                fs, staging = resolve(self.staging, self.storage)
-                fs.create_dir(f"{staging}/{self.split}", recursive=True)
-                self.sink = fs.open_output_stream(f"{staging}/{self.name}")
-                # page checksums (CRC32): a damaged file fails its read with a clear error instead of
-                # training on garbage
-                self.writer = pq.ParquetWriter(self.sink, self.schema, compression="zstd", write_page_checksum=True)
-            self.writer.write_table(_to_table(ids[:take], None if mask is None else mask[:take], doc[:take],
-                                              self.schema, None if loss is None else loss[:take]), row_group_size=take)
-            self.counts["rows"] += take
-            self.counts["row_groups"] += 1
+            self.file.write(_to_table(ids[:take], None if mask is None else mask[:take], doc[:take], self.schema,
+                                      None if loss is None else loss[:take]))
             if mask is not None:
                 self.counts["pad_tokens"] += int(take * self.pack.seq_len - mask[:take].sum())
             if loss is not None:  # targets that count: a row's first token is never one
@@ -623,11 +603,7 @@ def _data_schema(has_mask: bool, has_loss_mask: bool = False) -> pa.Schema:
 
 def _to_table(ids: np.ndarray, mask: np.ndarray | None, doc: np.ndarray, schema: pa.Schema,
               loss: np.ndarray | None = None) -> pa.Table:
-    def lists(a: np.ndarray) -> pa.Array:
-        offsets = np.arange(0, a.size + 1, a.shape[1], dtype=np.int32)
-        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(a.reshape(-1)))
-
-    cols = [lists(ids)] + [lists(a) for a in (mask, loss) if a is not None] + [pa.array(doc)]
+    cols = [list_column(ids)] + [list_column(a) for a in (mask, loss) if a is not None] + [pa.array(doc)]
     return pa.Table.from_arrays(cols, schema=schema)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from ..data.tokenizer import TokenizerSpec
 from ..errors import SparklmError
 from . import lora, masking
 from .build import model_source
-from .tasks import CLASSIFY_FIGURES, MLM_FIGURES, classify_figures, mlm_figures, safe_name
+from .tasks import CLASSIFY_FIGURES, MLM_FIGURES, classify_figures, lm_figures, safe_name
 
 MASK_NAMES = ("[MASK]", "<mask>")
 UNK_NAMES = ("[UNK]", "<unk>")
@@ -48,6 +49,11 @@ def encoder_batch(rows) -> EncoderBatch:
     return EncoderBatch(ids, mask, labels, types)
 
 
+def no_model(task: str) -> SparklmError:
+    return SparklmError(f"--task {task} trains a pretrained model, and none is given",
+                        hint="pass --init-from MODEL_DIR (an HF model directory, e.g. a BERT or RoBERTa)")
+
+
 def load_pretrained(config: Config, auto_class, what: str, **overrides) -> torch.nn.Module:
     """``config.model.init_from`` loaded with ``auto_class``; one line when it cannot be (no such model, a model
     type without that head, a damaged directory)."""
@@ -59,8 +65,7 @@ def load_pretrained(config: Config, auto_class, what: str, **overrides) -> torch
 
     name = config.model.init_from
     if not name:
-        raise SparklmError(f"--task {config.model.task} trains a pretrained model, and none is given",
-                           hint="pass --init-from MODEL_DIR (an HF model directory, e.g. a BERT or RoBERTa)")
+        raise no_model(config.model.task)
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()  # "newly initialized: classifier..." is what fine-tuning means here
     torch.manual_seed(config.train.seed)  # a new head's initial weights: the same in every process and run
@@ -91,9 +96,9 @@ def positions(hf_config: dict) -> int | None:
     return n
 
 
-def check_loadable(config: Config, seq_len: int | None = None) -> None:
-    """Before Spark starts: the model's type has the task's head, and its positions hold the dataset's rows (a
-    config read, no weights)."""
+def check_loadable(config: Config, path: Path, seq_len: int | None = None) -> None:
+    """Before Spark starts: the model in ``path`` (``--init-from``'s local copy) has the task's head, and its
+    positions hold the dataset's rows (a config read, no weights)."""
     import json
 
     from transformers.models.auto.modeling_auto import (
@@ -102,9 +107,6 @@ def check_loadable(config: Config, seq_len: int | None = None) -> None:
     )
 
     name = config.model.init_from
-    if not name:
-        load_pretrained(config, None, "")  # the one line for a missing --init-from
-    path = model_source(name, config.storage)
     try:
         hf_config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
@@ -198,6 +200,10 @@ class _EncoderTask:
                                                                                     "cls.predictions", "pre_classifier"))}
         return self.decays(model) - heads
 
+    def artefacts(self, model: torch.nn.Module, spec: TokenizerSpec, run_dir: str, dataset, config: Config) -> None:
+        """Nothing beside model/: an encoder has no text samples to show; a classifier's confusion matrix is drawn
+        from its kept evaluation by the driver (confusion.png, train/run.py)."""
+
     def export(self, model: torch.nn.Module, spec: TokenizerSpec, uri: str, storage: StorageConfig) -> None:
         """An HF model directory (merged weights when LoRA trained) with the tokenizer as an encoder's."""
         from ..fs import CHECKSUMS, staged_dir, write_checksums
@@ -281,39 +287,6 @@ class SequenceClassifier(_EncoderTask):
         out["val_confusion"] = values["confusion"]
         return out
 
-    def artefacts(self, model: torch.nn.Module, spec: TokenizerSpec, run_dir: str, dataset, config: Config) -> None:
-        """confusion.png: model/'s confusion matrix on the validation split (counts, rows: the true class)."""
-        from ..train.report import plot_confusion
-
-        sums = validation_sums(self, model, dataset, config)
-        if sums is not None:
-            values = classify_figures(sums, list(self.labels))
-            if values:
-                plot_confusion(run_dir, values["confusion"], config.storage)
-
-
-def validation_sums(task, model: torch.nn.Module, dataset, config: Config) -> list[float] | None:
-    """``task``'s evaluation sums of ``model`` over the validation split (train.eval_batches of it, if set)."""
-    from ..data.manifest import checked_row_groups
-    from ..data.stream import validation_rows
-
-    groups = checked_row_groups(dataset, "validation", config.storage)
-    if not groups:
-        return None
-    tc = config.train
-    limit = tc.eval_batches * tc.batch_size if tc.eval_batches else None
-    was = model.training
-    model.eval()
-    sums = None
-    with torch.no_grad():
-        for rows in validation_rows(groups, seq_len=dataset.seq_len, rank=0, world=1, limit=limit,
-                                    storage=config.storage):
-            for i in range(0, len(rows.input_ids), tc.batch_size):
-                s = task.eval_sums(model, task.batch(rows.take(slice(i, i + tc.batch_size))), None)
-                sums = s if sums is None else sums + s
-    model.train(was)
-    return None if sums is None else sums.tolist()
-
 
 @dataclass(frozen=True)
 class MaskedLM(_EncoderTask):
@@ -378,10 +351,10 @@ class MaskedLM(_EncoderTask):
                             torch.zeros((), dtype=torch.float64)])
 
     def figures(self, sums: list[float]) -> dict:
-        return self.figure_set.named(mlm_figures(*sums))
+        """Loss per masked token, perplexity, masked accuracy and count (a causal LM's figures from the same sums;
+        the figure set has no bits per byte)."""
+        return self.figure_set.named(lm_figures(*sums))
 
-    def artefacts(self, model: torch.nn.Module, spec: TokenizerSpec, run_dir: str, dataset, config: Config) -> None:
-        pass  # the figures say it all; a masked LM has no samples to show
 
 
 @dataclass(frozen=True)

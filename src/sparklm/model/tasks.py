@@ -99,17 +99,8 @@ def classify_figures(sums: list[float], labels: list[str]) -> dict:
         f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
         per[name] = {"precision": precision, "recall": recall, "f1": f1, "support": actual}
         f1s.append(f1)
-    out = {"loss": nats / n, "accuracy": correct / n, "macro_f1": sum(f1s) / len(f1s), "examples": int(n),
-           "per_class": per, "confusion": {"labels": list(labels), "matrix": cm}}
-    return out
-
-
-def mlm_figures(nats: float, tokens: float, correct: float, _unused: float = 0.0) -> dict:
-    """Masked-LM loss (nats per masked token), perplexity, accuracy of the masked predictions, their count."""
-    if tokens == 0:
-        return {}
-    loss = nats / tokens
-    return {"loss": loss, "perplexity": math.exp(min(loss, 700)), "accuracy": correct / tokens, "tokens": int(tokens)}
+    return {"loss": nats / n, "accuracy": correct / n, "macro_f1": sum(f1s) / len(f1s), "examples": int(n),
+            "per_class": per, "confusion": {"labels": list(labels), "matrix": cm}}
 
 
 CLASSIFY_FIGURES = FigureSet((

@@ -40,9 +40,13 @@ def plot_loss(run_dir: str, figures: FigureSet, storage: StorageConfig | None = 
     write_bytes(join(run_dir, "loss.png"), png.getvalue(), storage)
 
 
-def plot_confusion(run_dir: str, confusion: dict, storage: StorageConfig | None = None) -> None:
-    """confusion.png: a classifier's confusion matrix (rows: the true class, columns: the predicted one), each cell
-    its count and its share of the row."""
+def plot_confusion(run_dir: str, kept: dict, storage: StorageConfig | None = None) -> None:
+    """confusion.png: the confusion matrix of a classifier's kept evaluation (``kept``: summary.json's best, else
+    final: model/'s weights; rows the true class, columns the predicted one), each cell its count and its share
+    of the row. Nothing for a run whose figures hold none."""
+    confusion = kept.get("val_confusion")
+    if not confusion:
+        return
     import matplotlib
 
     matplotlib.use("Agg")

@@ -28,7 +28,7 @@ from . import checkpoint, fit, memory, resolve, rows
 from .epochs import EpochRows
 from .html_report import write_report
 from .recorder import RunResult
-from .report import plot_loss
+from .report import plot_confusion, plot_loss
 from .sinks import ConsoleSink, CsvSink, JsonSink, Sinks, metric_columns, read_metrics
 
 # Settings that decide which rows each step trains on: a resumed run must keep them.
@@ -116,6 +116,7 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
                            spark_figures.collect(spark, jobs))
         _cards(run_dir, config, data, summary)
         plot_loss(run_dir, figures, storage)
+        plot_confusion(run_dir, summary["best"] or summary["final"], storage)
         write_report(run_dir, storage)
     model_dir = join(run_dir, "model")
     trackers.finish_all(tracking, trackers.Outcome(ok=True, summary=summary,
@@ -231,11 +232,11 @@ def task_data(config: Config, dataset: PreparedDataset, data: str) -> Config:
 def _check_init_from(config: Config, spec: TokenizerSpec, seq_len: int | None = None) -> None:
     """Before Spark starts: the pretrained model exists and loads (config and safetensors weights) and its tokenizer
     is the dataset's (LoRA's targets are checked with the model's shapes, memory.model_shapes)."""
-    if config.model.task != "causal-lm" and not config.model.init_from:
-        from ..model.encoders import check_loadable
-
-        check_loadable(config, seq_len)  # says --init-from is missing
     if not config.model.init_from:
+        if config.model.task != "causal-lm":
+            from ..model.encoders import no_model  # imports torch: only on the error's path
+
+            raise no_model(config.model.task)
         if config.lora.r:
             from ..model import lora  # imports torch (~1 s): only on the error's path
 
@@ -255,7 +256,7 @@ def _check_init_from(config: Config, spec: TokenizerSpec, seq_len: int | None = 
     if config.model.task != "causal-lm":
         from ..model.encoders import check_loadable
 
-        check_loadable(config, seq_len)
+        check_loadable(config, path, seq_len)
 
 
 def _summary(run_dir: str, config: Config, dataset: PreparedDataset, result: RunResult, spark, seconds: float,
