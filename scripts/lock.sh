@@ -12,7 +12,7 @@ trap 'rm -rf "$tmp"' EXIT
 "$python" -m venv "$tmp/venv"
 keep=()
 if [[ "${KEEP:-0}" == 1 ]]; then keep=(-c constraints.txt); fi
-"$tmp/venv/bin/pip" install -q --disable-pip-version-check "${keep[@]}" 'torch==2.13.0' -e '.[test,export,delta,tensorboard,mlflow,wandb]'
+"$tmp/venv/bin/pip" install -q --disable-pip-version-check "${keep[@]}" 'torch==2.13.0' -e '.[test,export,delta,tensorboard,mlflow,wandb,beam]'
 version=$("$tmp/venv/bin/python" -c 'import platform; print(platform.python_version())')
 {
   echo "# The lock: every package the set-up installs, at the versions the test suite passed on."

@@ -23,7 +23,7 @@ from .version import __version__
 _FLAG_SECTIONS = {"prepare": ("data", "tokenizer"), "train": ("train", "model", "lora", "tracking"),
                   "run": ("data", "tokenizer", "train", "model", "lora", "tracking")}
 _FLAG_KEYS = {"eval": ("data.doc_mode", "data.text_field", "data.encoding"),  # single fields a command reads
-              "prepare": ("tracking.mlflow_uri", "tracking.mlflow_experiment", "tracking.wandb_project")}
+              "prepare": ("beam.runner", "tracking.mlflow_uri", "tracking.mlflow_experiment", "tracking.wandb_project")}
 _COMMON_SECTIONS = ("spark", "storage")
 _STARTED: list = []  # sessions this command started, stopped when it ends
 _SIGINT: list = []  # the SIGINT handler before this command's Spark started, restored when it ends
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"sparklm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("prepare", help="raw text → tokenized, packed Parquet (a Spark job)",
+    p = sub.add_parser("prepare", help="raw text → tokenized, packed Parquet (a Spark job, or a Beam pipeline)",
                        description="Read, clean, deduplicate, split, tokenize and pack text into Parquet.")
     p.add_argument("inputs", nargs="*", metavar="INPUT",
                    help="files, directories or globs (.txt[.gz|.bz2], .jsonl[.gz], .csv, .parquet; local or s3://); "
@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what the dataset is for (data.task): causal-lm (default), classify (labelled records, for "
                         "an encoder: --label-field, --tokenizer MODEL_DIR) or mlm (documents, for an encoder)")
     _config_flags(g, _FLAG_SECTIONS["prepare"], _FLAG_KEYS["prepare"])
+    g.add_argument("--pipeline-option", dest="pipeline_options", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --engine beam: a Beam pipeline option (beam.options), e.g. --pipeline-option "
+                        "project=my-project (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     _common(p)
 
@@ -225,6 +228,12 @@ def _config(args: argparse.Namespace):
         if not sep or not key:
             raise SparklmError(f"bad --conf '{item}'", hint="write --conf key=value, e.g. --conf spark.executor.memory=4g")
         overrides.append(f"spark.conf.{key}={value}")
+    for item in getattr(args, "pipeline_options", []):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip("-"):
+            raise SparklmError(f"bad --pipeline-option '{item}'",
+                               hint="write --pipeline-option key=value, e.g. --pipeline-option direct_num_workers=2")
+        overrides.append(f"beam.options.{key.strip().lstrip('-')}={value}")
     flags = {key: getattr(args, key) for key, _, _ in fields_with_flags() if getattr(args, key, None) is not None}
     if getattr(args, "prepare_task", None):  # prepare's --task is data.task (train's and run's is model.task)
         flags["data.task"] = args.prepare_task

@@ -79,6 +79,11 @@ class DataConfig:
         "auto", "the last partial block of a stream: drop, pad, or auto (drop when concat, else pad)", flag="--last-block",
     )
     split_mb: int = _f(64, "plain-text and JSONL files larger than this are read in parallel chunks", min=1)
+    engine: Literal["spark", "beam"] = _f(
+        "spark", "what runs prepare's passes: spark, or an Apache Beam pipeline on beam.runner (pip install "
+        "'sparklm[beam]')", flag="--engine")
+    read_tasks: int = _f(0, "read tasks per pass; each packs its documents into its own part files, so the same "
+                            "number gives the same rows on any engine or cluster; 0: 4 per core the engine has", min=0)
 
 
 @dataclass(kw_only=True)
@@ -110,6 +115,16 @@ class SparkConfig:
                 "cluster whose executors cannot import sparklm; off for images that have the packages")
     class_cache: bool = _f(True, "share the driver JVM's loaded classes across runs (a ~120 MB archive in "
                                  "~/.cache/sparklm/jvm): Spark starts ~3 s faster from the second run")
+
+
+@dataclass(kw_only=True)
+class BeamConfig:
+    """``prepare --engine beam``: the Apache Beam pipeline that runs prepare's passes."""
+
+    runner: Literal["DirectRunner", "PrismRunner", "DataflowRunner", "FlinkRunner"] = _f(
+        "DirectRunner", "the Beam runner (DirectRunner runs here, one process per core)", flag="--runner")
+    options: dict[str, str] = _f({}, "pipeline options as Beam's --key=value flags (project, region, temp_location, "
+                                     "flink_master, direct_num_workers, ...; --pipeline-option KEY=VALUE)")
 
 
 @dataclass(kw_only=True)
@@ -341,6 +356,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "tokenizer": TokenizerConfig,
     "spark": SparkConfig,
+    "beam": BeamConfig,
     "storage": StorageConfig,
     "output": OutputConfig,
     "model": ModelConfig,
@@ -357,6 +373,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     spark: SparkConfig = field(default_factory=SparkConfig)
+    beam: BeamConfig = field(default_factory=BeamConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -554,7 +571,7 @@ def _deep_merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]
 def _diff(new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in new.items():
-        if isinstance(value, dict) and isinstance(old.get(key), dict) and key != "conf":
+        if isinstance(value, dict) and isinstance(old.get(key), dict) and key not in ("conf", "options"):
             sub = _diff(value, old[key])
             if sub:
                 out[key] = sub

@@ -1,0 +1,278 @@
+"""``prepare --engine beam``: the same two passes as an Apache Beam pipeline, for teams on Dataflow or Flink.
+
+The driver plans the read units and their bins exactly as for Spark (:func:`passes.bins`), and each pipeline step
+runs the functions the Spark tasks run (:mod:`.passes`): the scan's rows, the copy kept of a duplicated document
+(:func:`passes.copy_order`, by a ``GroupByKey`` on content hashes instead of Spark's window), and
+:func:`passes.write_part`. The driver then trains the tokenizer, writes the manifest and commits, as on Spark.
+
+A Beam pipeline hands nothing back to the program that launched it, so the small results the driver needs (counts,
+the duplicates to skip, the tokenizer's sample, the write tasks' reports) are written as JSON under the staging
+directory's ``_beam/`` (which the runner's workers must reach: a local path for the DirectRunner, an object store
+for Dataflow and Flink) and read back; our own files, so no pickle. Needs ``pip install 'sparklm[beam]'``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from contextlib import contextmanager, nullcontext
+
+from .. import progress
+from ..cache import cache_dir
+from ..config import Config
+from ..errors import SparklmError, from_spark, known_cause
+from ..fs import delete, join, read_bytes, write_bytes
+from . import passes, sources
+
+INSTALL = "pip install 'sparklm[beam]' (Apache Beam), or leave out --engine beam to prepare on Spark"
+_SCRATCH = "_beam"
+# the pipeline options that say how many workers a runner has (the read tasks are 4 per worker, as on Spark)
+_WORKER_OPTIONS = ("direct_num_workers", "num_workers", "max_num_workers", "parallelism")
+
+
+def check(config: Config, frame: bool) -> None:
+    """Refuse, in one line and before any work, what the Beam engine cannot do."""
+    if frame:
+        raise SparklmError("--engine beam reads files (local paths, globs or object-store URLs), not a Spark DataFrame",
+                           hint="pass paths, or prepare the DataFrame on Spark (the default engine)")
+    if config.data.task == "classify":
+        raise SparklmError("--engine beam prepares causal-lm and mlm datasets; --task classify's stratified split "
+                           "runs on Spark", hint="leave out --engine beam for a classification dataset")
+    _beam()
+    for key in _WORKER_OPTIONS:
+        value = config.beam.options.get(key)
+        if value is not None and not (value.isdigit() and int(value) > 0):
+            raise SparklmError(f"beam.options.{key} is {value!r}", hint="give a whole number of workers, e.g. 2")
+
+
+def _beam():
+    """``apache_beam``, imported quietly (it logs a warning about Google Cloud clients it does not find)."""
+    logging.disable(logging.WARNING)
+    try:
+        import apache_beam
+    except ImportError:
+        raise SparklmError("--engine beam needs Apache Beam, which is not installed", hint=INSTALL) from None
+    finally:
+        logging.disable(logging.NOTSET)
+    logging.getLogger("apache_beam").setLevel(logging.CRITICAL)  # a failure comes back as the error it raised
+    return apache_beam
+
+
+def workers(config: Config) -> int:
+    """How many workers the pipeline has: the option that says so, else this machine's cores (DirectRunner)."""
+    for key in _WORKER_OPTIONS:
+        if key in config.beam.options:
+            return int(config.beam.options[key])
+    return os.cpu_count() or 1
+
+
+def pipeline_args(config: Config) -> list[str]:
+    """The runner and options as Beam's command-line flags; the DirectRunner runs one process per worker (its default,
+    one thread in this process, would hold Python's lock through the cleaning)."""
+    options = dict(config.beam.options)
+    if config.beam.runner == "DirectRunner":
+        options.setdefault("direct_running_mode", "multi_processing")
+        options.setdefault("direct_num_workers", str(workers(config)))
+    options.setdefault("default_sdk_harness_log_level", "CRITICAL")  # failures come back as errors
+    return [f"--runner={config.beam.runner}", *(f"--{k}={v}" for k, v in options.items())]
+
+
+class BeamSource:
+    """The read units of a ``prepare``, binned as on Spark, and the two passes as Beam pipelines over those bins."""
+
+    name = "beam"
+
+    def __init__(self, units: list[sources.ReadUnit], config: Config, *, bins: list | None = None):
+        self.config = config
+        self.bins = bins if bins is not None else passes.bins(units, config.data.read_tasks or 4 * workers(config))
+        self.planned_bytes = passes.planned_bytes(self.bins)
+        self.count = len({u.uri for b in self.bins for u in b})
+        self.label = f"{self.count} files"
+
+    def subset(self, bins: list[list[sources.ReadUnit]], config: Config) -> BeamSource:
+        return BeamSource([], config, bins=bins)
+
+    def describe(self) -> dict:
+        return {"name": "beam", "runner": self.config.beam.runner, "read_tasks": len(self.bins)}
+
+    def stage(self, name: str):
+        return progress.stage(None, name)
+
+    @contextmanager
+    def errors(self):
+        """A :class:`SparklmError` raised in a worker comes back as itself (its text travels inside the runner's
+        error); a runner that cannot start is one line."""
+        try:
+            yield
+        except SparklmError:
+            raise
+        except Exception as e:
+            found = from_spark(e)
+            if found is not None:
+                raise found from None
+            cause = known_cause(str(e))
+            if cause is not None:
+                raise SparklmError(f"a Beam worker failed: {cause[0]}", hint=cause[1]) from None
+            if "prism" in str(e).lower() and "fetch" in str(e).lower():
+                raise SparklmError(f"the PrismRunner could not be started: {' '.join(str(e).split())[:200]}",
+                                   hint="give its binary with --pipeline-option prism_location=PATH, or use "
+                                        "--runner DirectRunner") from None
+            raise
+
+    def release(self) -> None:
+        pass
+
+    def _run(self, build, label: str | None = None) -> None:
+        """Build a pipeline with ``build(pipeline, beam)`` and run it to the end (in a stage named ``label``)."""
+        beam = _beam()
+        from apache_beam.options.pipeline_options import PipelineOptions
+
+        with self.stage(f"{label} (Beam, {self.config.beam.runner})") if label else nullcontext(), _workers_log():
+            with beam.Pipeline(options=PipelineOptions(pipeline_args(self.config))) as p:
+                build(p, beam)
+
+    def _bins(self, p, beam):
+        # Reshuffle: the bins spread over the workers instead of staying in the one bundle Create makes
+        return p | "bins" >> beam.Create(list(enumerate(self.bins))) | "spread" >> beam.Reshuffle()
+
+    def scan(self, config: Config, *, sample_only: bool, staging: str) -> passes.Scanned:
+        """Pass 1: the scan's rows, each duplicate's copy number, and the small results for the driver."""
+        data, storage = config.data, config.storage
+        fraction = passes.sample_fraction(config, self.planned_bytes)
+        scratch = join(staging, _SCRATCH)
+        dedup = data.dedup and not sample_only
+
+        def build(p, beam):
+            rows = self._bins(p, beam) | "read + clean" >> beam.FlatMap(_scan_bin, data, storage, fraction)
+            if dedup:
+                hashed = (rows | "documents" >> beam.Filter(lambda r: r[7] is not None)
+                          | "by hash" >> beam.Map(lambda r: (r[7], r)) | "copies" >> beam.GroupByKey()
+                          | "number" >> beam.FlatMap(_numbered))
+                rest = rows | "dropped" >> beam.Filter(lambda r: r[7] is None) | "once" >> beam.Map(lambda r: (r, 1))
+                meta = (hashed, rest) | "all" >> beam.Flatten()
+            else:
+                meta = rows | "first copies" >> beam.Map(lambda r: (r, 1))
+            if not sample_only:
+                (meta | "count key" >> beam.Map(_count_key) | "count" >> beam.CombinePerKey(_add)
+                 | "count rows" >> beam.combiners.ToList() | "save counts" >> beam.Map(_save, scratch, "agg", storage))
+                (meta | "duplicates" >> beam.Filter(lambda m: m[1] > 1) | "where" >> beam.Map(lambda m: m[0][:2])
+                 | "duplicate list" >> beam.combiners.ToList()
+                 | "save duplicates" >> beam.Map(_save, scratch, "losers", storage))
+            (meta | "sampled" >> beam.Filter(lambda m: m[1] == 1 and m[0][8] is not None)
+             | "text" >> beam.Map(lambda m: m[0][8]) | "sample" >> beam.combiners.ToList()
+             | "save sample" >> beam.Map(_save, scratch, "sample", storage))
+
+        try:
+            self._run(build, f"read + clean + deduplicate {self.label}" if dedup else f"read {self.label} for the "
+                                                                                      "tokenizer's sample")
+            out = passes.Scanned(sample=_load(scratch, "sample", storage))
+            if not sample_only:
+                out.agg = [{"source": k[0], "status": k[1], "split": k[2], "kept": k[3], "n": v[0], "bytes": v[1],
+                            "invalid": v[2]} for k, v in _load(scratch, "agg", storage)]
+                losers: dict[str, set[int]] = {}
+                for source, pos in _load(scratch, "losers", storage):
+                    losers.setdefault(source, set()).add(pos)
+                out.losers = {k: frozenset(v) for k, v in losers.items()}
+            return out
+        finally:
+            delete(scratch, storage)
+
+    def write(self, plan: passes.WritePlan, losers: dict) -> list[dict]:
+        """Pass 2: :func:`passes.write_part` for each bin; the reports come back through a file."""
+        storage = plan.config.storage
+        scratch = join(plan.staging, _SCRATCH)
+        _save({k: sorted(v) for k, v in losers.items()}, scratch, "skip", storage)
+
+        def build(p, beam):
+            (self._bins(p, beam) | "tokenize + pack + write" >> beam.FlatMap(_write_bin, plan, scratch)
+             | "reports" >> beam.combiners.ToList() | "save reports" >> beam.Map(_save, scratch, "reports", storage))
+
+        try:
+            self._run(build)  # inside prepare's stage
+            return _load(scratch, "reports", storage)
+        finally:
+            delete(scratch, storage)
+
+
+_LOG: list = []  # this process's log file for the workers' output
+
+
+@contextmanager
+def _workers_log():
+    """The DirectRunner's worker processes write to the stderr they inherit (start-up notes, and each failure's
+    traceback, which comes back here as the error it raised): while a pipeline runs, that is a log file under the
+    user's cache directory, as Spark's JVM output is; the progress line stays on the terminal."""
+    if not _LOG:
+        logs = cache_dir("logs")
+        logs.mkdir(parents=True, exist_ok=True)
+        _LOG.append(logs / f"beam-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
+        progress.info(f"[dim]Beam workers' log: {_LOG[0]}[/dim]")
+    path = _LOG[0]
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "ab") as log:
+        os.dup2(log.fileno(), 2)
+    terminal = os.fdopen(os.dup(saved), "w")
+    before, progress.console.file = progress.console.file, terminal
+    try:
+        yield path
+    finally:
+        progress.console.file = before
+        terminal.close()
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+# -- what the workers run (module-level functions: Beam pickles them by reference) -----------------------------------
+
+
+def _scan_bin(element, data, storage, fraction):
+    _, bin_ = element
+    yield from passes.scan_rows(sources.documents(bin_, data, storage), data, fraction)
+
+
+def _numbered(element):
+    """The copies of one document, numbered in :func:`passes.copy_order` (1: the one kept)."""
+    _, rows = element
+    ranked = sorted(rows, key=lambda r: passes.copy_order(r[3], r[0], r[1]))
+    return [(r, i + 1) for i, r in enumerate(ranked)]
+
+
+def _count_key(m):
+    """(source, status, split, kept) → (documents, text bytes, invalid bytes), as Spark's group-by counts them."""
+    r, copy = m
+    return (r[0], r[2], r[3], copy == 1), (1, r[4], r[5])
+
+
+def _add(values):
+    n = b = bad = 0
+    for x, y, z in values:
+        n, b, bad = n + x, b + y, bad + z
+    return n, b, bad
+
+
+def _save(value, scratch: str, name: str, storage) -> None:
+    # numpy's integers (a writer's counts) as plain numbers
+    write_bytes(join(scratch, f"{name}.json"), json.dumps(value, default=lambda o: o.item()).encode(), storage)
+
+
+def _load(scratch: str, name: str, storage):
+    return json.loads(read_bytes(join(scratch, f"{name}.json"), storage))
+
+
+_SKIP: dict[str, dict[str, frozenset]] = {}
+
+
+def _write_bin(element, plan: passes.WritePlan, scratch: str):
+    """One bin's part files; the duplicates to skip are read once per worker process."""
+    task, bin_ = element
+    losers = _SKIP.get(scratch)
+    if losers is None:
+        losers = _SKIP[scratch] = {k: frozenset(v) for k, v in _load(scratch, "skip", plan.config.storage).items()}
+    name = passes.part_name(task, uuid.uuid4().hex)  # a retried bundle writes beside its failed try, never over it
+    yield from passes.write_part(sources.documents(bin_, plan.config.data, plan.config.storage), name, plan, losers)

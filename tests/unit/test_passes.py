@@ -1,0 +1,58 @@
+"""The engine-neutral pieces of ``prepare`` (``data/passes.py``) and the Beam engine's option handling, as pure
+functions."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparklm.config import from_dict
+from sparklm.data import beam_engine, passes
+from sparklm.data.sources import ReadUnit
+from sparklm.errors import SparklmError
+
+
+def test_the_copy_kept_is_the_validation_one_then_the_first_by_source_and_position():
+    copies = [("train", "b.txt", 3), ("train", "a.txt", 9), ("validation", "z.txt", 0), ("train", "a.txt", 2)]
+    assert sorted(copies, key=lambda c: passes.copy_order(*c)) == [
+        ("validation", "z.txt", 0), ("train", "a.txt", 2), ("train", "a.txt", 9), ("train", "b.txt", 3)]
+
+
+def test_bins_are_balanced_ordered_and_a_function_of_the_units_and_their_number():
+    units = [ReadUnit(f"f{i}.txt", "text", "", size=s) for i, s in enumerate([900, 100, 500, 400, 300, 200])]
+    got = passes.bins(units, 3)
+    assert passes.bins(list(reversed(units)), 3) == got  # the order units are planned in does not matter
+    assert [sum(u.nbytes for u in b) for b in got] == [900, 800, 700]
+    assert all(b == sorted(b, key=lambda u: (u.uri, u.start)) for b in got)
+    assert len(passes.bins(units, 10)) == 6 and len(passes.bins([], 4)) == 1
+
+
+def test_reports_gather_into_files_and_counts():
+    reports = [{"split": "train", "path": "train/part-00001-0.parquet", "rows": 2},
+               {"split": "validation", "path": "validation/part-00001-0.parquet", "rows": 0},
+               {"split": "train", "path": "train/part-00000-7.parquet", "rows": 5},
+               {"split": "", "counts": [("a.txt", "ok", "train", True, 3, 30, 0)]}]
+    files, agg = passes.gather(reports)
+    assert [m["path"] for m in files["train"]] == ["train/part-00000-7.parquet", "train/part-00001-0.parquet"]
+    assert files["validation"] == []  # a task with nothing for a split leaves no file
+    assert agg == [{"source": "a.txt", "status": "ok", "split": "train", "kept": True, "n": 3, "bytes": 30,
+                    "invalid": 0}]
+    assert passes.part_name(7, "ab12").rsplit("-", 1)[0] == "part-00007"
+
+
+def test_beam_options_become_flags_and_the_direct_runner_gets_one_process_per_worker():
+    direct = from_dict({"beam": {"options": {"direct_num_workers": "3"}}})
+    assert beam_engine.workers(direct) == 3
+    args = beam_engine.pipeline_args(direct)
+    assert args[0] == "--runner=DirectRunner"
+    assert "--direct_num_workers=3" in args and "--direct_running_mode=multi_processing" in args
+    flink = from_dict({"beam": {"runner": "FlinkRunner", "options": {"parallelism": "8", "flink_master": "h:8081"}}})
+    args = beam_engine.pipeline_args(flink)
+    assert "--flink_master=h:8081" in args and not any("direct_" in a for a in args)
+    assert beam_engine.workers(flink) == 8
+
+
+def test_the_beam_engine_checks_its_options_before_any_work():
+    with pytest.raises(SparklmError, match="num_workers"):
+        beam_engine.check(from_dict({"beam": {"options": {"num_workers": "0"}}}), frame=False)
+    with pytest.raises(SparklmError, match="DataFrame"):
+        beam_engine.check(from_dict({}), frame=True)
