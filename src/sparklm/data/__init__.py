@@ -1,1 +1,2 @@
-"""Text → tokens: reading, cleaning, tokenizing and packing, as Spark jobs over pure functions."""
+"""Text → tokens: reading, cleaning, tokenizing and packing, as Spark jobs (or an Apache Beam pipeline) over pure
+functions."""

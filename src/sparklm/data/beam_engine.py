@@ -30,6 +30,9 @@ from . import passes, sources
 
 INSTALL = "pip install 'sparklm[beam]' (Apache Beam), or leave out --engine beam to prepare on Spark"
 _SCRATCH = "_beam"
+# positions in a scan row (passes.SCAN_COLUMNS)
+_SOURCE, _POS, _STATUS, _SPLIT, _BYTES, _INVALID, _DIGEST, _SAMPLE = (
+    passes.SCAN_COLUMNS.index(c) for c in ("source", "pos", "status", "split", "n_bytes", "n_invalid", "digest", "sample"))
 # the pipeline options that say how many workers a runner has (the read tasks are 4 per worker, as on Spark)
 _WORKER_OPTIONS = ("direct_num_workers", "num_workers", "max_num_workers", "parallelism")
 
@@ -149,21 +152,21 @@ class BeamSource:
         def build(p, beam):
             rows = self._bins(p, beam) | "read + clean" >> beam.FlatMap(_scan_bin, data, storage, fraction)
             if dedup:
-                hashed = (rows | "documents" >> beam.Filter(lambda r: r[7] is not None)
-                          | "by hash" >> beam.Map(lambda r: (r[7], r)) | "copies" >> beam.GroupByKey()
+                hashed = (rows | "documents" >> beam.Filter(lambda r: r[_DIGEST] is not None)
+                          | "by hash" >> beam.Map(lambda r: (r[_DIGEST], r)) | "copies" >> beam.GroupByKey()
                           | "number" >> beam.FlatMap(_numbered))
-                rest = rows | "dropped" >> beam.Filter(lambda r: r[7] is None) | "once" >> beam.Map(lambda r: (r, 1))
+                rest = rows | "dropped" >> beam.Filter(lambda r: r[_DIGEST] is None) | "once" >> beam.Map(lambda r: (r, 1))
                 meta = (hashed, rest) | "all" >> beam.Flatten()
             else:
                 meta = rows | "first copies" >> beam.Map(lambda r: (r, 1))
             if not sample_only:
                 (meta | "count key" >> beam.Map(_count_key) | "count" >> beam.CombinePerKey(_add)
                  | "count rows" >> beam.combiners.ToList() | "save counts" >> beam.Map(_save, scratch, "agg", storage))
-                (meta | "duplicates" >> beam.Filter(lambda m: m[1] > 1) | "where" >> beam.Map(lambda m: m[0][:2])
+                (meta | "duplicates" >> beam.Filter(lambda m: m[1] > 1) | "where" >> beam.Map(lambda m: (m[0][_SOURCE], m[0][_POS]))
                  | "duplicate list" >> beam.combiners.ToList()
                  | "save duplicates" >> beam.Map(_save, scratch, "losers", storage))
-            (meta | "sampled" >> beam.Filter(lambda m: m[1] == 1 and m[0][8] is not None)
-             | "text" >> beam.Map(lambda m: m[0][8]) | "sample" >> beam.combiners.ToList()
+            (meta | "sampled" >> beam.Filter(lambda m: m[1] == 1 and m[0][_SAMPLE] is not None)
+             | "text" >> beam.Map(lambda m: m[0][_SAMPLE]) | "sample" >> beam.combiners.ToList()
              | "save sample" >> beam.Map(_save, scratch, "sample", storage))
 
         try:
@@ -239,14 +242,14 @@ def _scan_bin(element, data, storage, fraction):
 def _numbered(element):
     """The copies of one document, numbered in :func:`passes.copy_order` (1: the one kept)."""
     _, rows = element
-    ranked = sorted(rows, key=lambda r: passes.copy_order(r[3], r[0], r[1]))
+    ranked = sorted(rows, key=lambda r: passes.copy_order(r[_SPLIT], r[_SOURCE], r[_POS]))
     return [(r, i + 1) for i, r in enumerate(ranked)]
 
 
 def _count_key(m):
     """(source, status, split, kept) → (documents, text bytes, invalid bytes), as Spark's group-by counts them."""
     r, copy = m
-    return (r[0], r[2], r[3], copy == 1), (1, r[4], r[5])
+    return (r[_SOURCE], r[_STATUS], r[_SPLIT], copy == 1), (1, r[_BYTES], r[_INVALID])
 
 
 def _add(values):

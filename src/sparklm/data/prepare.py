@@ -51,7 +51,8 @@ def prepare(
     the executors, never collected to the driver. ``validation_inputs`` are paths, or a DataFrame when ``inputs``
     is one. ``spark`` is a SparkSession, a function that starts one (called once the inputs are checked),
     or None for the active session or a new local one (a DataFrame brings its own). ``described``: how the
-    manifest names a DataFrame source (e.g. ``table db.docs``).
+    manifest names a DataFrame source (e.g. ``table db.docs``). With ``data.engine = "beam"`` both passes run as an
+    Apache Beam pipeline on ``beam.runner`` instead (paths only; ``spark`` is not used).
     """
     from ..spark import check_shared, get_session
 
