@@ -33,6 +33,17 @@ def last_words(line: str) -> None:
 
 
 @contextmanager
+def written_to(file):
+    """The console writes to ``file`` for the block, then to ``sys.stderr`` again, looked up at each write as
+    always (pytest's capture and notebooks replace it)."""
+    console.file = file
+    try:
+        yield
+    finally:
+        console.file = None  # rich's Console: no file of its own means the current sys.stderr
+
+
+@contextmanager
 def stage(spark, name: str, *, quiet: bool = False):
     """Show ``name`` with live Spark task counts while the block runs; print its time when done."""
     sc = spark.sparkContext if spark is not None else None

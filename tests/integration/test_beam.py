@@ -11,7 +11,8 @@ import os
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import MULTILINGUAL, make_text, run_sparklm
+from conftest import MULTILINGUAL, labelled_records, make_text, run_sparklm, tiny_bert, toy_corpus
+from sparklm import progress
 from sparklm.config import from_dict
 from sparklm.data.prepare import prepare
 from sparklm.errors import SparklmError
@@ -19,6 +20,9 @@ from sparklm.errors import SparklmError
 pytestmark = pytest.mark.xdist_group("beam")
 # what may differ between two prepares of the same inputs: when and how they ran
 RUN_FIELDS = {"created_unix", "timing", "config", "engine"}
+# the DirectRunner in this process (the pipeline's functions still go through Beam's pickling): the CLI tests below
+# run it as users do, one worker process each
+IN_PROCESS = {"options": {"direct_running_mode": "in_memory", "direct_num_workers": "1"}}
 
 
 def mixed_corpus(root):
@@ -58,12 +62,11 @@ def same_dataset(a, b) -> None:
     assert len(ra["train"]) > 20 and ra["validation"], "the comparison has rows in both splits"
 
 
-def test_beam_writes_the_dataset_spark_writes(spark, tmp_path):
+def test_beam_writes_the_dataset_spark_writes(spark, tmp_path, capsys):
     corpus = mixed_corpus(tmp_path / "corpus")
     base = {"data": {"seq_len": 32, "val_fraction": 0.2, "read_tasks": 3}, "tokenizer": {"vocab_size": 300}}
     on_spark = prepare([str(corpus)], output=str(tmp_path / "spark"), config=from_dict(base), spark=spark)
-    beam = from_dict({**base, "data": {**base["data"], "engine": "beam"},
-                      "beam": {"options": {"direct_num_workers": "2"}}})
+    beam = from_dict({**base, "data": {**base["data"], "engine": "beam"}, "beam": IN_PROCESS})
     on_beam = prepare([str(corpus)], output=str(tmp_path / "beam"), config=beam)
     same_dataset(tmp_path / "spark", tmp_path / "beam")
     m = on_beam.manifest
@@ -73,6 +76,9 @@ def test_beam_writes_the_dataset_spark_writes(spark, tmp_path):
     assert m["input"]["files"] == 4 and dropped["duplicate"] >= 1 and dropped["empty"] == dropped["malformed"] == 1
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir()), "no staging directory left behind"
     assert "_beam" not in json.dumps(m["contents"])
+    capsys.readouterr()
+    progress.info("still here")  # the console follows sys.stderr again once the pipelines are done
+    assert "still here" in capsys.readouterr().err
 
 
 def test_beam_cli_without_dedup_and_with_a_validation_file(spark, tmp_path):
@@ -91,6 +97,37 @@ def test_beam_cli_without_dedup_and_with_a_validation_file(spark, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "Spark" not in r.stderr, "the Beam engine starts no Spark"
     same_dataset(tmp_path / "spark", tmp_path / "beam")
+
+
+def test_encoder_datasets_on_beam_are_spark_s_too(spark, tmp_path):
+    """Labelled records (JSONL and CSV, a duplicate, records without label or text): the stratified split, the
+    classes' counts and the encoder rows are the same on both engines; and masked-LM windows of a mixed corpus."""
+    bert = tiny_bert(tmp_path / "bert", corpus=toy_corpus())
+    records = labelled_records(160, seed=5, classes=("neg", "pos", "mid"))
+    (tmp_path / "in").mkdir()
+    with open(tmp_path / "in" / "a.jsonl", "w") as f:
+        for r in records[:100] + [records[3], {"text": "no label"}, {"label": "pos"}]:
+            f.write(json.dumps(r) + "\n")
+    with open(tmp_path / "in" / "b.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, ["text", "label"])
+        w.writeheader()
+        w.writerows(records[100:])
+    base = {"data": {"task": "classify", "seq_len": 32, "val_fraction": 0.2, "read_tasks": 2},
+            "tokenizer": {"path": bert}}
+    prepare([str(tmp_path / "in")], output=str(tmp_path / "spark"), config=from_dict(base), spark=spark)
+    beam = from_dict({**base, "data": {**base["data"], "engine": "beam"}, "beam": IN_PROCESS})
+    m = prepare([str(tmp_path / "in")], output=str(tmp_path / "beam"), config=beam).manifest
+    same_dataset(tmp_path / "spark", tmp_path / "beam")
+    assert m["labels"]["names"] == ["mid", "neg", "pos"] and all(m["labels"]["documents"]["validation"].values())
+    assert m["input"]["dropped"] == {"duplicate": 1, "empty": 1, "no_label": 1}
+    # masked-LM documents, windowed by the encoder's tokenizer
+    corpus = mixed_corpus(tmp_path / "corpus")
+    mlm = {"data": {"task": "mlm", "seq_len": 24, "stride": 16, "val_fraction": 0.2, "read_tasks": 2},
+           "tokenizer": {"path": bert}}
+    prepare([str(corpus)], output=str(tmp_path / "mlm-spark"), config=from_dict(mlm), spark=spark)
+    prepare([str(corpus)], output=str(tmp_path / "mlm-beam"),
+            config=from_dict({**mlm, "data": {**mlm["data"], "engine": "beam"}, "beam": IN_PROCESS}))
+    same_dataset(tmp_path / "mlm-spark", tmp_path / "mlm-beam")
 
 
 def test_a_bad_input_on_beam_is_one_line_and_nothing_is_written(tmp_path):
@@ -115,10 +152,10 @@ def test_beam_refuses_what_it_cannot_do(spark, tmp_path):
     with pytest.raises(SparklmError, match="direct_num_workers"):
         prepare([str(tmp_path / "a.txt")], output=str(tmp_path / "o"),
                 config=from_dict({"data": {"engine": "beam"}, "beam": {"options": {"direct_num_workers": "two"}}}))
-    with pytest.raises(SparklmError, match="classify"):
+    with pytest.raises(SparklmError, match="DataflowRunner is missing pipeline options: .*project"):
         prepare([str(tmp_path / "a.txt")], output=str(tmp_path / "o"),
-                config=from_dict({"data": {"engine": "beam", "task": "classify"}}))
-    assert not (tmp_path / "o").exists()
+                config=from_dict({"data": {"engine": "beam"}, "beam": {"runner": "DataflowRunner"}}))
+    assert not (tmp_path / "o").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
 def test_without_apache_beam_the_engine_says_what_to_install(tmp_path):

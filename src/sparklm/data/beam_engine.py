@@ -2,7 +2,8 @@
 
 The driver plans the read units and their bins exactly as for Spark (:func:`passes.bins`), and each pipeline step
 runs the functions the Spark tasks run (:mod:`.passes`): the scan's rows, the copy kept of a duplicated document
-(:func:`passes.copy_order`, by a ``GroupByKey`` on content hashes instead of Spark's window), and
+(:func:`passes.copy_order`, by a ``GroupByKey`` on content hashes instead of Spark's window), a labelled dataset's
+stratified split (:func:`labelled.thresholds` per class, by a ``GroupByKey`` on labels), and
 :func:`passes.write_part`. The driver then trains the tokenizer, writes the manifest and commits, as on Spark.
 
 A Beam pipeline hands nothing back to the program that launched it, so the small results the driver needs (counts,
@@ -26,13 +27,14 @@ from ..cache import cache_dir
 from ..config import Config
 from ..errors import SparklmError, from_spark, known_cause
 from ..fs import delete, join, read_bytes, write_bytes
-from . import passes, sources
+from . import labelled, passes, sources
 
 INSTALL = "pip install 'sparklm[beam]' (Apache Beam), or leave out --engine beam to prepare on Spark"
 _SCRATCH = "_beam"
 # positions in a scan row (passes.SCAN_COLUMNS)
-_SOURCE, _POS, _STATUS, _SPLIT, _BYTES, _INVALID, _DIGEST, _SAMPLE = (
-    passes.SCAN_COLUMNS.index(c) for c in ("source", "pos", "status", "split", "n_bytes", "n_invalid", "digest", "sample"))
+_SOURCE, _POS, _STATUS, _SPLIT, _BYTES, _INVALID, _DIGEST, _SAMPLE, _LABEL, _KEY, _AUTO = (
+    passes.SCAN_COLUMNS.index(c) for c in ("source", "pos", "status", "split", "n_bytes", "n_invalid", "digest",
+                                           "sample", "label", "split_key", "auto"))
 # the pipeline options that say how many workers a runner has (the read tasks are 4 per worker, as on Spark)
 _WORKER_OPTIONS = ("direct_num_workers", "num_workers", "max_num_workers", "parallelism")
 
@@ -42,14 +44,32 @@ def check(config: Config, frame: bool) -> None:
     if frame:
         raise SparklmError("--engine beam reads files (local paths, globs or object-store URLs), not a Spark DataFrame",
                            hint="pass paths, or prepare the DataFrame on Spark (the default engine)")
-    if config.data.task == "classify":
-        raise SparklmError("--engine beam prepares causal-lm and mlm datasets; --task classify's stratified split "
-                           "runs on Spark", hint="leave out --engine beam for a classification dataset")
     _beam()
     for key in _WORKER_OPTIONS:
         value = config.beam.options.get(key)
         if value is not None and not (value.isdigit() and int(value) > 0):
             raise SparklmError(f"beam.options.{key} is {value!r}", hint="give a whole number of workers, e.g. 2")
+
+
+_FETCH_HINTS = {"PrismRunner": "give its binary with --pipeline-option prism_location=PATH",
+                "FlinkRunner": "give the job server jar with --pipeline-option flink_job_server_jar=PATH"}
+
+
+def _start_failure(runner: str, e: Exception) -> SparklmError | None:
+    """The one line for a runner that could not start, else None."""
+    text = " ".join(str(e).split())
+    if isinstance(e, ImportError):
+        return SparklmError(f"the {runner} needs a package that is not installed ({text[:200]})",
+                            hint="for Dataflow: pip install 'apache-beam[gcp]'" if runner == "DataflowRunner" else
+                            f"install what the {runner} needs, or use --runner DirectRunner")
+    if "validations errors" in text:  # Beam's own check of the options a runner requires
+        missing = text.split(":", 1)[-1].strip()
+        return SparklmError(f"the {runner} is missing pipeline options: {missing}",
+                            hint="give each with --pipeline-option KEY=VALUE (README: On Apache Beam)")
+    if "Unable to fetch remote" in text:  # a runner's binary or jar downloaded at start, and no internet
+        return SparklmError(f"the {runner} could not be started: {text[:400]}",
+                            hint=f"{_FETCH_HINTS.get(runner, 'allow the download')}, or use --runner DirectRunner")
+    return None
 
 
 def _beam():
@@ -108,7 +128,8 @@ class BeamSource:
     @contextmanager
     def errors(self):
         """A :class:`SparklmError` raised in a worker comes back as itself (its text travels inside the runner's
-        error); a runner that cannot start is one line."""
+        error); a runner that cannot start (options missing, its binary or jar not found, a missing package) is one
+        line."""
         try:
             yield
         except SparklmError:
@@ -117,13 +138,12 @@ class BeamSource:
             found = from_spark(e)
             if found is not None:
                 raise found from None
+            started = _start_failure(self.config.beam.runner, e)
+            if started is not None:
+                raise started from None
             cause = known_cause(str(e))
             if cause is not None:
                 raise SparklmError(f"a Beam worker failed: {cause[0]}", hint=cause[1]) from None
-            if "prism" in str(e).lower() and "fetch" in str(e).lower():
-                raise SparklmError(f"the PrismRunner could not be started: {' '.join(str(e).split())[:200]}",
-                                   hint="give its binary with --pipeline-option prism_location=PATH, or use "
-                                        "--runner DirectRunner") from None
             raise
 
     def release(self) -> None:
@@ -148,6 +168,7 @@ class BeamSource:
         fraction = passes.sample_fraction(config, self.planned_bytes)
         scratch = join(staging, _SCRATCH)
         dedup = data.dedup and not sample_only
+        classify = data.task == "classify" and not sample_only
 
         def build(p, beam):
             rows = self._bins(p, beam) | "read + clean" >> beam.FlatMap(_scan_bin, data, storage, fraction)
@@ -159,6 +180,8 @@ class BeamSource:
                 meta = (hashed, rest) | "all" >> beam.Flatten()
             else:
                 meta = rows | "first copies" >> beam.Map(lambda r: (r, 1))
+            if classify:
+                meta = _stratify(beam, meta, data.val_fraction, scratch, storage)
             if not sample_only:
                 (meta | "count key" >> beam.Map(_count_key) | "count" >> beam.CombinePerKey(_add)
                  | "count rows" >> beam.combiners.ToList() | "save counts" >> beam.Map(_save, scratch, "agg", storage))
@@ -170,8 +193,8 @@ class BeamSource:
              | "save sample" >> beam.Map(_save, scratch, "sample", storage))
 
         try:
-            self._run(build, f"read + clean + deduplicate {self.label}" if dedup else f"read {self.label} for the "
-                                                                                      "tokenizer's sample")
+            self._run(build, f"read {self.label} for the tokenizer's sample" if sample_only else
+                      f"read + clean + {'split by label + ' if classify else ''}deduplicate {self.label}")
             out = passes.Scanned(sample=_load(scratch, "sample", storage))
             if not sample_only:
                 out.agg = [{"source": k[0], "status": k[1], "split": k[2], "kept": k[3], "n": v[0], "bytes": v[1],
@@ -180,6 +203,10 @@ class BeamSource:
                 for source, pos in _load(scratch, "losers", storage):
                     losers.setdefault(source, set()).add(pos)
                 out.losers = {k: frozenset(v) for k, v in losers.items()}
+            if classify:
+                out.cut = _load(scratch, "cut", storage)
+                out.class_counts = [{"split": k[0], "label": k[1], "count": n} for k, n in _load(scratch, "classes",
+                                                                                                 storage)]
             return out
         finally:
             delete(scratch, storage)
@@ -219,16 +246,24 @@ def _workers_log():
     saved = os.dup(2)
     with open(path, "ab") as log:
         os.dup2(log.fileno(), 2)
-    terminal = os.fdopen(os.dup(saved), "w")
-    before, progress.console.file = progress.console.file, terminal
+    # the console keeps the terminal when it wrote there through fd 2 (not in a notebook or under pytest's capture)
+    terminal = os.fdopen(os.dup(saved), "w") if _on_fd2(sys.stderr) else None
     try:
-        yield path
+        with progress.written_to(terminal) if terminal else nullcontext():
+            yield path
     finally:
-        progress.console.file = before
-        terminal.close()
+        if terminal:
+            terminal.close()
         sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
+
+
+def _on_fd2(stream) -> bool:
+    try:
+        return stream.fileno() == 2
+    except (AttributeError, OSError, ValueError):  # a notebook's stream, a test's capture
+        return False
 
 
 # -- what the workers run (module-level functions: Beam pickles them by reference) -----------------------------------
@@ -244,6 +279,30 @@ def _numbered(element):
     _, rows = element
     ranked = sorted(rows, key=lambda r: passes.copy_order(r[_SPLIT], r[_SOURCE], r[_POS]))
     return [(r, i + 1) for i, r in enumerate(ranked)]
+
+
+def _stratify(beam, meta, fraction: float, scratch: str, storage):
+    """A labelled dataset's split, as on Spark (:func:`labelled.stratify`): each class's first copies of hash-split
+    records, ranked by split key, give its validation threshold (:func:`labelled.thresholds`); every such record then
+    takes its split from its class's threshold. Saves the thresholds and the (split, label) counts."""
+    keys = (meta | "labelled" >> beam.Filter(lambda m: m[1] == 1 and m[0][_AUTO] and m[0][_STATUS] == sources.OK)
+            | "by label" >> beam.Map(lambda m: (m[0][_LABEL], m[0][_KEY])) | "classes" >> beam.GroupByKey()
+            | "keys" >> beam.MapTuple(lambda label, ks: (label, list(ks))) | "all classes" >> beam.combiners.ToList()
+            | "thresholds" >> beam.Map(lambda pairs: labelled.thresholds(dict(pairs), fraction)))
+    keys | "save thresholds" >> beam.Map(_save, scratch, "cut", storage)
+    meta = meta | "split by label" >> beam.Map(_stratified, beam.pvalue.AsSingleton(keys))
+    (meta | "kept records" >> beam.Filter(lambda m: m[1] == 1 and m[0][_STATUS] == sources.OK)
+     | "class key" >> beam.Map(lambda m: ((m[0][_SPLIT], m[0][_LABEL]), 1)) | "per class" >> beam.CombinePerKey(sum)
+     | "class rows" >> beam.combiners.ToList() | "save classes" >> beam.Map(_save, scratch, "classes", storage))
+    return meta
+
+
+def _stratified(m, cut: dict):
+    r, copy = m
+    if not (r[_AUTO] and r[_STATUS] == sources.OK):
+        return m
+    split = labelled.split_of("auto", r[_KEY], r[_LABEL], cut)
+    return (*r[:_SPLIT], split, *r[_SPLIT + 1:]), copy
 
 
 def _count_key(m):
