@@ -107,8 +107,6 @@ def pipeline_args(config: Config) -> list[str]:
 class BeamSource:
     """The read units of a ``prepare``, binned as on Spark, and the two passes as Beam pipelines over those bins."""
 
-    name = "beam"
-
     def __init__(self, units: list[sources.ReadUnit], config: Config, *, bins: list | None = None):
         self.config = config
         self.bins = bins if bins is not None else passes.bins(units, config.data.read_tasks or 4 * workers(config))
@@ -197,8 +195,7 @@ class BeamSource:
                       f"read + clean + {'split by label + ' if classify else ''}deduplicate {self.label}")
             out = passes.Scanned(sample=_load(scratch, "sample", storage))
             if not sample_only:
-                out.agg = [{"source": k[0], "status": k[1], "split": k[2], "kept": k[3], "n": v[0], "bytes": v[1],
-                            "invalid": v[2]} for k, v in _load(scratch, "agg", storage)]
+                out.agg = [dict(zip(passes.COUNT_COLUMNS, (*k, *v))) for k, v in _load(scratch, "agg", storage)]
                 losers: dict[str, set[int]] = {}
                 for source, pos in _load(scratch, "losers", storage):
                     losers.setdefault(source, set()).add(pos)

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -77,6 +79,24 @@ def sample_fraction(config: Config, planned_bytes: int) -> float:
     if config.tokenizer.path:
         return 0.0
     return min(1.0, config.tokenizer.sample_mb * 2**20 / (planned_bytes or 1))
+
+
+class Engine(Protocol):
+    """What runs the two passes (``data.engine``): :class:`spark_engine.SparkSource` or
+    :class:`beam_engine.BeamSource`. The driver (``prepare._run``) calls only these."""
+
+    bins: list[list[sources.ReadUnit]] | None  # the read tasks' units (None: a DataFrame's partitions)
+    count: int  # input files (DataFrames), for the manifest
+    label: str  # how progress names the input: "3 files"
+    planned_bytes: int  # a rough size of the text, to bound the tokenizer's sample
+
+    def scan(self, config: Config, *, sample_only: bool, staging: str) -> Scanned: ...
+    def write(self, plan: WritePlan, losers: dict) -> list[dict]: ...  # the write tasks' reports
+    def subset(self, bins: list[list[sources.ReadUnit]], config: Config) -> Engine: ...
+    def stage(self, name: str) -> AbstractContextManager: ...
+    def errors(self) -> AbstractContextManager: ...  # failures inside tasks as one-line errors
+    def describe(self) -> dict: ...  # manifest["engine"]
+    def release(self) -> None: ...
 
 
 @dataclass

@@ -153,10 +153,9 @@ def _frame_source(spark, frames: list[tuple[object, str]], data) -> SparkSource:
         return SparkSource.of_frame(spark, rows, cols, data, len(frames))
 
 
-def _run(source, config: Config, inputs: list[str], validation_inputs: list[str], output: str,
+def _run(source: passes.Engine, config: Config, inputs: list[str], validation_inputs: list[str], output: str,
          started: float, spark_start: float) -> PreparedDataset:
-    """Both passes over ``source`` (a :class:`SparkSource` or a :class:`beam_engine.BeamSource`), then the atomic
-    commit of the dataset at ``output``."""
+    """Both passes over ``source`` (Spark's or Beam's), then the atomic commit of the dataset at ``output``."""
     data, storage = config.data, config.storage
     fs, out_path = resolve(output, storage)
     staged = staging_path(out_path)
@@ -211,7 +210,7 @@ def _classes(counts, cut: dict, data) -> dict:
                            hint="a classifier needs examples of two or more classes: check --label-field and the inputs")
     return {"names": names, "documents": {s: {n: per[s].get(n, 0) for n in names} for s in SPLITS}, "cut": cut}
 
-def _tokenizer_sample(source, config: Config, staging: str) -> passes.Scanned:
+def _tokenizer_sample(source: passes.Engine, config: Config, staging: str) -> passes.Scanned:
     """Without dedup there is no full scan: read just enough units (chosen by hash) for the tokenizer's sample (all
     of a DataFrame)."""
     if config.tokenizer.path:
@@ -255,7 +254,7 @@ def _stats(agg: list[dict], files: int, encoding: str) -> dict:
     return stats
 
 
-def _tokenizer(source, sample: list[str], config: Config) -> tokenizers_mod.TokenizerSpec:
+def _tokenizer(source: passes.Engine, sample: list[str], config: Config) -> tokenizers_mod.TokenizerSpec:
     tcfg = config.tokenizer
     if tcfg.path:
         return tokenizers_mod.load(tcfg.path)

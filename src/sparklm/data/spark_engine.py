@@ -30,7 +30,6 @@ class SparkSource:
     count: int  # input files (DataFrames)
     bins: list | None = None  # files only: the read units, by task
     cached: object = None
-    name = "spark"
 
     @classmethod
     def of_files(cls, spark, bins: list[list[sources.ReadUnit]], data, storage) -> SparkSource:
