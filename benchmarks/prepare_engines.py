@@ -24,11 +24,10 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prepare_throughput import ROOT, PeakRSS, build_corpus  # noqa: E402
+from prepare_throughput import ROOT, build_corpus, timed_prepare  # noqa: E402
 
 CONTENDERS = {
     "spark": ["--master", "local[2]", "--set", "spark.ui=false", "--no-dedup"],
@@ -39,17 +38,7 @@ CONTENDERS = {
 
 
 def run_prepare(corpus: Path, out: Path, tok: Path, flags: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "sparklm", "prepare", str(corpus), "-o", str(out), "--overwrite",
-           "--tokenizer", str(tok), *flags]
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    mem = PeakRSS(proc.pid)
-    _, err = proc.communicate()
-    wall = time.time() - t0
-    peak = mem.stop()
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{err[-3000:]}")
-    m = json.loads((out / "manifest.json").read_text())
+    wall, peak, m = timed_prepare(corpus, out, ["--tokenizer", str(tok), *flags])
     # the input's size, not the text kept: with dedup the corpus's repeats are dropped, and read all the same
     text_bytes = sum(f.stat().st_size for f in corpus.iterdir())
     start = m["timing"]["spark_start_seconds"]

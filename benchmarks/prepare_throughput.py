@@ -102,10 +102,9 @@ class PeakRSS:
         return {k: round(v, 1) for k, v in self.peak.items()}
 
 
-def run_sparklm(corpus: Path, out: Path, tokenizer: Path | None = None) -> dict:
-    tok = ["--tokenizer", str(tokenizer)] if tokenizer else ["--vocab-size", "4096"]
-    cmd = [sys.executable, "-m", "sparklm", "prepare", str(corpus), "-o", str(out), "--overwrite", "--no-dedup",
-           *tok, "--master", "local[2]", "--set", "spark.ui=false"]
+def timed_prepare(corpus: Path, out: Path, flags: list[str]) -> tuple[float, dict, dict]:
+    """`sparklm prepare CORPUS -o OUT --overwrite FLAGS` in a fresh process: (wall seconds, peak RSS, manifest)."""
+    cmd = [sys.executable, "-m", "sparklm", "prepare", str(corpus), "-o", str(out), "--overwrite", *flags]
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     mem = PeakRSS(proc.pid)
@@ -113,8 +112,13 @@ def run_sparklm(corpus: Path, out: Path, tokenizer: Path | None = None) -> dict:
     wall = time.time() - t0
     peak = mem.stop()
     if proc.returncode:
-        raise SystemExit(f"sparklm prepare failed:\n{err[-3000:]}")
-    m = json.loads((out / "manifest.json").read_text())
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{err[-3000:]}")
+    return wall, peak, json.loads((out / "manifest.json").read_text())
+
+
+def run_sparklm(corpus: Path, out: Path, tokenizer: Path | None = None) -> dict:
+    tok = ["--tokenizer", str(tokenizer)] if tokenizer else ["--vocab-size", "4096"]
+    wall, peak, m = timed_prepare(corpus, out, ["--no-dedup", *tok, "--master", "local[2]", "--set", "spark.ui=false"])
     text_bytes = sum(s["text_bytes"] for s in m["splits"].values())
     tokens = sum(s["tokens"] for s in m["splits"].values())
     t = m["timing"]

@@ -4,6 +4,7 @@ across tasks: a model loaded once serves every partition and round that process 
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from pathlib import Path
@@ -16,6 +17,14 @@ _OBJECTS: OrderedDict = OrderedDict()
 def cache_dir(*parts: str) -> Path:
     """``$XDG_CACHE_HOME/sparklm`` (default ``~/.cache/sparklm``), joined with ``parts``; not created."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "sparklm", *parts)
+
+
+def log_file(kind: str) -> Path:
+    """A fresh log file's path under ``logs/`` (created), named by ``kind``, time and process: where a command sends
+    the output of the processes it starts (Spark's JVM, Beam's workers)."""
+    logs = cache_dir("logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    return logs / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
 
 
 def process_local(key: Hashable, build: Callable[[], T], *, keep: int = 1) -> T:

@@ -220,20 +220,25 @@ def _add_predict(sub) -> None:
     pr.add_argument("--overwrite", action="store_true", help="replace an earlier prediction at --output")
     _common(pr)
 
+def _pairs(items: list[str], flag: str, table: str, example: str) -> list[str]:
+    """``flag KEY=VALUE`` items as overrides of the dict-valued field ``table`` (Beam's own ``--key`` spelling of a
+    key is accepted too)."""
+    out = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip().lstrip("-")
+        if not sep or not key:
+            raise SparklmError(f"bad {flag} '{item}'", hint=f"write {flag} key=value, e.g. {flag} {example}")
+        out.append(f"{table}.{key}={value}")
+    return out
+
+
 def _config(args: argparse.Namespace):
     """(the resolved Config, what the user set: file, --set, --conf and flags, as nested data)."""
     overrides = list(args.overrides)
-    for item in args.conf:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SparklmError(f"bad --conf '{item}'", hint="write --conf key=value, e.g. --conf spark.executor.memory=4g")
-        overrides.append(f"spark.conf.{key}={value}")
-    for item in getattr(args, "pipeline_options", []):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip("-"):
-            raise SparklmError(f"bad --pipeline-option '{item}'",
-                               hint="write --pipeline-option key=value, e.g. --pipeline-option direct_num_workers=2")
-        overrides.append(f"beam.options.{key.strip().lstrip('-')}={value}")
+    overrides += _pairs(args.conf, "--conf", "spark.conf", "spark.executor.memory=4g")
+    overrides += _pairs(getattr(args, "pipeline_options", []), "--pipeline-option", "beam.options",
+                        "direct_num_workers=2")
     flags = {key: getattr(args, key) for key, _, _ in fields_with_flags() if getattr(args, key, None) is not None}
     if getattr(args, "prepare_task", None):  # prepare's --task is data.task (train's and run's is model.task)
         flags["data.task"] = args.prepare_task

@@ -94,7 +94,12 @@ def known_cause(text: str) -> tuple[str, str] | None:
 
 class spark_errors:
     """``with spark_errors(): rdd.collect()`` — a :class:`SparklmError` raised inside a Spark task comes
-    back as itself (one line) instead of a Java stack trace; any other failure passes through."""
+    back as itself (one line) instead of a Java stack trace; any other failure passes through. ``what`` names the
+    tasks of another engine (a Beam pipeline's workers, whose errors carry the same marker), and ``translate`` turns
+    that engine's own foreseeable failures into an error (or None)."""
+
+    def __init__(self, what: str = "a Spark task", translate=None):
+        self.what, self.translate = what, translate
 
     def __enter__(self):
         return self
@@ -102,10 +107,10 @@ class spark_errors:
     def __exit__(self, exc_type, exc, tb):
         if exc is None or isinstance(exc, SparklmError):
             return False
-        found = from_spark(exc)
+        found = from_spark(exc) or (self.translate(exc) if self.translate else None)
         if found is not None:
             raise found from None
         cause = known_cause(str(exc))
         if cause is not None:
-            raise SparklmError(f"a Spark task failed: {cause[0]}", hint=cause[1]) from None
+            raise SparklmError(f"{self.what} failed: {cause[0]}", hint=cause[1]) from None
         return False

@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 import re
 import sys
-import time
 from contextlib import contextmanager
 from importlib import resources
 
 from . import environment, progress, redact
-from .cache import cache_dir
+from .cache import log_file
 from .config import SparkConfig
 from .errors import SparklmError, spark_errors
 from .java import class_cache_flags, find_java_home, note_class_cache_writer
@@ -305,9 +304,7 @@ def _context_with_secrets_off_the_command_line(master: str, confs: dict[str, str
 
 def default_jvm_log() -> str:
     """Where the CLI sends the JVM's output: a fresh file under the user's cache directory."""
-    logs = cache_dir("logs")
-    logs.mkdir(parents=True, exist_ok=True)
-    return str(logs / f"spark-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
+    return str(log_file("spark"))
 
 
 @contextmanager

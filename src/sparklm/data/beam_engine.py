@@ -18,14 +18,14 @@ import json
 import logging
 import os
 import sys
-import time
 import uuid
 from contextlib import contextmanager, nullcontext
+from functools import partial
 
 from .. import progress
-from ..cache import cache_dir
+from ..cache import log_file, process_local
 from ..config import Config
-from ..errors import SparklmError, from_spark, known_cause
+from ..errors import SparklmError, spark_errors
 from ..fs import delete, join, read_bytes, write_bytes
 from . import labelled, passes, sources
 
@@ -109,7 +109,7 @@ class BeamSource:
 
     def __init__(self, units: list[sources.ReadUnit], config: Config, *, bins: list | None = None):
         self.config = config
-        self.bins = bins if bins is not None else passes.bins(units, config.data.read_tasks or 4 * workers(config))
+        self.bins = bins if bins is not None else passes.bins(units, passes.read_tasks(config.data, workers(config)))
         self.planned_bytes = passes.planned_bytes(self.bins)
         self.count = len({u.uri for b in self.bins for u in b})
         self.label = f"{self.count} files"
@@ -123,26 +123,11 @@ class BeamSource:
     def stage(self, name: str):
         return progress.stage(None, name)
 
-    @contextmanager
     def errors(self):
         """A :class:`SparklmError` raised in a worker comes back as itself (its text travels inside the runner's
         error); a runner that cannot start (options missing, its binary or jar not found, a missing package) is one
         line."""
-        try:
-            yield
-        except SparklmError:
-            raise
-        except Exception as e:
-            found = from_spark(e)
-            if found is not None:
-                raise found from None
-            started = _start_failure(self.config.beam.runner, e)
-            if started is not None:
-                raise started from None
-            cause = known_cause(str(e))
-            if cause is not None:
-                raise SparklmError(f"a Beam worker failed: {cause[0]}", hint=cause[1]) from None
-            raise
+        return spark_errors("a Beam worker", partial(_start_failure, self.config.beam.runner))
 
     def release(self) -> None:
         pass
@@ -234,9 +219,7 @@ def _workers_log():
     traceback, which comes back here as the error it raised): while a pipeline runs, that is a log file under the
     user's cache directory, as Spark's JVM output is; the progress line stays on the terminal."""
     if not _LOG:
-        logs = cache_dir("logs")
-        logs.mkdir(parents=True, exist_ok=True)
-        _LOG.append(logs / f"beam-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
+        _LOG.append(log_file("beam"))
         progress.info(f"[dim]Beam workers' log: {_LOG[0]}[/dim]")
     path = _LOG[0]
     sys.stderr.flush()
@@ -324,14 +307,10 @@ def _load(scratch: str, name: str, storage):
     return json.loads(read_bytes(join(scratch, f"{name}.json"), storage))
 
 
-_SKIP: dict[str, dict[str, frozenset]] = {}
-
-
 def _write_bin(element, plan: passes.WritePlan, scratch: str):
     """One bin's part files; the duplicates to skip are read once per worker process."""
     task, bin_ = element
-    losers = _SKIP.get(scratch)
-    if losers is None:
-        losers = _SKIP[scratch] = {k: frozenset(v) for k, v in _load(scratch, "skip", plan.config.storage).items()}
+    losers = process_local(("beam-skip", scratch), lambda: {
+        k: frozenset(v) for k, v in _load(scratch, "skip", plan.config.storage).items()})
     name = passes.part_name(task, uuid.uuid4().hex)  # a retried bundle writes beside its failed try, never over it
     yield from passes.write_part(sources.documents(bin_, plan.config.data, plan.config.storage), name, plan, losers)

@@ -27,11 +27,12 @@ from .manifest import SPLITS
 from .packing import Packed, Packer, PackSpec
 from .parts import PartFile, list_column
 
-# the scan's metadata rows, as :func:`scan_rows` yields them (Spark's DDL names the same columns in this order)
-SCAN_COLUMNS = ("source", "pos", "status", "split", "n_bytes", "n_invalid", "doc_id", "digest", "sample", "label",
-                "split_key", "auto")
-SCAN_DDL = ("source string, pos long, status string, split string, n_bytes long, n_invalid long, doc_id long, "
-            "digest binary, sample string, label string, split_key long, auto boolean")
+# the scan's metadata rows, as :func:`scan_rows` yields them: (column, Spark type)
+_SCAN_SCHEMA = (("source", "string"), ("pos", "long"), ("status", "string"), ("split", "string"), ("n_bytes", "long"),
+                ("n_invalid", "long"), ("doc_id", "long"), ("digest", "binary"), ("sample", "string"),
+                ("label", "string"), ("split_key", "long"), ("auto", "boolean"))
+SCAN_COLUMNS = tuple(name for name, _ in _SCAN_SCHEMA)
+SCAN_DDL = ", ".join(f"{name} {kind}" for name, kind in _SCAN_SCHEMA)
 # the counts a write task reports per (source, status, split, kept), and the scan's aggregate rows
 COUNT_COLUMNS = ("source", "status", "split", "kept", "n", "bytes", "invalid")
 
@@ -65,6 +66,11 @@ def sample_units(bins: list[list[sources.ReadUnit]], sample_mb: int) -> list[sou
         chosen.append(u)
         total += u.nbytes * (3 if u.compression else 1)
     return chosen
+
+
+def read_tasks(data, workers: int) -> int:
+    """How many read tasks a pass has: ``data.read_tasks``, else 4 per worker (the engine's parallelism)."""
+    return data.read_tasks or 4 * workers
 
 
 def hash_split(unit: sources.ReadUnit, dig: bytes, val_fraction: float) -> str:

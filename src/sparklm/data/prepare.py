@@ -100,7 +100,7 @@ def prepare(
             spark = spark() if callable(spark) else get_session(config.spark, spark=spark)  # started after the checks
             check_shared(spark, {"input": str(inputs[0]), "output": output})
             spark_start = time.time() - t_spark
-            tasks = data.read_tasks or spark.sparkContext.defaultParallelism * 4
+            tasks = passes.read_tasks(data, spark.sparkContext.defaultParallelism)
             source = SparkSource.of_files(spark, passes.bins(units, tasks), data, storage)
     tracking = trackers.open_trackers(config, trackers.Context(
         command="prepare", run_dir=output, storage=storage, params={k: v for k, v in flatten(config.to_saved()).items() if k.split(".")[0] in ("data", "tokenizer")}))
