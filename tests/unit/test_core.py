@@ -373,26 +373,28 @@ def test_ranks_whose_own_bf16_measurements_disagree_train_with_one_dtype_and_one
         (tmp_path / name / "sparklm" / "peak.json").write_text(json.dumps(peaks))
 
     def host(name: str, driver: bool, given: str = "{}") -> list[str]:
-        """On host ``name``: what a rank decides alone, [the driver's decisions,] what a rank given ``given`` uses."""
+        """On host ``name``: what a plan made there decides, [that plan as the driver ships it,] what a rank that
+        reads the plan ``given`` runs with."""
         code = ("import json, sys\n"
-                "from sparklm.config import Config, from_dict\n"
+                "from sparklm.config import Config\n"
                 "from sparklm.train import resolve\n"
-                "from sparklm.train.core import rank_settings\n"
-                "for raw in ({}, json.loads(sys.argv[1])):\n"
-                "    config, dev = rank_settings(from_dict(raw), 2)\n"
-                "    print(dev.dtype_name, config.train.optimizer)\n"
-                + ("print(json.dumps(resolve.settings(Config(), 2).to_dict()))\n" if driver else ""))
+                "from sparklm.train.plan import RunPlan, make\n"
+                "alone = make(resolve.settings(Config(), 2), train_rows=100, seq_len=64)\n"
+                "given = RunPlan.from_dict(json.loads(sys.argv[1])) if sys.argv[1] != '{}' else alone\n"
+                "for plan in (alone, given):\n"
+                "    print(plan.device.dtype_name, plan.config.train.optimizer)\n"
+                + ("print(alone.to_json())\n" if driver else ""))
         env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / name)}
         return subprocess.run([sys.executable, "-c", code, given], env=env, capture_output=True, text=True,
                               check=True).stdout.strip().splitlines()
 
     fast_alone, _, driver = host("fast", driver=True)
-    decided = json.loads(driver)
+    decided = json.loads(driver)["config"]
     assert (decided["train"]["dtype"], decided["train"]["optimizer"], decided["train"]["lr"]) == ("bfloat16", "muon",
                                                                                                  3e-3)
     slow_alone, slow_given = host("slow", driver=False, given=driver)
     assert (fast_alone, slow_alone) == ("bfloat16 muon", "float32 adamw")  # each deciding alone
-    assert host("fast", driver=False, given=driver)[1] == slow_given == "bfloat16 muon"  # given the driver's
+    assert host("fast", driver=False, given=driver)[1] == slow_given == "bfloat16 muon"  # given the driver's plan
 
 
 def test_summary_peak_is_the_exact_reading_unless_an_earlier_segment_logged_more():

@@ -237,6 +237,11 @@ def plan_for(config, shapes: Shapes, seq_len: int, spark) -> MemoryPlan:
                 source=source, fixes=fixes, whole=whole)
 
 
+def unplanned(tc) -> MemoryPlan:
+    """The settings as they are, where no limit is known or nothing was planned (a worker driven directly)."""
+    return MemoryPlan(tc.batch_size, tc.grad_accum, tc.grad_checkpoint == "on", 0, None, "none")
+
+
 def apply(config, p: MemoryPlan):
     """``config`` with the plan's micro-batch, accumulation, checkpointing and LM-head loss."""
     tc = config.train

@@ -24,7 +24,8 @@ from ..fs import effective, exists, is_remote, join, read_text, write_text
 from ..model.tasks import FigureSet, figures_for
 from ..runlock import RunLock
 from ..version import __version__
-from . import checkpoint, fit, memory, resolve, rows
+from . import checkpoint, memory, resolve, rows
+from . import plan as plans
 from .epochs import EpochRows
 from .html_report import write_report
 from .recorder import RunResult
@@ -53,8 +54,9 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
     from .strategies import Job, get
 
     run_dir = output
+    saved_plan = None
     if resume:
-        config, data = _resumed(run_dir, config, changes, data, storage)
+        config, data, saved_plan = _resumed(run_dir, config, changes, data, storage)
     elif exists(join(run_dir, "config.json"), storage) or exists(join(run_dir, "checkpoints"), storage):
         raise SparklmError(f"run directory {run_dir} already holds a run",
                            hint="use --resume to continue it, or another --output")
@@ -71,13 +73,13 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
     spec = load_tokenizer(dataset, storage)
     # Every "auto" decided here, once, for every rank and round worker (a resumed run's were decided before).
     asked = config
-    config = resolve.settings(config, resolve.threads(config.train, master, config.spark,
-                                                      None if callable(spark) else spark))
-    if not resume:  # a resumed run builds the model its checkpoints hold, as its config.json says
-        config, note = fit.apply(config, vocab=spec.vocab_size, context=dataset.seq_len,
-                                 train_tokens=dataset.manifest["splits"]["train"]["tokens"], master=master)
-        if note:
-            progress.info(note)
+    config, note = plans.settle(config, threads=resolve.threads(config.train, master, config.spark,
+                                                                None if callable(spark) else spark),
+                                vocab=spec.vocab_size, context=dataset.seq_len,
+                                train_tokens=dataset.manifest["splits"]["train"]["tokens"], master=master,
+                                resume=resume)
+    if note:
+        progress.info(note)
     # Processes the strategy starts now (local mode), so that their imports overlap Spark's start.
     with strategy.prestart(config, master) as warm:
         _check_init_from(config, spec, dataset.seq_len)
@@ -91,22 +93,25 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
         # Before anything is written: a job that cannot fit stops here, and the same --output can be used again.
         mem = memory.plan_for(config, shapes, dataset.seq_len, spark)
         progress.info(mem.describe())
+        plan = plans.make(config, train_rows=dataset.manifest["splits"]["train"]["sequences"],
+                          seq_len=dataset.seq_len, mem=mem)
+        if resume:
+            plan.check_resumable(saved_plan, run_dir)
         # an unreachable tracker stops the run here, before its directory holds anything
         tracking = trackers.open_trackers(config, trackers.Context(
             command="train", run_dir=run_dir, storage=storage, params=flatten(config.to_saved()), resume=resume))
-        # config holds what runs; "decided" lists what the driver chose where the settings left it open
+        # config: the settings, every "auto" decided ("decided" lists what the driver chose where they left it open;
+        # --resume starts from them); plan: everything else decided about the run, and the settings it changed
         write_text(join(run_dir, "config.json"), json.dumps(
-            {"config": config.to_saved(), "decided": resolve.decided(asked, config), "data": data,
-             "sparklm_version": __version__}, indent=2), storage)
-        tc = config.train
-        job = Job(config=memory.apply(config, mem), data=data, run_dir=run_dir, resume=resume, workers=tc.workers,
-                  threads=tc.threads, uid=uuid.uuid4().hex, warm=warm)
+            {"config": config.to_saved(), "decided": resolve.decided(asked, config), "plan": plan.record(config),
+             "data": data, "sparklm_version": __version__}, indent=2), storage)
+        job = Job.of(plan, data=data, run_dir=run_dir, resume=resume, uid=uuid.uuid4().hex, warm=warm)
         figures = figures_for(config.model.task)
         sinks = _sinks(run_dir, figures, storage, tracking, resume)
         t0 = time.time()
         with trackers.failed_on_error(tracking):
             try:
-                with progress.stage(spark, f"train: {strategy.describe(config)}", quiet=True), \
+                with progress.stage(spark, f"train: {strategy.describe(plan.config)}", quiet=True), \
                         spark_figures.window(spark) as jobs:
                     result = strategy.run(spark, job, sinks)
             finally:
@@ -154,8 +159,9 @@ def _cards(run_dir: str, config: Config, data: str, summary: dict) -> None:
 
 
 def _resumed(run_dir: str, config: Config | None, changes: dict[str, Any] | None, data: str | None,
-             storage) -> tuple[Config, str | None]:
-    """The configuration and dataset of a run resumed from ``run_dir`` (its config.json, with what the user set)."""
+             storage) -> tuple[Config, str | None, dict | None]:
+    """The configuration, dataset and recorded plan of a run resumed from ``run_dir`` (its config.json, with what
+    the user set)."""
     saved = join(run_dir, "config.json")
     if not exists(saved, storage):
         raise SparklmError(f"cannot resume: {saved} not found", hint="pass the run directory of an earlier run")
@@ -167,7 +173,7 @@ def _resumed(run_dir: str, config: Config | None, changes: dict[str, Any] | None
                            hint="restore it from a copy, or start a new run with another --output") from None
     config = resume_config(base, changes if changes is not None else diff(config) if config is not None else {})
     _check_resumable(run_dir, config)
-    return config, data or meta["data"]
+    return config, data or meta["data"], meta.get("plan")
 
 
 def _report(summary: dict, config: Config, figures: FigureSet) -> None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 from ...config import Config, from_dict
+from ..plan import RunPlan
 from ..recorder import RunResult
 from ..sinks import Sink
 
@@ -24,9 +25,9 @@ __all__ = ["BEST", "Job", "RankStart", "RoundSpec", "RunResult", "Strategy", "Wo
 
 @dataclass(frozen=True)
 class Job:
-    """One training run, as every worker sees it."""
+    """One training run, as every worker sees it: what runs is its ``plan`` (made on the driver, plan.py)."""
 
-    config: Config
+    config: Config  # the plan's settings (a job made without a plan, in a test: the settings to plan from)
     data: str  # the prepared dataset's URI
     run_dir: str  # the run directory's URI
     resume: bool
@@ -34,14 +35,33 @@ class Job:
     threads: int  # torch threads per worker, decided on the driver (resolve.threads)
     uid: str  # unique per launch: keys per-process caches and executor-side state
     warm: tuple[str, ...] = ()  # processes the strategy started before Spark (local mode), one per worker
+    plan: RunPlan | None = None
+
+    @classmethod
+    def of(cls, plan: RunPlan, **fields: Any) -> Job:
+        return cls(config=plan.config, workers=plan.workers, threads=plan.threads, plan=plan, **fields)
+
+    def planned(self) -> Job:
+        """This job with its plan: a job the launcher made has one; one made directly (a test) is planned here, on
+        the driver, as the launcher would without a memory limit."""
+        if self.plan is not None:
+            return self
+        from ...data.manifest import load_prepared
+        from ..plan import local
+
+        config = self.config.replace(train=replace(self.config.train, threads=self.config.train.threads or self.threads))
+        plan = local(config, load_prepared(self.data, config.storage), self.threads, workers=self.workers)
+        return replace(self, config=plan.config, plan=plan)
 
     def to_json(self) -> str:
-        return json.dumps({**asdict(self), "config": self.config.to_dict()})
+        return json.dumps({**asdict(self), "config": self.config.to_dict(),
+                           "plan": self.plan.to_dict() if self.plan else None})
 
     @classmethod
     def from_json(cls, text: str) -> Job:
         raw = json.loads(text)
-        return cls(**{**raw, "config": from_dict(raw["config"]), "warm": tuple(raw.get("warm", ()))})
+        plan = RunPlan.from_dict(raw["plan"]) if raw.get("plan") else None
+        return cls(**{**raw, "config": from_dict(raw["config"]), "warm": tuple(raw.get("warm", ())), "plan": plan})
 
 
 @dataclass(frozen=True)
@@ -85,12 +105,13 @@ class RoundSpec:
     cold: tuple[int, ...] = ()  # workers left out of the last round: their state holds steps that were dropped
 
     def fraction(self, i: int) -> float:
-        """The schedule's progress at the round's i-th step: by steps, or by the projected time."""
-        step = self.step0 + i
-        frac = step / self.total_steps if self.total_steps else 0.0
-        if self.time_frac0 is not None:
-            frac = max(frac, self.time_frac0 + i * self.time_frac_per_step)
-        return frac
+        """The run's progress at the round's i-th step (schedule.fraction), its time as the driver projects it: the
+        time fractions are seconds of a budget of 1."""
+        from ..schedule import fraction
+
+        if self.time_frac0 is None:
+            return fraction(self.step0 + i, self.total_steps, 0.0, 0.0)
+        return fraction(self.step0 + i, self.total_steps, self.time_frac0 + i * self.time_frac_per_step, 1.0)
 
 
 @dataclass(frozen=True)

@@ -44,9 +44,9 @@ class Codec:
             raise ValueError(f"bad codec settings: density {self.density}, bits {self.bits}, chunk {self.chunk}")
 
     @classmethod
-    def of(cls, rounds, strategy: str) -> Codec:
-        """The codec ``[train.rounds]`` (a RoundsConfig) chooses for ``strategy``."""
-        return cls(resolved(rounds, strategy).codec, density=rounds.density, bits=rounds.bits)
+    def of(cls, rounds) -> Codec:
+        """The codec ``[train.rounds]`` (a RoundsConfig whose choices the driver made: :func:`resolved`) names."""
+        return cls(rounds.codec, density=rounds.density, bits=rounds.bits)
 
     @property
     def lossless(self) -> bool:

@@ -35,7 +35,7 @@ from ...config import Config
 from ...errors import SparklmError, killed_note, known_cause, spark_errors
 from ...fs import join, local_path, read_text, write_bytes
 from .. import checkpoint
-from ..device import select
+from ..device import Device
 from ..memory import LEAN_ADDRESS_SPACE, process_limit
 from ..sinks import Channel, Sink
 from .base import Job, RankStart, RunResult
@@ -80,7 +80,8 @@ class DDP:
             shutil.rmtree(where, ignore_errors=True)
 
     def run(self, spark, job: Job, sink: Sink) -> RunResult:
-        check_slots(spark, job.workers, job.config.train.dtype)
+        job = job.planned()
+        check_slots(spark, job.workers, job.plan.device)
         channel = Channel(sink, _driver_host(spark))
         restarts = job.config.train.ddp.max_restarts
         before = None  # the last restart's (cause, checkpoint step)
@@ -301,13 +302,13 @@ def _finish_rank(proc: subprocess.Popen | WarmRank, start: RankStart, log_path: 
     raise SparklmError(f"{LOST} {start.rank} on {socket.gethostname()} {how} ({why})", hint=f"see {log_path}")
 
 
-def check_slots(spark, workers: int, dtype: str, wait: float = 30.0) -> None:
+def check_slots(spark, workers: int, dev: Device, wait: float = 30.0) -> None:
     """DDP needs ``workers`` task slots at once: say so in one line before submitting, instead of letting the
     barrier stage wait (Spark retries its slot check for minutes). On a cluster, executors that are still
     registering get ``wait`` seconds."""
     deadline = time.time() + wait
     while True:
-        slots = select(dtype).slots(spark)
+        slots = dev.slots(spark)
         if slots >= workers:
             return
         if spark.sparkContext.master.startswith("local") or time.time() > deadline:

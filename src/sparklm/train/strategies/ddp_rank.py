@@ -17,8 +17,8 @@ def main() -> None:
 
     from ...data.manifest import load_prepared, load_tokenizer
     from ...errors import SparklmError, known_cause
+    from ..collective import Group, Single
     from ..core import Rank, train
-    from ..device import select
     from ..sinks import ChannelSink
     from .base import Job, RankStart
 
@@ -29,20 +29,21 @@ def main() -> None:
     rank = Rank(rank=start.rank, world=start.world, threads=start.threads)
     sink = None
     where = f"training rank {rank.rank} on {socket.gethostname()}"
+    plan = job.plan  # what runs, decided on the driver: a rank reads it and decides nothing
     try:
-        if rank.world > 1:
+        comm = Single()
+        if rank.world > 1:  # the ranks find each other: their collectives from here on
             import torch.distributed as dist
 
             os.environ.update(MASTER_ADDR=start.master_addr, MASTER_PORT=str(start.master_port))
-            backend = select(job.config.train.dtype).backend
-            dist.init_process_group(backend, rank=rank.rank, world_size=rank.world,
-                                    timeout=timedelta(seconds=job.config.train.ddp.collective_timeout))
-        config = job.config
-        dataset = load_prepared(job.data, config.storage)
-        spec = load_tokenizer(dataset, config.storage)
+            dist.init_process_group(plan.device.backend, rank=rank.rank, world_size=rank.world,
+                                    timeout=timedelta(seconds=plan.config.train.ddp.collective_timeout))
+            comm = Group(rank.rank, rank.world)
+        dataset = load_prepared(job.data, plan.config.storage)
+        spec = load_tokenizer(dataset, plan.config.storage)
         if rank.rank == 0:
             sink = ChannelSink(*start.channel)
-        result = train(config, dataset, spec, job.run_dir, rank=rank, sink=sink,
+        result = train(plan, dataset, spec, job.run_dir, rank=rank, sink=sink, comm=comm,
                        on_step=_fault_hook(rank.rank, job.resume))
     except SparklmError as e:
         print(e.one_line(), file=sys.stderr, flush=True)
@@ -61,10 +62,7 @@ def main() -> None:
     if sink is not None:
         sink.close()
     print("SPARKLM-RESULT " + result.to_json(), flush=True)
-    if rank.world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
+    comm.barrier()
     # Skip interpreter teardown: gloo's threads can deadlock process-group destruction at exit.
     sys.stderr.flush()
     os._exit(0)

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from ...config import Config
 from ...errors import SparklmError, killed_note, spark_errors
 from ...fs import delete, join
-from .. import checkpoint, rows
+from .. import checkpoint, loop, rows
 from ..recorder import Best, Recorder
 from ..schedule import Schedule
 from ..sinks import CsvSink, Sink, Sinks
 from .base import BEST, Job, Partial, RoundSpec, RunResult, WorkerResult
-from .codec import Codec, apply_update, decode, digest, encode_update, resolved
+from .codec import apply_update, decode, digest, encode_update
 
 # A testing aid: "round=R,worker=W[,attempts=K][,at=start|end|crash]" fails that task's first K attempts
 # (default 1) at its start, after its work (default end), or by killing its Python worker after its work.
@@ -47,8 +47,9 @@ class Rounds:
         self.name = name
 
     def describe(self, config: Config) -> str:
+        """(``config``: as the driver settled it, its codec chosen)"""
         n = config.train.workers
-        rc = resolved(config.train.rounds, self.name)
+        rc = config.train.rounds
         return (f"{self.name}, {n} worker{'s' * (n > 1)}, sync every {rc.sync_every} steps"
                 + (f", {rc.codec} both ways" if rc.codec != "fp32" and rc.downlink == "codec" else
                    f", {rc.codec} deltas" if rc.codec != "fp32" else ""))
@@ -58,11 +59,11 @@ class Rounds:
 
     def run(self, spark, job: Job, sink: Sink, shards: list[tuple[int, int]] | None = None) -> RunResult:
         """Train ``job`` in rounds; ``shards`` (tests) overrides which slice of the data each worker streams."""
-        tc = job.config.train  # run.py resolved the settings already; a job made elsewhere (tests) gets them here
-        job = dataclasses.replace(job, config=job.config.replace(
-            train=dataclasses.replace(tc, rounds=resolved(tc.rounds, self.name))))
+        job = job.planned()
         try:
-            return self._train(spark, job, sink, shards)
+            unit = RoundsUnit(spark, job, sink, self.name, shards)
+            return loop.run(unit, unit.rec, unit.schedule, keep_best=unit.tc.keep_best,
+                            info={"sync_every": unit.tc.rounds.sync_every})
         finally:  # the workers' inner states in the temporary directory (shared with the driver in local mode)
             shutil.rmtree(os.path.join(tempfile.gettempdir(), "sparklm-inner", job.uid), ignore_errors=True)
             from .rounds_task import shared_inner_dir
@@ -71,47 +72,43 @@ class Rounds:
             if shared:
                 delete(shared, job.config.storage)
 
-    def _train(self, spark, job: Job, sink: Sink, shards: list[tuple[int, int]] | None) -> RunResult:
-        run = _Driver(spark, job, sink, self.name, shards)
-        run.restore()
-        while not run.schedule.finished(run.step):
-            if run.schedule.out_of_time(time.time() - run.started) or run.round():
-                break
-        return run.finish()
 
+class RoundsUnit:
+    """The driver's side of a rounds run as the run loop's unit: one round of ``sync_every`` steps on every worker
+    and the outer step. It holds the global weights, the outer momentum and the round's own records (rounds.csv).
 
-class _Driver:
-    """The driver's side of a rounds run: the global weights, the outer momentum and the run's records.
+    An evaluation rides along with the next round's job (``deferred_eval``): its workers score the weights they
+    receive before training on them, so an evaluation costs no Spark job of its own."""
 
-    ``round()`` launches one round (``sync_every`` steps on every worker, the incoming weights evaluated first
-    when the schedule asked for it after the previous round), takes the outer step and records the round;
-    ``finish()`` evaluates the final weights, checkpoints, and exports model/ (the best weights)."""
+    deferred_eval = True
+    log_every = 1  # a train row per round
 
     def __init__(self, spark, job: Job, sink: Sink, name: str, shards: list[tuple[int, int]] | None):
         from ...data.manifest import load_prepared, load_tokenizer
         from ...model.task import task_for
-        from .. import core
 
         self.spark, self.job, self.name = spark, job, name
-        config = job.config
+        plan = job.plan
+        config = plan.config
         self.tc, self.storage = config.train, config.storage
         rc = self.tc.rounds
+        self.size = rc.sync_every
         self.dataset = load_prepared(job.data, self.storage)
         self.lr, self.mu = (1.0, 0.0) if name == "average" else (rc.outer_lr, rc.outer_momentum)
-        self.plan = core.plan(self.tc, train_rows=self.dataset.manifest["splits"]["train"]["sequences"],
-                              seq_len=self.dataset.seq_len, workers=job.workers)
+        self.plan = plan.steps
         self.schedule = Schedule(self.plan.total_steps, self.tc.eval_every, self.tc.checkpoint_every,
                                  self.tc.time_budget)
+        self.note_at = self.schedule.unit(0, self.size)  # the first round's end: its pace projects a time budget
         # The initial weights: the same seeded model every strategy starts from; only the trainable ones travel.
         self.task = task = task_for(config)
         model = task.build(config, load_tokenizer(self.dataset, self.storage), self.dataset.seq_len)
         self.params = {n: p.detach().clone() for n, p in task.trainable(model).items()}
         del model
         self.momentum = None
-        self.step, self.tokens_seen, self.elapsed_before, self.rnd = 0, 0, 0.0, 0
+        self.step, self.tokens_seen, self.rnd = 0, 0, 0
+        self.started = time.time()
         self.ckpt_dir = join(job.run_dir, "checkpoints")
-        self.inner_from, self.resumed_at = "", 0
-        self.best_params = None  # None: the best weights are the current ones
+        self.inner_from, self.resumed_at, self.persist = "", 0, ""
         self.rounds_csv = CsvSink(join(job.run_dir, "rounds.csv"), rows.ROUND_COLUMNS, {"round"}, self.storage)
         self.rec = Recorder(Sinks([sink, self.rounds_csv]), self.tc, strategy=name, workers=job.workers,
                             epoch_tokens=self.dataset.manifest["splits"]["train"]["tokens"], figures=task.figure_set)
@@ -119,7 +116,7 @@ class _Driver:
         self.max_failures = _max_failures(spark)
         self.shards = tuple(tuple(s) for s in (shards or [(w, job.workers) for w in range(job.workers)]))
         self.comm = {"broadcast": 0, "returned": 0}
-        self.codec = Codec.of(rc, name)
+        self.codec = plan.codec
         # With a lossy codec: ``params`` are the weights the workers hold (what they train from, evaluate and export),
         # ``exact`` the outer optimizer's own weights when the driver's step travels encoded (params + what the codec
         # has not delivered yet), ``update`` the encoded step from the weights of step ``update[0]`` to ``params``,
@@ -128,38 +125,50 @@ class _Driver:
         self.update: tuple[int, bytes] | None = None
         self.sent_step: int | None = None
         self.per_step_s: float | None = None
-        self.pending_eval = False  # the schedule asked for an evaluation after the last round: the next one does it
         self.dropped_last: list[int] = []  # workers left out of the last round: their optimizer state restarts
-        self.started = time.time()
+        self.worker_facts: dict | None = None
+        self.final: Partial | None = None  # the final evaluation's job, when it exported model/ too
+        self.final_peaks: list[float | None] = [None] * job.workers
 
-    def restore(self) -> None:
+    def restore(self) -> loop.Restored | None:
         """With --resume: the newest readable checkpoint's weights, momentum, counters and best evaluation."""
         found = None
         if self.job.resume:  # the workers' inner states too are verified here, once
             found = checkpoint.restore_run(self.ckpt_dir, world=self.job.workers,
                                            names=("model", "outer", "best", "exact"),
                                            storage=self.storage, warn=self.rec.warn, verify="inner/")
-        if found is not None:
-            last, run, files = found
-            saved, saved_outer = files["model"], files["outer"]
-            params = self.params
-            if set(params) - set(saved) or any(saved[n].shape != params[n].shape for n in params):
-                raise SparklmError(f"checkpoint {last} does not fit the model", hint="resume with the same model config")
-            self.params = {n: saved[n].float() for n in params}
-            self.momentum = {n: saved_outer[n] for n in params} if saved_outer else None
-            self.exact = {n: files["exact"][n].float() for n in params} if files["exact"] else None
-            self.step, self.tokens_seen, self.elapsed_before = run.step, run.tokens_seen, run.elapsed
-            self.rnd = run.extra["round"]
-            # the schedule asked for an evaluation of these weights, which the next round was to make: it still must
-            self.pending_eval = bool(run.extra.get("pending_eval", False))
-            self.inner_from = last
-            saved_best = {n: files["best"][n].float() for n in params} if files["best"] else {}
-            self.rec.best, self.best_params = Best.restore(run.best, saved_best, self.step, lambda: self.params,
-                                                           self.tc.keep_best, self.task.figure_set.loss)
-        self.resumed_at = self.step
-        # rows an interrupted run wrote after its checkpoint come again (a pending evaluation's too)
-        self.rec.rewind(self.step, evaluated=not self.pending_eval)
-        self.started = time.time() - self.elapsed_before
+        if found is None:
+            return None
+        last, run, files = found
+        saved, saved_outer = files["model"], files["outer"]
+        params = self.params
+        if set(params) - set(saved) or any(saved[n].shape != params[n].shape for n in params):
+            raise SparklmError(f"checkpoint {last} does not fit the model", hint="resume with the same model config")
+        self.params = {n: saved[n].float() for n in params}
+        self.momentum = {n: saved_outer[n] for n in params} if saved_outer else None
+        self.exact = {n: files["exact"][n].float() for n in params} if files["exact"] else None
+        self.step, self.tokens_seen, self.rnd = run.step, run.tokens_seen, run.extra["round"]
+        self.started = time.time() - run.elapsed
+        self.inner_from, self.resumed_at = last, self.step
+        best = {n: files["best"][n].float() for n in params} if files["best"] else {}
+        # the schedule asked for an evaluation of these weights, which the next round was to make: it still must
+        position = loop.Position(run.step, run.tokens_seen, run.elapsed, bool(run.extra.get("pending_eval", False)))
+        return loop.Restored(position, run.best, best)
+
+    def facts(self) -> dict | None:
+        return self.worker_facts  # worker 0's, from the first round
+
+    def agree(self, done: float) -> float:
+        return done  # one driver decides
+
+    def snapshot(self) -> dict:
+        return self.params  # outer steps make new tensors, never change these
+
+    def peaks(self) -> list[float | None]:
+        return self.final_peaks
+
+    def where(self) -> str:
+        return f"round {self.rnd}"
 
     def launch(self, steps: int, *, do_eval: bool, persist: str, finish: bool, also: dict | None = None
                ) -> tuple[Partial, float, float, int]:
@@ -197,63 +206,91 @@ class _Driver:
                 bu.destroy()
         return partial, broadcast_s, time.time() - t0, len(payload)
 
-    def record_eval(self, partial: Partial) -> None:
+    def evaluation(self, partial: Partial) -> loop.Evaluation:
         """The evaluation the round's workers made of the weights they received (those of ``self.step``). Each worker
         scores its part of the validation split: when a worker failed, the figures cover only the others' parts,
         so they are recorded with a warning and do not choose the best model or stop the run early."""
         evaluated = sorted(r.worker for r in partial.results if r.eval_sums)
         whole = len(evaluated) == self.job.workers
+        warning = None
         if not whole and evaluated:
-            self.rec.warn(f"the evaluation at step {self.step} covers the validation rows of {len(evaluated)} of "
-                          f"{self.job.workers} workers (a worker failed): recorded, not used to choose the best "
-                          "model or to stop early")
-        if self.rec.evaluation(self.step, self.tokens_seen, self._figures(partial), counts=whole) and self.tc.keep_best:
-            self.best_params = self.params  # outer steps make new tensors, never change these
-
-    def _figures(self, partial: Partial) -> dict:
-        """The task's figures from the workers' summed evaluation sums."""
+            warning = (f"the evaluation at step {self.step} covers the validation rows of {len(evaluated)} of "
+                       f"{self.job.workers} workers (a worker failed): recorded, not used to choose the best "
+                       "model or to stop early")
         sums = [sum(v) for v in zip(*(r.eval_sums for r in partial.results if r.eval_sums))]
-        return self.task.figures(sums) if sums else {}
+        return loop.Evaluation(self.task.figures(sums) if sums else {}, counts=whole, weights=self.params,
+                               warning=warning)
 
-    def note_peaks(self, results: tuple[WorkerResult, ...]) -> list[float | None]:
+    def worker_peaks(self, results: tuple[WorkerResult, ...]) -> list[float | None]:
         got = {r.worker: r.peak_rss_mb for r in results}
         return [got.get(w) for w in range(self.job.workers)]
 
-    def round(self) -> bool:
-        """One round; True when early stopping ends the run."""
+    def advance(self, steps: int, *, done: float, evaluate: bool, checkpoint: bool) -> loop.Advance:
+        """One round: the workers' steps (after scoring the weights they receive, when ``evaluate``), the outer
+        step, and the round's figures."""
         import torch
 
         from . import outer
 
         begin = self.step
-        steps = self.schedule.unit(begin, self.tc.rounds.sync_every)
         end = begin + steps
-        ckpt_now = self.schedule.checkpoint(begin, end)
-        persist = join(self.ckpt_dir, f".inner-step-{end:07d}") if ckpt_now else ""
-        partial, broadcast_s, round_s, nbytes = self.launch(steps, do_eval=self.pending_eval, persist=persist,
+        self.persist = join(self.ckpt_dir, f".inner-step-{end:07d}") if checkpoint else ""
+        partial, broadcast_s, round_s, nbytes = self.launch(steps, do_eval=evaluate, persist=self.persist,
                                                             finish=False)
         t_agg = time.time()
-        done = partial.results
-        if not self.rec.has_facts:
-            self.rec.info(next((r.facts for r in done if r.facts), {}), self.schedule.total_steps,
-                          sync_every=self.tc.rounds.sync_every)
-        if self.pending_eval:
-            self.record_eval(partial)
-        stop = self.pending_eval and self.rec.best.should_stop(self.tc.early_stop)  # decided on this evaluation
-        self._check_dropped(partial, done)
-        avg = {n: torch.from_numpy(a) / sum(r.weight for r in done) for n, a in summed(partial).items()}
+        done_ = partial.results
+        if self.worker_facts is None:
+            self.worker_facts = next((r.facts for r in done_ if r.facts), None)
+        evaluation = self.evaluation(partial) if evaluate else None
+        warnings = self._dropped(partial, done_)
+        avg = {n: torch.from_numpy(a) / sum(r.weight for r in done_) for n, a in summed(partial).items()}
         before = self.exact if self.exact is not None else self.params
         new_params, self.momentum = outer.outer_step(before, avg, self.momentum, lr=self.lr, mu=self.mu)
         update_norm = outer.norm({n: new_params[n] - before[n] for n in before})
         self.publish(new_params, begin)
-        aggregate_s = time.time() - t_agg + max(round_s - broadcast_s - max(r.task_s for r in done), 0.0)
+        aggregate_s = time.time() - t_agg + max(round_s - broadcast_s - max(r.task_s for r in done_), 0.0)
         self.step, self.rnd = end, self.rnd + 1
         self.tokens_seen += steps * self.plan.tokens_per_step
-        self._record_round(done, steps, nbytes, broadcast_s, round_s, t_agg, aggregate_s, update_norm, outer.norm(avg))
-        self.pending_eval = self.schedule.evaluate(begin, end)
-        if ckpt_now:
-            self.save(persist)
-        return stop and self.rec.should_stop(f"round {self.rnd}")
+        wall = time.time() - t_agg + round_s
+        self.per_step_s = wall / steps
+        return self._advance(done_, steps, wall, broadcast_s, aggregate_s, update_norm, outer.norm(avg),
+                             evaluation, warnings)
+
+    def _advance(self, done: tuple[WorkerResult, ...], steps: int, wall: float, broadcast_s: float,
+                 aggregate_s: float, update_norm: float, delta_norm: float, evaluation: loop.Evaluation | None,
+                 warnings: tuple[str, ...]) -> loop.Advance:
+        """The round's train-row figures (the same keys as a DDP step's) and its round row."""
+        round_tokens = sum(r.tokens for r in done)
+        returned = sum(r.delta_bytes for r in done)
+        fetched = sum(r.fetched_bytes for r in done)  # what the workers read: whole weights or an update
+        self.comm["broadcast"] += fetched
+        self.comm["returned"] += returned
+        elapsed = time.time() - self.started
+        loss = sum(r.mean_loss * r.tokens for r in done) / max(round_tokens, 1)
+        tps = round_tokens / max(wall, 1e-9)
+        counted = sum(r.counted for r in done)
+        peaks = self.worker_peaks(done)
+        total = self.schedule.total_steps
+        left = (total - self.step) * self.per_step_s if total else max(self.tc.time_budget - elapsed, 0)
+        row = rows.Round(
+            round=self.rnd, step=self.step, workers=self.job.workers, workers_done=len(done), tokens=round_tokens,
+            loss=loss, inner_losses=";".join(f"{r.mean_loss:.5f}" for r in done),
+            attempts=";".join(str(r.attempt) for r in done), cold=";".join(str(r.worker) for r in done if r.cold),
+            broadcast_bytes=fetched, returned_bytes=returned, broadcast_s=broadcast_s,
+            fetch_s=max(r.load_s for r in done), compute_s=max(r.compute_s for r in done), aggregate_s=aggregate_s,
+            round_s=wall, outer_update_norm=update_norm, delta_norm=delta_norm, elapsed=elapsed,
+            total_steps=total, tokens_per_s=tps, eta_s=left,
+            sent_mb=(self.comm["broadcast"] + self.comm["returned"]) / 1e6,
+            peak_rss_mb=max(p for p in peaks if p is not None))
+        return loop.Advance(tokens=steps * self.plan.tokens_per_step, loss=loss,
+                            acc=sum(r.correct for r in done) / counted if counted else float("nan"),
+                            lr=sum(r.lr for r in done) / len(done), grad_norm=sum(r.grad_norm for r in done) / len(done),
+                            rss_mb=max(r.rss_mb for r in done), peaks=peaks, seconds=wall, trained=round_tokens,
+                            evaluation=evaluation, rows=(row,), warnings=warnings)
+
+    def evaluate(self) -> loop.Evaluation:
+        partial, *_ = self.launch(0, do_eval=True, persist="", finish=False)
+        return self.evaluation(partial)
 
     def publish(self, new: dict, base: int) -> None:
         """The outer step's weights ``new`` become the next round's. With a lossy codec the step from the weights
@@ -268,7 +305,7 @@ class _Driver:
             self.params = new
             return
         held = {n: t.numpy() for n, t in self.params.items()}
-        if resolved(self.tc.rounds, self.name).downlink == "codec":
+        if self.tc.rounds.downlink == "codec":
             payload = self.codec.encode({n: (new[n] - self.params[n]).numpy() for n in new})
             self.params = {n: torch.from_numpy(a) for n, a in apply_update(held, payload).items()}
             self.exact = new
@@ -277,97 +314,62 @@ class _Driver:
             self.params = new
         self.update = (base, payload)
 
-    def _check_dropped(self, partial: Partial, done: tuple[WorkerResult, ...]) -> None:
+    def _dropped(self, partial: Partial, done: tuple[WorkerResult, ...]) -> tuple[str, ...]:
         dropped = partial.errors
         self.dropped_last = sorted(e.worker for e in dropped)
         if not done:
             raise SparklmError(f"round {self.rnd + 1}: every worker failed; first error: {dropped[0].error}",
                                hint="see the Spark log (--debug shows more)")
-        if dropped:
-            self.rec.warn(f"round {self.rnd + 1}: {len(done)} of {self.job.workers} workers returned a delta (worker "
-                          f"{', '.join(str(e.worker) for e in dropped)} failed: {dropped[0].error}); averaging "
-                          "over those that arrived, weighted by tokens")
+        if not dropped:
+            return ()
+        return (f"round {self.rnd + 1}: {len(done)} of {self.job.workers} workers returned a delta (worker "
+                f"{', '.join(str(e.worker) for e in dropped)} failed: {dropped[0].error}); averaging "
+                "over those that arrived, weighted by tokens",)
 
-    def _record_round(self, done: tuple[WorkerResult, ...], steps: int, nbytes: int, broadcast_s: float, round_s: float,
-                      t_agg: float, aggregate_s: float, update_norm: float, delta_norm: float) -> None:
-        """The round's train row (the same keys as a DDP step's), its round row, and the epochs note."""
-        round_tokens = sum(r.tokens for r in done)
-        returned = sum(r.delta_bytes for r in done)
-        fetched = sum(r.fetched_bytes for r in done)  # what the workers read: whole weights or an update
-        self.comm["broadcast"] += fetched
-        self.comm["returned"] += returned
-        elapsed = time.time() - self.started
-        wall = time.time() - t_agg + round_s
-        self.per_step_s = wall / steps
-        loss = sum(r.mean_loss * r.tokens for r in done) / max(round_tokens, 1)
-        tps = round_tokens / max(wall, 1e-9)
-        counted = sum(r.counted for r in done)
-        acc = sum(r.correct for r in done) / counted if counted else float("nan")
-        row = self.rec.train(step=self.step, tokens=self.tokens_seen, loss=loss, acc=acc,
-                             lr=sum(r.lr for r in done) / len(done),
-                             grad_norm=sum(r.grad_norm for r in done) / len(done), tokens_per_s=tps,
-                             ms_per_step=1000 * self.per_step_s, rss_mb=max(r.rss_mb for r in done),
-                             peaks=self.note_peaks(done), elapsed=elapsed)
-        total = self.schedule.total_steps
-        left = (total - self.step) * self.per_step_s if total else max(self.tc.time_budget - elapsed, 0)
-        self.rec.write(rows.Round(
-            round=self.rnd, step=self.step, workers=self.job.workers, workers_done=len(done), tokens=round_tokens,
-            loss=loss, inner_losses=";".join(f"{r.mean_loss:.5f}" for r in done),
-            attempts=";".join(str(r.attempt) for r in done), cold=";".join(str(r.worker) for r in done if r.cold),
-            broadcast_bytes=fetched, returned_bytes=returned, broadcast_s=broadcast_s,
-            fetch_s=max(r.load_s for r in done), compute_s=max(r.compute_s for r in done), aggregate_s=aggregate_s,
-            round_s=wall, outer_update_norm=update_norm, delta_norm=delta_norm, elapsed=elapsed,
-            total_steps=total, tokens_per_s=tps, eta_s=left,
-            sent_mb=(self.comm["broadcast"] + self.comm["returned"]) / 1e6, peak_rss_mb=row.peak_rss_mb))
-        if self.rnd == 1:  # the first round's pace projects a time budget
-            planned = total or (self.tc.time_budget / max(self.per_step_s, 1e-9))
-            self.rec.epochs(planned * self.plan.tokens_per_step)
-
-    def save(self, inner: str) -> None:
+    def save(self, position: loop.Position, best: Best, best_weights: dict | None) -> None:
         tc, step = self.tc, self.step
         files = {"model": self.params}
         if self.momentum is not None:
             files["outer"] = self.momentum
         if self.exact is not None:
             files["exact"] = self.exact
-        files.update(self.rec.best.checkpoint_files(self.best_params, step))
+        files.update(best.checkpoint_files(best_weights, step))
         run = checkpoint.RunState(strategy=self.name, world=self.job.workers, step=step, tokens_seen=self.tokens_seen,
-                                  position=step * self.plan.rows_per_step, elapsed=time.time() - self.started,
-                                  best=self.rec.best.to_state(),
+                                  position=step * self.plan.rows_per_step, elapsed=position.elapsed,
+                                  best=best.to_state(),
                                   extra={"round": self.rnd, "sync_every": tc.rounds.sync_every,
-                                         "pending_eval": self.pending_eval})
-        self.rec.flush()  # the rows of the rounds it holds first: a resume from it must find them
+                                         "pending_eval": position.pending_eval})
         checkpoint.save_run(self.ckpt_dir, run, files, keep=tc.keep_checkpoints, storage=self.storage,
-                            adopt={"inner": inner})
+                            adopt={"inner": self.persist})
 
-    def finish(self) -> RunResult:
-        """Evaluate the final weights, checkpoint, export model/ (the best weights) and samples. With earlier best
-        weights the final evaluation decides which weights model/ gets, so the export is a second task; without
-        them the final weights are exported by the evaluating task itself."""
-        elapsed = time.time() - self.started
-        persist = join(self.ckpt_dir, f".inner-step-{self.step:07d}")
-        earlier = self.best_params is not None
-        partial, *_, nbytes = self.launch(0, do_eval=True, persist=persist, finish=not earlier)
+    def _final_job(self, partial: Partial) -> None:
         self.comm["broadcast"] += sum(r.fetched_bytes for r in partial.results)
-        self.rec.note_peaks(self.note_peaks(partial.results))  # the final evaluation and export count too
-        if partial.results:
-            self.record_eval(partial)
-        self.save(persist)
-        if earlier:
-            keep = self.rec.best.apart(self.best_params, self.step) or {}
-            partial, *_, nbytes = self.launch(0, do_eval=False, persist="", finish=True,
-                                              also={f"{BEST}{n}": t for n, t in keep.items()})
-            self.comm["broadcast"] += sum(r.fetched_bytes for r in partial.results)
-            self.rec.note_peaks(self.note_peaks(partial.results))
+        self.final_peaks = [max(a or 0.0, b or 0.0) if a is not None or b is not None else None
+                            for a, b in zip(self.final_peaks, self.worker_peaks(partial.results))]
+
+    def final_evaluation(self, will_export: bool) -> loop.Evaluation | None:
+        """The final weights evaluated; with no earlier best kept (``will_export``) the same task exports them, else
+        the evaluation decides which weights model/ gets, and :meth:`finish` exports in a second job."""
+        self.persist = join(self.ckpt_dir, f".inner-step-{self.step:07d}")
+        partial, *_ = self.launch(0, do_eval=True, persist=self.persist, finish=will_export)
+        self._final_job(partial)
+        self.final = partial if will_export else None
+        return self.evaluation(partial) if partial.results else None
+
+    def finish(self, best: dict | None) -> dict:
+        partial = self.final
+        if partial is None:
+            partial, *_ = self.launch(0, do_eval=False, persist="", finish=True,
+                                      also={f"{BEST}{n}": t for n, t in (best or {}).items()})
+            self._final_job(partial)
         if not any(r.worker == 0 for r in partial.results):
             raise SparklmError("the final task of worker 0 (export of model/ and samples) failed",
                                hint="see the Spark log; --resume runs it again")
         self.rounds_csv.close()
         comm = self.comm
-        return self.rec.result(steps=self.step, tokens=self.tokens_seen, seconds=elapsed, rounds=self.rnd,
-                               trainable_params=sum(t.numel() for t in self.params.values()),
-                               bytes_broadcast=comm["broadcast"], bytes_returned=comm["returned"],
-                               bytes_communicated=comm["broadcast"] + comm["returned"])
+        return {"rounds": self.rnd, "trainable_params": sum(t.numel() for t in self.params.values()),
+                "bytes_broadcast": comm["broadcast"], "bytes_returned": comm["returned"],
+                "bytes_communicated": comm["broadcast"] + comm["returned"]}
 
 
 def _round_job(spark, job: Job, bc, bu, spec: RoundSpec, fault: FaultSpec | None, max_failures: int) -> Partial:

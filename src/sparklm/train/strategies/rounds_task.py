@@ -45,11 +45,11 @@ def run_worker(job: Job, worker: int, full: Callable[[], bytes], spec: RoundSpec
     the changes since the weights of ``spec.base_step``); return its figures and its delta (name → float32 array,
     already multiplied by the worker's weight; with a lossy codec, its encoded bytes), or None without steps."""
     t_task = time.time()
-    torch.set_num_threads(job.threads)
-    device.set_allocator(job.config.train.allocator)
+    torch.set_num_threads(job.plan.threads)
+    device.set_allocator(job.plan.config.train.allocator)
     trainer: Trainer = process_local(("rounds", job.uid), lambda: _trainer(job))
     tc = trainer.tc
-    codec = Codec.of(tc.rounds, tc.strategy)
+    codec = job.plan.codec  # decided on the driver
     t0 = time.time()
     trainable = trainer.task.trainable(trainer.model)
     global_w, fetched = global_weights(job, spec, full, update, hold=not codec.lossless, own=trainable)
@@ -171,10 +171,9 @@ def encode_with_feedback(codec: Codec, delta: dict[str, np.ndarray], residual: d
 
 def _trainer(job: Job) -> Trainer:
     """The job's dataset, tokenizer and model, built once per Python worker and reused across rounds."""
-    config = job.config
-    dataset = load_prepared(job.data, config.storage)
-    return Trainer(config, dataset, load_tokenizer(dataset, config.storage), rank=Rank(0, 1, job.threads),
-                   workers=job.workers)
+    plan = job.plan
+    dataset = load_prepared(job.data, plan.config.storage)
+    return Trainer(plan, dataset, load_tokenizer(dataset, plan.config.storage), rank=Rank(0, 1, plan.threads))
 
 
 def _counted(batches: Iterator[Batch], seen: list[int]) -> Iterator[Batch]:
