@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .errors import SparklmError
-from .model.tasks import REGISTRY as TASKS  # the registries' names: they live there only
+from .tasks import REGISTRY as TASKS  # the registries' names: they live there only
 from .train.strategies import NAMES as STRATEGY_NAMES
 
 
@@ -40,10 +40,11 @@ def _section(cls: type, help: str) -> Any:
 class DataConfig:
     """How raw text becomes documents, and documents become training sequences."""
 
-    task: Literal["causal-lm", "classify", "mlm"] = _f(
-        "causal-lm", "what the dataset is for: causal-lm (packed token streams), classify (one labelled text or text "
-                     "pair per row, for an encoder) or mlm (one document per row, for masked-LM pretraining of an "
-                     "encoder); classify and mlm need --tokenizer: the encoder's, with its CLS/SEP conventions")
+    task: str = _f(
+        "causal-lm", "what the dataset is for, a task's name (model.task lists them): causal-lm packs token streams; "
+                     "an encoder's task writes one record (a labelled text or text pair, or a document) per row and "
+                     "needs --tokenizer: the encoder's, with its CLS/SEP conventions",
+        choices=tuple(TASKS))
     text_field: str = _f("text", "column/field holding the text in JSONL, CSV and Parquet inputs", flag="--text-field")
     label_field: str = _f("label", "classify: the column/field holding each record's label", flag="--label-field")
     pair_field: str = _f("", "classify: a second text column/field, for sentence-pair tasks (empty: single texts)",
@@ -148,7 +149,7 @@ class OutputConfig:
 class ModelConfig:
     """The decoder-only transformer (built with transformers)."""
 
-    task: str = _f("causal-lm", "what is trained; " + "; ".join(f"{n}: {t.help}" for n, t in TASKS.items()),
+    task: str = _f("causal-lm", "what is trained; " + "; ".join(f"{n}: {help}" for n, (_, help) in TASKS.items()),
                    choices=tuple(TASKS), flag="--task")
     arch: Literal["llama", "gpt2"] = _f("llama", "llama: RMSNorm, RoPE, SwiGLU; gpt2: LayerNorm, learned positions, GELU")
     n_layer: int = _f(4, "transformer blocks", min=1)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -184,3 +186,35 @@ def test_the_epoch_sink_adds_epoch_rows_once_and_forgets_them_on_a_rewind():
     resumed = EpochRows(Keep(), earlier=[_tr(s, s / 2.5, 1.0) for s in range(1, 5)])  # from metrics.csv
     resumed.write(train_row(5, 2.0))
     assert [(r.epoch, r.steps) for r in resumed.out.rows if r.kind == "epoch"] == [(2, 2)]
+
+
+def test_regression_figures_are_mse_mae_rmse_and_r2_of_summed_errors():
+    from sparklm.tasks.regress import regression_figures
+
+    true = np.array([1.0, 2.0, 3.0, 4.0])
+    pred = np.array([1.5, 2.0, 2.0, 4.5])
+    err = pred - true
+    f = regression_figures(float((err ** 2).sum()), 4, float(np.abs(err).sum()), float(true.sum()),
+                           float((true ** 2).sum()))
+    assert f["loss"] == pytest.approx(0.375) and f["mae"] == pytest.approx(0.5)
+    assert f["rmse"] == pytest.approx(math.sqrt(0.375)) and f["examples"] == 4
+    assert f["r2"] == pytest.approx(1 - 1.5 / 5.0)  # 1 − SSE/SST, SST = Σ(y − ȳ)² = 5
+    assert regression_figures(0.0, 0, 0.0, 0.0, 0.0) == {}
+    assert math.isnan(regression_figures(1.0, 2, 1.0, 4.0, 8.0)["r2"])  # constant targets: R² undefined
+
+
+def test_a_task_is_its_module_and_a_registry_line():
+    """The registry names each task's module; the task's module alone says what it is (nothing else in src/ names a
+    task added that way)."""
+    import re
+
+    from sparklm import tasks
+
+    assert set(tasks.NAMES) == {"causal-lm", "classify", "mlm", "regress"}
+    for name in tasks.NAMES:
+        info = tasks.info(name)
+        assert info.name == name and info.figures.loss in info.figures.keys()
+    assert tasks.preparing() == ["causal-lm", "classify", "mlm", "regress"]
+    src = Path(__file__).resolve().parents[2] / "src" / "sparklm"
+    named = [str(p.relative_to(src)) for p in src.rglob("*.py") if re.search(r"\bregress\b", p.read_text())]
+    assert sorted(named) == ["tasks/__init__.py", "tasks/regress.py"], named

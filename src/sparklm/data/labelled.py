@@ -29,7 +29,23 @@ from ..errors import SparklmError
 from .parts import PartFile, list_column
 
 NO_LABEL = "no_label"  # a record dropped because it has no label (sources.py's statuses)
-ENCODER_TASKS = ("classify", "mlm")
+
+
+def kind(data):
+    """What ``prepare --task`` writes for ``data.task`` (the task's module says: tasks/__init__.DataKind)."""
+    from ..tasks import data_kind
+
+    return data_kind(data.task)
+
+
+def encoded(data) -> bool:
+    """Whether the dataset is one encoded record per row (an encoder's), not packed token streams."""
+    return kind(data).rows == "encoded"
+
+
+def labels_of(data) -> str | None:
+    """None, ``class`` (names → ids, a stratified split) or ``value`` (a float, a hash split)."""
+    return kind(data).labels
 
 
 @dataclass(frozen=True)
@@ -80,10 +96,25 @@ def _text(value: Any) -> str:
     return value if isinstance(value, str) else str(value)
 
 
-def record(values: Mapping[str, Any], text_field: str, pair_field: str, label_field: str) -> Record:
-    """A record from a row's values (missing fields give an empty text or no label: dropped and counted)."""
+def label_value(value: Any) -> str | None:
+    """A label cell as a target value: a finite number (or a string that reads as one), written as Python writes
+    the float; anything else (missing, text, NaN, infinity): None, and the record is dropped and counted."""
+    if isinstance(value, bool) or value is None or isinstance(value, (list, dict)):
+        return None
+    try:
+        x = float(str(value).strip()) if isinstance(value, str) else float(value)
+    except (TypeError, ValueError):
+        return None
+    return repr(x) if np.isfinite(x) else None
+
+
+def record(values: Mapping[str, Any], text_field: str, pair_field: str, label_field: str,
+           values_label: bool = False) -> Record:
+    """A record from a row's values (missing fields give an empty text or no label: dropped and counted);
+    ``values_label``: the label is a number (:func:`label_value`), not a class name."""
     pair = _text(values.get(pair_field)) if pair_field else None
-    return Record(_text(values.get(text_field)), pair, label_name(values.get(label_field)))
+    read = label_value if values_label else label_name
+    return Record(_text(values.get(text_field)), pair, read(values.get(label_field)))
 
 
 def fields(data) -> list[str]:
@@ -101,10 +132,10 @@ def ordered(names) -> list[str]:
 
 
 def windowing(data) -> str:
-    """``data.long`` decided: truncate for classify, window for mlm, unless set."""
+    """``data.long`` decided: the task's default (truncate a labelled record, window a document), unless set."""
     if data.long != "auto":
         return data.long
-    return "truncate" if data.task == "classify" else "window"
+    return kind(data).long
 
 
 def check(data, tokenizer_path: str) -> None:
@@ -115,8 +146,8 @@ def check(data, tokenizer_path: str) -> None:
     if data.format != "text":
         raise SparklmError(f"--task {data.task} reads texts (and labels), not --format {data.format} records",
                            hint="drop --format; name the columns with --text-field and --label-field")
-    if data.task == "mlm" and data.pair_field:
-        raise SparklmError("--pair-field is for --task classify", hint="drop --pair-field for --task mlm")
+    if labels_of(data) is None and data.pair_field:
+        raise SparklmError("--pair-field is for labelled records", hint=f"drop --pair-field for --task {data.task}")
     if data.pair_field and windowing(data) == "window":
         raise SparklmError("--long window cuts single texts; text pairs are truncated",
                            hint="drop --long window, or prepare single texts")
@@ -240,12 +271,12 @@ def encode(tok, texts: list[str], pairs: list[str] | None, *, seq_len: int, wind
     return Encoded(ids, mask, types, np.asarray(source, dtype=np.int64), truncated, dropped)
 
 
-def schema(pairs: bool, labelled: bool) -> pa.Schema:
+def schema(pairs: bool, labels: str | None) -> pa.Schema:
     cols = [("input_ids", pa.list_(pa.int32())), ("attention_mask", pa.list_(pa.int8()))]
     if pairs:
         cols.append(("token_type_ids", pa.list_(pa.int8())))
-    if labelled:
-        cols.append(("labels", pa.int64()))
+    if labels is not None:
+        cols.append(("labels", pa.int64() if labels == "class" else pa.float32()))
     cols.append(("doc_id", pa.int64()))
     return pa.schema(cols)
 
@@ -255,19 +286,23 @@ class Writer:
     row groups; the same interface as prepare's packing writer (``add``, ``close``)."""
 
     def __init__(self, split: str, name: str, staging: str, storage, *, seq_len: int, rows_per_group: int,
-                 pad_id: int, window: bool, overlap: int, pairs: bool, label_ids: Mapping[str, int] | None):
+                 pad_id: int, window: bool, overlap: int, pairs: bool, label_ids: Mapping[str, int] | None,
+                 values: bool = False):
         self.split = split
         self.seq_len, self.rows_per_group, self.pad_id = seq_len, rows_per_group, pad_id
         self.window, self.overlap, self.pairs, self.label_ids = window, overlap, pairs, label_ids
-        self.file = PartFile(staging, storage, f"{split}/{name}", schema(pairs, label_ids is not None))
+        self.values = values  # the label is a number (float32), not a class id
+        kind = "value" if values else "class" if label_ids is not None else None
+        self.file = PartFile(staging, storage, f"{split}/{name}", schema(pairs, kind))
         self.pending: list[pa.Table] = []
         self.counts = {"documents": 0, "pad_tokens": 0, "tokens": 0, "truncated": 0, "dropped_tokens": 0}
         self.per_label: Counter = Counter()  # rows per label id
+        self.moments = [0, 0.0, 0.0, float("inf"), float("-inf")]  # value labels' rows: n, sum, sum of squares, min, max
 
     def add(self, tok, docs: list, ids: list[int]) -> None:
         if not docs:
             return
-        labelled = self.label_ids is not None
+        labelled = self.label_ids is not None or self.values
         texts = [d.text if labelled else d for d in docs]
         pairs = [d.pair for d in docs] if self.pairs else None
         enc = encode(tok, texts, pairs, seq_len=self.seq_len, window=self.window, overlap=self.overlap,
@@ -282,7 +317,15 @@ class Writer:
         cols = [list_column(enc.input_ids), list_column(enc.attention_mask)]
         if enc.token_type_ids is not None:
             cols.append(list_column(enc.token_type_ids))
-        if labelled:
+        if self.values:
+            values = np.asarray([float(d.label) for d in docs], dtype=np.float32)[enc.source]
+            m = self.moments
+            m[0] += len(values)
+            m[1] += float(values.astype(np.float64).sum())
+            m[2] += float((values.astype(np.float64) ** 2).sum())
+            m[3], m[4] = min(m[3], float(values.min(initial=np.inf))), max(m[4], float(values.max(initial=-np.inf)))
+            cols.append(pa.array(values))
+        elif labelled:
             labels = np.asarray([self.label_ids[d.label] for d in docs], dtype=np.int64)[enc.source]
             self.per_label.update(labels.tolist())
             cols.append(pa.array(labels))
@@ -295,7 +338,7 @@ class Writer:
         nbytes = self.file.close()
         return {"split": self.split, "path": self.file.path, "bytes": nbytes, "rows": self.file.rows,
                 "row_groups": self.file.row_groups, **self.counts,
-                "labels": {str(k): v for k, v in sorted(self.per_label.items())}}
+                "labels": {str(k): v for k, v in sorted(self.per_label.items())}, "moments": self.moments}
 
     def _flush(self, final: bool) -> None:
         table = pa.concat_tables(self.pending) if self.pending else None

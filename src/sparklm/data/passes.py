@@ -121,7 +121,7 @@ class Scanned:
 def scan_rows(docs: Iterable[tuple], data, fraction: float) -> Iterator[tuple]:
     """The scan's metadata row (:data:`SCAN_COLUMNS`) of each of :func:`sources.documents`' tuples: no text but the
     sample's, chosen by content hash (``fraction`` of the training documents)."""
-    classify = data.task == "classify"
+    classify = labelled.labels_of(data) == "class"  # a stratified split
     for unit, pos, status, text, invalid, dig in docs:
         ok = status == sources.OK
         # labelled records of hash-split inputs get their split from their class's threshold (stratified)
@@ -162,7 +162,7 @@ def write_part(docs: Iterable[tuple], name: str, plan: WritePlan, losers: Mappin
     split, kept)."""
     data, spec, classes = plan.config.data, plan.spec, plan.classes
     # text inside a document is text, even "<|eos|>"; a chat template's rendering holds real special tokens
-    tok = tokenizer_for(spec, specials=templated(data, spec), encoder=data.task in labelled.ENCODER_TASKS)
+    tok = tokenizer_for(spec, specials=templated(data, spec), encoder=labelled.encoded(data))
     render = renderer_for(spec) if templated(data, spec) else None
     writers = {s: _writer(plan, s, name) for s in SPLITS}
     batch: dict[str, tuple[list, list]] = {s: ([], []) for s in SPLITS}
@@ -199,14 +199,15 @@ def write_part(docs: Iterable[tuple], name: str, plan: WritePlan, losers: Mappin
 
 def _writer(plan: WritePlan, split: str, name: str):
     data, classes = plan.config.data, plan.classes
-    if data.task not in labelled.ENCODER_TASKS:
+    if not labelled.encoded(data):
         return _SplitWriter(split, name, plan.staging, plan.config.storage, plan.pack, plan.spec, plan.rows_per_group,
                             data)
     return labelled.Writer(split, name, plan.staging, plan.config.storage, seq_len=data.seq_len,
                            rows_per_group=plan.rows_per_group, pad_id=plan.spec.pad_id,
                            window=labelled.windowing(data) == "window",
                            overlap=data.seq_len - data.stride if data.stride else 0, pairs=bool(data.pair_field),
-                           label_ids={n: i for i, n in enumerate(classes["names"])} if classes else None)
+                           label_ids={n: i for i, n in enumerate(classes["names"])} if classes else None,
+                           values=labelled.labels_of(data) == "value")
 
 
 def part_name(task: int, attempt: str) -> str:

@@ -76,7 +76,7 @@ def prepare(
                            + ("data.chat_template is false" if not data.chat_template else "a trained tokenizer has none"),
                            hint="pass --tokenizer with a model's tokenizer directory that has a chat template, or "
                                 "use --format instruction for prompt/response records")
-    if data.task in labelled.ENCODER_TASKS:
+    if labelled.encoded(data):
         labelled.check(data, config.tokenizer.path)
     trackers.check(config, "prepare")
     started = time.time()
@@ -164,7 +164,8 @@ def _run(source: passes.Engine, config: Config, inputs: list[str], validation_in
         fs.create_dir(staged, recursive=True)
         with source.errors():
             classes = None
-            full_scan = data.dedup or data.task == "classify"  # duplicates and classes are known after a look at all
+            # duplicates and classes are known after a look at all
+            full_scan = data.dedup or labelled.labels_of(data) == "class"
             if full_scan:
                 scanned = source.scan(config, sample_only=False, staging=staging)
                 stats = _stats(scanned.agg, source.count, data.encoding)
@@ -185,7 +186,7 @@ def _run(source: passes.Engine, config: Config, inputs: list[str], validation_in
                 stats = _stats(write_agg, source.count, data.encoding)
         manifest = _manifest(config, inputs, validation_inputs, stats, files, spec, pack, started, spark_start)
         manifest["engine"] = source.describe()
-        if data.task in labelled.ENCODER_TASKS:
+        if labelled.encoded(data):
             manifest = _encoder_manifest(manifest, config, files, classes)
         _commit(fs, staged, out_path, files, spec, manifest)
     except BaseException:
@@ -433,9 +434,28 @@ def _encoder_manifest(manifest: dict, config, files: dict, classes: dict | None)
         manifest["labels"] = {"field": data.label_field, "names": classes["names"],
                               "documents": classes["documents"], "rows": rows}
         columns["labels"] = "int64, the class id (labels.names[id])"
+    elif labelled.labels_of(data) == "value":
+        manifest["labels"] = {"field": data.label_field, "values": {split: _moments([m["moments"] for m in metas])
+                                                                    for split, metas in files.items()}}
+        columns["labels"] = "float32, the record's target value"
+        if not manifest["labels"]["values"].get("train", {}).get("rows"):
+            raise SparklmError(f"no training record has a number in the label column '{data.label_field}'",
+                               hint="name the column of target values with --label-field; its cells must be numbers")
     columns["doc_id"] = "int64, stable id (content hash) of the record"
     manifest["columns"] = columns
     return manifest
+
+
+def _moments(parts: list[list]) -> dict:
+    """Rows, mean, standard deviation, min and max of value labels, from each part's (n, sum, sum of squares, min,
+    max)."""
+    n = sum(p[0] for p in parts)
+    if not n:
+        return {"rows": 0}
+    total, squares = sum(p[1] for p in parts), sum(p[2] for p in parts)
+    mean = total / n
+    return {"rows": n, "mean": mean, "std": max(squares / n - mean * mean, 0.0) ** 0.5,
+            "min": min(p[3] for p in parts), "max": max(p[4] for p in parts)}
 
 
 def _framing(data, spec) -> str:
@@ -461,7 +481,11 @@ def _summary(m: dict) -> None:
             rows.append((f"{split}: tokens in the loss", f"{s['loss_tokens']:,}", ""))
         if s.get("truncated"):
             rows.append((f"{split}: texts longer than seq_len", f"{s['truncated']:,}", m["packing"]["long"] + "d"))
-    if "labels" in m:
+    for split, v in m.get("labels", {}).get("values", {}).items():
+        if v["rows"]:
+            rows.append((f"{split}: label mean ± std", f"{v['mean']:.4g} ± {v['std']:.3g}",
+                         f"{v['min']:.4g} … {v['max']:.4g}"))
+    if "names" in m.get("labels", {}):
         docs = m["labels"]["documents"]
         rows += [(f"class {name!r}: train / validation", f"{docs['train'][name]:,}", f"{docs['validation'][name]:,}")
                  for name in m["labels"]["names"][:20]]

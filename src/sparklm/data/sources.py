@@ -71,11 +71,12 @@ def plan_units(inputs: list[str], *, group: str, data: DataConfig, storage: Stor
         for file_uri, info in _files(uri, storage):
             fmt, compression = detect_format(info.path)
             if reads_records(data) and fmt == "text":
-                what = "--task classify reads labelled records" if data.task == "classify" else \
+                labels = labelled.labels_of(data) is not None
+                what = f"--task {data.task} reads labelled records" if labels else \
                     f"--format {data.format} reads records"
                 raise SparklmError(f"{file_uri} is plain text, and {what}",
                                    hint="pass .jsonl, .csv or .parquet files of records" +
-                                        ("" if data.task == "classify" else ", or use --format text"))
+                                        ("" if labels else ", or use --format text"))
             splittable = not compression and (fmt == "jsonl" or (fmt == "text" and data.doc_mode != "file"))
             if splittable and info.size > chunk:
                 units += [ReadUnit(file_uri, fmt, "", s, min(s + chunk, info.size), group, info.size)
@@ -204,8 +205,9 @@ def _where(fs, path: str, unit: ReadUnit, pos: int, *, by_line: bool) -> str:
 
 def _record(values: dict, data: DataConfig, where) -> instruct.Record | labelled.Record:
     """An instruction, chat or labelled record from a row's values; ``where()`` names the row for an error."""
-    if data.task == "classify":  # a missing text or label is dropped and counted, not an error
-        return labelled.record(values, data.text_field, data.pair_field, data.label_field)
+    labels = labelled.labels_of(data)
+    if labels is not None:  # a missing text or label is dropped and counted, not an error
+        return labelled.record(values, data.text_field, data.pair_field, data.label_field, labels == "value")
     try:
         if data.format == "chat":
             return instruct.chat_record(values, data.messages_field)
@@ -215,7 +217,7 @@ def _record(values: dict, data: DataConfig, where) -> instruct.Record | labelled
 
 
 def _fields_hint(data: DataConfig) -> str:
-    if data.task == "classify":
+    if labelled.labels_of(data) is not None:
         return "name the columns with --text-field, --label-field (and --pair-field)"
     if data.format == "chat":
         return ("name the messages field with --messages-field (--format instruction reads prompt/response records), "
@@ -226,13 +228,13 @@ def _fields_hint(data: DataConfig) -> str:
 
 def reads_records(data: DataConfig) -> bool:
     """Whether a row is read as a record of several fields (instruction, chat, labelled) rather than one text."""
-    return data.format != "text" or data.task == "classify"
+    return data.format != "text" or labelled.labels_of(data) is not None
 
 
 def record_fields(data: DataConfig) -> list[str]:
     """The columns a record format needs: the text, the prompt and response, the messages, or a labelled
     record's text (pair) and label."""
-    if data.task == "classify":
+    if labelled.labels_of(data) is not None:
         return labelled.fields(data)
     return {"text": [data.text_field], "instruction": [data.prompt_field, data.response_field],
             "chat": [data.messages_field]}[data.format]

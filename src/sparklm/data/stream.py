@@ -95,7 +95,10 @@ def read_rows(group: RowGroup, seq_len: int, storage: StorageConfig | None = Non
             return None
         return to_numpy(table.column(name).combine_chunks().flatten(), dtype).reshape(-1, seq_len)
 
-    labels = to_numpy(table.column("labels").combine_chunks(), np.int64) if "labels" in names else None
+    labels = None
+    if "labels" in names:  # class ids, or target values (float32)
+        col = table.column("labels").combine_chunks()
+        labels = to_numpy(col, np.float32 if pa.types.is_floating(col.type) else np.int64)
     return Rows(column("input_ids", np.int64), column("attention_mask", np.int8), column("loss_mask", np.int8),
                 labels, column("token_type_ids", np.int8))
 

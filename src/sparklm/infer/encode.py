@@ -35,6 +35,7 @@ class Encoder:
     max_length: int  # tokens a text may have, special tokens included
     labels: list[str] | None  # classification: the names of the outputs, in order (id2label)
     sigmoid: bool = False  # classification: independent labels (multi-label, or one output) instead of a softmax
+    regression: bool = False  # the head's outputs are values (problem_type "regression"): no softmax, no label
 
 
 def load_encoder(path: str, *, classify: bool, threads: int = 0, storage: StorageConfig | None = None) -> Encoder:
@@ -70,8 +71,11 @@ def load_encoder(path: str, *, classify: bool, threads: int = 0, storage: Storag
     if classify:
         n = model.config.num_labels
         labels = [str(model.config.id2label.get(i, f"LABEL_{i}")) for i in range(n)]
-    sigmoid = classify and (model.config.problem_type == "multi_label_classification" or model.config.num_labels == 1)
-    return Encoder(model, tokenizer, max_positions(model.config, tokenizer), labels, sigmoid)
+    # as transformers' text-classification pipeline reads a head: values, independent labels, or a softmax
+    regression = classify and model.config.problem_type == "regression"
+    sigmoid = classify and not regression and (model.config.problem_type == "multi_label_classification"
+                                               or model.config.num_labels == 1)
+    return Encoder(model, tokenizer, max_positions(model.config, tokenizer), labels, sigmoid, regression)
 
 
 def max_positions(config, tokenizer) -> int:
@@ -118,12 +122,13 @@ def _batches(enc: Encoder, texts: list[str], batch_size: int):
 
 @torch.no_grad()
 def classify_texts(enc: Encoder, texts: list[str], *, batch_size: int = 32) -> tuple[np.ndarray, list[bool]]:
-    """Probabilities (texts × labels, float32) for each text, and whether it was truncated."""
+    """Probabilities (texts × labels, float32) for each text, and whether it was truncated; a regression head's
+    values as they are."""
     probs = np.zeros((len(texts), len(enc.labels or [])), np.float32)
     truncated = [False] * len(texts)
     for idx, batch, cut in _batches(enc, texts, batch_size):
         logits = enc.model(**batch).logits.float()
-        p = torch.sigmoid(logits) if enc.sigmoid else torch.softmax(logits, dim=-1)
+        p = logits if enc.regression else torch.sigmoid(logits) if enc.sigmoid else torch.softmax(logits, dim=-1)
         probs[idx] = p.numpy()
         for i, c in zip(idx, cut):
             truncated[i] = c
@@ -154,7 +159,8 @@ def classify_dataframe(df, *, model: str, text_col: str = "text", label_col: str
                        storage: StorageConfig | None = None):
     """``df`` with its columns kept and per row: ``label_col`` (the most likely label's name), ``score_col`` (its
     probability), ``truncated``, and with ``probabilities_col`` every label's probability (in the model's label
-    order). A null or blank text gets nulls. Lazy: nothing runs until an action."""
+    order); a regression model's ``score_col`` is its value, and ``label_col`` null. A null or blank text gets
+    nulls. Lazy: nothing runs until an action."""
     from pyspark.sql import types as T
 
     added = [T.StructField(label_col, T.StringType()), T.StructField(score_col, T.DoubleType()),
@@ -170,7 +176,8 @@ def classify_dataframe(df, *, model: str, text_col: str = "text", label_col: str
 
         probs, cut = classify_texts(enc, texts, batch_size=batch_size)
         best = probs.argmax(axis=1) if len(texts) else np.zeros(0, np.int64)
-        cols = {label_col: pa.array([enc.labels[b] for b in best], pa.string()),
+        names = [None] * len(best) if enc.regression else [enc.labels[b] for b in best]
+        cols = {label_col: pa.array(names, pa.string()),
                 score_col: pa.array(probs[np.arange(len(best)), best].astype(float), pa.float64()),
                 "truncated": pa.array(cut, pa.bool_())}
         if probabilities_col:

@@ -60,8 +60,9 @@ def predict(spark, model: str, inputs: list[str], output: str, *, text_col: str 
         except Exception as e:  # AnalysisException: a path that does not exist, an unreadable file
             raise SparklmError(f"cannot read {', '.join(inputs)} as {fmt}: {_first_line(e)}",
                                hint="check the paths, or pass --input-format") from None
+        values = not embed and regression(model, storage)  # the model answers a value, not a class
         if label_field and not embed:
-            check_labels(df, label_field, model, storage)
+            check_labels(df, label_field, model, storage, values=values)
         # an input that holds its true labels in "label" keeps them: the answers get other names
         label_col = "label" if "label" not in df.columns else "predicted_label"
         score_col = "score" if "score" not in df.columns else "predicted_score"
@@ -80,21 +81,52 @@ def predict(spark, model: str, inputs: list[str], output: str, *, text_col: str 
             counts["label_col"] = label_col
             counts["labels"] = {r[0]: r[1] for r in written.groupBy(label_col).count().collect() if r[0] is not None}
         if label_field and not embed:
-            from pyspark.sql import functions as F
-
-            gold = written.where(F.col(label_field).isNotNull() & F.col(label_col).isNotNull())
-            n = gold.count()
-            right = gold.where(F.col(label_field).cast("string") == F.col(label_col)).count()
-            counts["scored_against"] = {"field": label_field, "rows": n, "accuracy": right / n if n else None}
-    info = {"model": model, "inputs": inputs, "format": fmt, "task": "embed" if embed else "classify",
+            counts["scored_against"] = (scored_values if values else scored_labels)(written, label_field, label_col,
+                                                                                    score_col)
+    info = {"model": model, "inputs": inputs, "format": fmt,
+            "task": "embed" if embed else "regression" if values else "classify",
             "text_col": text_col, **counts, "seconds": round(time.time() - started, 3)}
     (staging / MARKER).write_text(json.dumps(info, indent=2))
     swap_in(pafs.LocalFileSystem(), str(staging), str(out), marker=MARKER)  # the old one stays whole till then
     return {**info, "path": str(out)}
 
 
-def check_labels(df, field: str, model: str, storage) -> None:
-    """The column of true labels exists and holds only labels the model knows (one line naming the others)."""
+def regression(model: str, storage) -> bool:
+    """Whether ``model``'s head answers values (its config's problem_type is "regression", as transformers reads it)."""
+    from ..fs import join, read_text
+    from .generate import model_uri
+
+    try:
+        return json.loads(read_text(join(model_uri(model, storage), "config.json"), storage)).get(
+            "problem_type") == "regression"
+    except (OSError, ValueError):
+        return False  # the loader says what is wrong with the model
+
+
+def scored_labels(written, field: str, label_col: str, score_col: str) -> dict:
+    """Accuracy of the predicted labels against the true ones."""
+    from pyspark.sql import functions as F
+
+    gold = written.where(F.col(field).isNotNull() & F.col(label_col).isNotNull())
+    n = gold.count()
+    right = gold.where(F.col(field).cast("string") == F.col(label_col)).count()
+    return {"field": field, "rows": n, "accuracy": right / n if n else None}
+
+
+def scored_values(written, field: str, label_col: str, score_col: str) -> dict:
+    """Mean absolute and root mean squared error of the predicted values against the true ones."""
+    from pyspark.sql import functions as F
+
+    err = F.col(field).cast("double") - F.col(score_col)
+    row = (written.where(F.col(field).cast("double").isNotNull() & F.col(score_col).isNotNull())
+           .agg(F.count(F.lit(1)).alias("n"), F.avg(F.abs(err)).alias("mae"), F.avg(err * err).alias("mse")).first())
+    return {"field": field, "rows": row["n"], "mae": row["mae"],
+            "rmse": row["mse"] ** 0.5 if row["mse"] is not None else None}
+
+
+def check_labels(df, field: str, model: str, storage, *, values: bool = False) -> None:
+    """The column of true labels exists and holds only labels the model knows (one line naming the others); a
+    regression model's true values need only be there."""
     from pyspark.sql import functions as F
 
     from ..fs import join, read_text
@@ -103,6 +135,8 @@ def check_labels(df, field: str, model: str, storage) -> None:
     if field not in df.columns:
         raise SparklmError(f"the input has no column {field!r} (columns: {', '.join(df.columns)})",
                            hint="name the column of true labels with --label-field")
+    if values:
+        return
     known = set(json.loads(read_text(join(model_uri(model, storage), "config.json"), storage))
                 .get("id2label", {}).values())
     seen = {r[0] for r in df.select(F.col(field).cast("string")).distinct().limit(10_000).collect() if r[0] is not None}

@@ -96,9 +96,10 @@ def positions(hf_config: dict) -> int | None:
     return n
 
 
-def check_loadable(config: Config, path: Path, seq_len: int | None = None) -> None:
-    """Before Spark starts: the model in ``path`` (``--init-from``'s local copy) has the task's head, and its
-    positions hold the dataset's rows (a config read, no weights)."""
+def check_loadable(config: Config, path: Path, seq_len: int | None = None,
+                   auto: str = "AutoModelForSequenceClassification") -> None:
+    """Before Spark starts: the model in ``path`` (``--init-from``'s local copy) has the task's head (``auto``: the
+    Auto class the task loads it with), and its positions hold the dataset's rows (a config read, no weights)."""
     import json
 
     from transformers.models.auto.modeling_auto import (
@@ -112,8 +113,9 @@ def check_loadable(config: Config, path: Path, seq_len: int | None = None) -> No
     except (OSError, ValueError):
         return  # load_pretrained says what is wrong with it
     kind = hf_config.get("model_type")
-    table, what = ((MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES, "a sequence classifier")
-                   if config.model.task == "classify" else (MODEL_FOR_MASKED_LM_MAPPING_NAMES, "a masked LM"))
+    table, what = {"AutoModelForSequenceClassification": (MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+                                                          "a sequence classifier"),
+                   "AutoModelForMaskedLM": (MODEL_FOR_MASKED_LM_MAPPING_NAMES, "a masked LM")}[auto]
     if kind not in table:
         raise SparklmError(f"{name} (model type {kind!r}) cannot be loaded as {what} for --task {config.model.task}",
                            hint="pass a model whose type transformers can load with that head (BERT, RoBERTa, "
@@ -142,7 +144,7 @@ def encoder_tokenizer(spec: TokenizerSpec, context: int | None):
     return hf
 
 
-def _wrap(model: torch.nn.Module, config: Config, task_type: str | None) -> torch.nn.Module:
+def wrap_encoder(model: torch.nn.Module, config: Config, task_type: str | None) -> torch.nn.Module:
     if config.train.grad_checkpoint == "on" and getattr(model, "supports_gradient_checkpointing", False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if config.lora.r:
@@ -151,25 +153,25 @@ def _wrap(model: torch.nn.Module, config: Config, task_type: str | None) -> torc
     return model
 
 
-def _base(model: torch.nn.Module) -> torch.nn.Module:
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model under DDP's and peft's wrappers."""
     model = getattr(model, "module", model)
     return model.get_base_model() if lora.is_lora(model) else model
 
 
-def _forward(net: torch.nn.Module, batch: EncoderBatch, **extra):
+def forward(net: torch.nn.Module, batch: EncoderBatch, **extra):
     kwargs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, **extra}
-    if batch.token_type_ids is not None and getattr(_base(net), "sparklm_types", False):
+    if batch.token_type_ids is not None and getattr(base_model(net), "sparklm_types", False):
         kwargs["token_type_ids"] = batch.token_type_ids
     return net(**kwargs)
 
 
-def _uses_types(model: torch.nn.Module) -> bool:
+def uses_types(model: torch.nn.Module) -> bool:
     """Whether the model has segment embeddings for a second text (BERT: 2; RoBERTa: 1, DistilBERT: none)."""
     return int(getattr(model.config, "type_vocab_size", 0) or 0) >= 2
 
 
-class _EncoderTask:
+class EncoderTask:
     """What the encoder tasks share: parameters, decay, FLOPs and the merged HF export."""
 
     name = "encoder"
@@ -179,7 +181,7 @@ class _EncoderTask:
 
     def flops_per_token(self, model: torch.nn.Module, seq_len: int) -> float:
         """6 × non-embedding parameters (4 for frozen ones: no weight gradient) + attention (12 · L · d · T)."""
-        base = _base(model)
+        base = base_model(model)
         embed = base.get_input_embeddings().weight
         n = sum(p.numel() for p in model.parameters() if p is not embed)
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad and p is not embed)
@@ -220,7 +222,7 @@ class _EncoderTask:
 
 
 @dataclass(frozen=True)
-class SequenceClassifier(_EncoderTask):
+class SequenceClassifier(EncoderTask):
     """Text (pair) classification into ``labels`` (the dataset's classes, in id order)."""
 
     name = "classify"
@@ -247,15 +249,15 @@ class SequenceClassifier(_EncoderTask):
                                 label2id={v: k for k, v in names.items()})
         if model.config.pad_token_id is None:  # decoders pool their last real token: they must know the padding
             model.config.pad_token_id = spec.pad_id
-        model.sparklm_types = _uses_types(model)
-        return _wrap(model, config, "SEQ_CLS")
+        model.sparklm_types = uses_types(model)
+        return wrap_encoder(model, config, "SEQ_CLS")
 
     def batch(self, rows) -> EncoderBatch:
         return encoder_batch(rows)
 
     def loss(self, net: torch.nn.Module, batch: EncoderBatch, total: int | None = None,
              tally: torch.Tensor | None = None) -> torch.Tensor:
-        logits = _forward(net, batch).logits.float()
+        logits = forward(net, batch).logits.float()
         if tally is not None:
             with torch.no_grad():
                 tally[0] += (logits.argmax(-1) == batch.labels).sum()
@@ -264,7 +266,7 @@ class SequenceClassifier(_EncoderTask):
 
     def eval_sums(self, model: torch.nn.Module, batch: EncoderBatch, byte_lengths: torch.Tensor) -> torch.Tensor:
         """[nats, examples, correct, confusion matrix K×K (true class-major)]."""
-        logits = _forward(model, batch).logits.float()
+        logits = forward(model, batch).logits.float()
         k = len(self.labels)
         pred = logits.argmax(-1)
         confusion = torch.bincount(batch.labels * k + pred, minlength=k * k).double()
@@ -289,7 +291,7 @@ class SequenceClassifier(_EncoderTask):
 
 
 @dataclass(frozen=True)
-class MaskedLM(_EncoderTask):
+class MaskedLM(EncoderTask):
     """Masked-LM continued pretraining: adapt an encoder to a domain's text before fine-tuning it."""
 
     name = "mlm"
@@ -306,15 +308,15 @@ class MaskedLM(_EncoderTask):
         from transformers import AutoModelForMaskedLM
 
         model = load_pretrained(config, AutoModelForMaskedLM, "a masked LM")
-        model.sparklm_types = _uses_types(model)
+        model.sparklm_types = uses_types(model)
         model.sparklm_masking = Masking.of(spec)
-        return _wrap(model, config, None)
+        return wrap_encoder(model, config, None)
 
     def batch(self, rows) -> EncoderBatch:
         return encoder_batch(rows)
 
     def _masked(self, net: torch.nn.Module, batch: EncoderBatch, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
-        m: Masking = _base(net).sparklm_masking
+        m: Masking = base_model(net).sparklm_masking
         ids = batch.input_ids
         special = m.special[ids]
         maskable = (batch.attention_mask != 0) & ~special
@@ -326,7 +328,7 @@ class MaskedLM(_EncoderTask):
              tally: torch.Tensor | None = None) -> torch.Tensor:
         """The masked tokens' mean loss; micro-batches weigh by rows (their masked counts vary by chance)."""
         inputs, labels = self._masked(net, batch)
-        logits = _forward(net, EncoderBatch(inputs, batch.attention_mask, None, batch.token_type_ids)).logits
+        logits = forward(net, EncoderBatch(inputs, batch.attention_mask, None, batch.token_type_ids)).logits
         keep = labels != masking.IGNORE
         if tally is not None:
             with torch.no_grad():
@@ -342,7 +344,7 @@ class MaskedLM(_EncoderTask):
         whatever the batching of other rows)."""
         seed = int(batch.input_ids.sum()) * 1_000_003 + int(batch.input_ids[:, :8].sum())
         inputs, labels = self._masked(model, batch, torch.Generator().manual_seed(seed % (2**63)))
-        logits = _forward(model, EncoderBatch(inputs, batch.attention_mask, None, batch.token_type_ids)).logits
+        logits = forward(model, EncoderBatch(inputs, batch.attention_mask, None, batch.token_type_ids)).logits
         keep = labels != masking.IGNORE
         out = logits[keep].float()
         return torch.stack([F.cross_entropy(out, labels[keep], reduction="sum").double() if keep.any()

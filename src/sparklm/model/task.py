@@ -9,9 +9,10 @@ export) plugs in here without touching the loop; rounds ship only the trainable 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ from ..data.tokenizer import TokenizerSpec
 from ..errors import SparklmError
 from . import lm_head, lora
 from .build import build_model, context_length, flops_per_token, load_model
-from .tasks import LM_FIGURES, REGISTRY, FigureSet, lm_figures
+from .tasks import LM_FIGURES, FigureSet, lm_figures
 
 IGNORE = lm_head.IGNORE  # label of positions without a loss (padding), as in HF and torch's cross_entropy
 
@@ -117,10 +118,16 @@ class CausalLM:
     base: str = ""  # the pretrained model LoRA adapts (named in the exported adapter's config)
     chunk: int = 0  # train.loss_chunk: positions per chunk of the LM-head loss; 0: by the vocabulary; -1: off
     compiled: bool = False  # train.compile: the chunked loss's hook does not survive torch.compile
+    # how the exported model samples by default (infer/sampling.py's Sampling; None: transformers' defaults), and
+    # what writes the run's text samples (model, spec, run_dir, dataset, config; None: none): given by the task's
+    # module (tasks/causal_lm.py), which sits above the model and the inference code
+    sampling: Any = field(default=None, compare=False)
+    samples: Callable | None = field(default=None, compare=False)
 
     @classmethod
-    def from_config(cls, config: Config) -> CausalLM:
-        return cls(base=config.model.init_from, chunk=config.train.loss_chunk, compiled=config.train.compile)
+    def from_config(cls, config: Config, *, sampling: Any = None, samples: Callable | None = None) -> CausalLM:
+        return cls(base=config.model.init_from, chunk=config.train.loss_chunk, compiled=config.train.compile,
+                   sampling=sampling, samples=samples)
 
     def build(self, config: Config, spec: TokenizerSpec, context: int) -> torch.nn.Module:
         vocab = spec.vocab_size
@@ -211,17 +218,17 @@ class CausalLM:
         """An HF model directory (config, model.safetensors, tokenizer files, generation config), or with LoRA
         the adapter in PEFT format naming its base, with the tokenizer files."""
         from ..fs import CHECKSUMS, staged_dir, write_checksums
-        from ..infer.sampling import Sampling
 
         gc = model.generation_config
         gc.bos_token_id = spec.bos_id if spec.add_bos else None
         gc.eos_token_id = spec.eos_id
         gc.pad_token_id = spec.pad_id
-        # what `sparklm generate` does by default, so that pipeline("text-generation") samples the same way
-        default = Sampling()
-        gc.do_sample = default.temperature > 0
-        gc.temperature, gc.top_k, gc.top_p, gc.min_p = default.temperature, default.top_k, default.top_p, default.min_p
-        gc.repetition_penalty, gc.max_new_tokens = default.repetition_penalty, default.max_new_tokens
+        default = self.sampling
+        if default is not None:  # what `sparklm generate` does by default: pipeline("text-generation") samples alike
+            gc.do_sample = default.temperature > 0
+            gc.temperature, gc.top_k, gc.top_p = default.temperature, default.top_k, default.top_p
+            gc.min_p, gc.repetition_penalty = default.min_p, default.repetition_penalty
+            gc.max_new_tokens = default.max_new_tokens
         context = context_length(model.config)
         with staged_dir(uri, storage, marker=CHECKSUMS) as tmp:
             if lora.is_lora(model):
@@ -237,9 +244,8 @@ class CausalLM:
 
     def artefacts(self, model: torch.nn.Module, spec: TokenizerSpec, run_dir: str, dataset, config: Config) -> None:
         """samples.txt: continuations of validation prompts (train.samples of them)."""
-        from ..train.report import write_samples
-
-        write_samples(model, spec, run_dir, dataset, config)
+        if self.samples is not None:
+            self.samples(model, spec, run_dir, dataset, config)
 
 
 def base_name(init_from: str) -> str:
@@ -248,11 +254,3 @@ def base_name(init_from: str) -> str:
     from ..fs import is_remote
 
     return init_from if is_remote(init_from) else str(Path(init_from).expanduser().resolve())
-
-
-def task_for(config: Config) -> Task:
-    """The task ``config.model.task`` names (model/tasks.py's registry), made from the configuration."""
-    import importlib
-
-    info = REGISTRY[config.model.task]
-    return getattr(importlib.import_module(f"{__package__}.{info.module}"), info.cls).from_config(config)

@@ -1,10 +1,8 @@
-"""The tasks sparklm trains, by name (``model.task``), and what the driver knows of each without importing
-torch: the named figures its evaluation reports, and how people read them.
+"""The figures a task's evaluation reports, torch-free: their keys, names and how people read them, and the pure
+functions that make them from summed counts.
 
-A task's code lives in its own module (model/task.py: ``CausalLM``), imported only where a model is built; the
-driver, the sinks, the console, summary.json, loss.png and ``sparklm eval`` read a task's figures from its
-:class:`FigureSet` here and never spell a figure's name themselves. Adding a task means a class implementing
-model/task.py's ``Task`` and a line in ``REGISTRY`` (model/task.py's ``task_for`` makes it).
+The driver, the sinks, the console, summary.json, loss.png and ``sparklm eval`` read a task's figures from its
+:class:`FigureSet` (the task's module in sparklm/tasks/ names it) and never spell a figure's name themselves.
 """
 
 from __future__ import annotations
@@ -116,32 +114,3 @@ MLM_FIGURES = FigureSet((
     Figure("val_acc", "accuracy", "masked accuracy", ".2%"),
     Figure("val_tokens", "tokens", "masked tokens", ",d", shown=False),
 ), loss="val_loss", headline="val_loss")
-
-
-@dataclass(frozen=True)
-class TaskInfo:
-    module: str  # the module (under sparklm.model) and class that implement it
-    cls: str
-    figures: FigureSet
-    help: str
-    data: tuple[str, ...] = ("causal-lm",)  # the datasets (manifest "task") it trains on
-
-# name → where it lives and what it reports; the keys are what ``model.task`` accepts (config.py reads them here)
-REGISTRY: dict[str, TaskInfo] = {
-    "causal-lm": TaskInfo("task", "CausalLM", LM_FIGURES,
-                          "next-token prediction with a decoder (built from [model], or --init-from a pretrained one)"),
-    "classify": TaskInfo("encoders", "SequenceClassifier", CLASSIFY_FIGURES,
-                         "text (pair) classification: --init-from any model AutoModelForSequenceClassification loads "
-                         "(BERT, RoBERTa, DistilBERT, MiniLM, XLM-R, or a decoder), on data prepared with --task "
-                         "classify", data=("classify",)),
-    "mlm": TaskInfo("encoders", "MaskedLM", MLM_FIGURES,
-                    "masked-LM continued pretraining of an encoder (--init-from; 15% of tokens, 80/10/10), on data "
-                    "prepared with --task mlm or classify", data=("mlm", "classify")),
-}
-NAMES: tuple[str, ...] = tuple(REGISTRY)
-
-
-def figures_for(name: str) -> FigureSet:
-    """The figures task ``name`` reports (torch-free: for the driver, the sinks and the report)."""
-    return REGISTRY[name].figures
-

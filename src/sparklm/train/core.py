@@ -22,7 +22,8 @@ from ..data.tokenizer import TokenizerSpec, token_byte_lengths
 from ..errors import SparklmError
 from ..fs import delete, exists, join
 from ..model import param_count
-from ..model.task import Batch, Task, task_for
+from ..model.task import Batch, Task
+from ..tasks import make as make_task
 from . import checkpoint, collective, device, loop, optim
 from .plan import RunPlan, local
 from .recorder import Best, Recorder, RunResult
@@ -70,7 +71,7 @@ class Trainer:
         self.dataset, self.spec, self.rank = dataset, spec, rank
         self.comm = comm or collective.Single()
         self.tc = self.config.train
-        self.task = task or task_for(self.config)
+        self.task = task or make_task(self.config)
         self.seq_len = dataset.seq_len
         self.model = self.device.put(self.task.build(self.config, spec, self.seq_len))
         # what draws at random while training (dropout, masked-LM masks) is a function of (seed, rank), whatever ran

@@ -20,9 +20,10 @@ from .. import spark_figures
 from ..config import StorageConfig
 from ..errors import SparklmError
 from ..fs import exists, join, read_text, write_text
-from ..model.tasks import FigureSet, figures_for
+from ..model.tasks import FigureSet
 from ..progress import duration
 from ..redact import MASK
+from ..tasks import info as task_info
 from .sinks import read_metrics
 
 REPORT = "report.html"
@@ -58,6 +59,10 @@ class RunData:
     epochs: list[dict] = field(default_factory=list)  # epochs.csv: one row per pass over the training split
 
     @property
+    def task(self) -> str:
+        return self.summary.get("task") or self.config.get("config", {}).get("model", {}).get("task", "causal-lm")
+
+    @property
     def name(self) -> str:
         return posixpath.basename(self.uri.rstrip("/")) or self.uri
 
@@ -73,7 +78,7 @@ def read_run(run_dir: str, storage: StorageConfig | None = None) -> RunData:
         summary_uri = join(run_dir, "summary.json")
         summary = json.loads(read_text(summary_uri, storage)) if exists(summary_uri, storage) else {}
         task = summary.get("task") or config["config"]["model"]["task"]
-        figures = figures_for(task)
+        figures = task_info(task).figures
     except (ValueError, KeyError, TypeError) as e:
         raise SparklmError(f"{run_dir} holds a config.json or summary.json sparklm cannot read ({type(e).__name__}: "
                            f"{e})", hint="restore it from a copy of the run directory") from None
@@ -116,12 +121,10 @@ def render_run(run: RunData) -> str:
         body += ["<h2>Epochs</h2>", epochs_table(run.epochs)]
     if run.rounds:
         body += ["<h2>Rounds</h2>", charts(round_charts(run)), rounds_table(run.rounds)]
-    kept = s.get("best") or s.get("final") or {}
-    if kept.get("val_confusion"):  # a classifier: its classes instead of text samples
-        body += ["<h2>Classes (model/, validation split)</h2>", classes_section(kept)]
-    else:
-        body += ["<h2>Samples</h2>", f"<pre>{esc(run.samples)}</pre>" if run.samples else
-                 "<p class=note>No samples.txt (train.samples = 0, or the run did not end).</p>"]
+    section = task_info(run.task).section
+    own = section(run) if section is not None else []  # the task's own section (a classifier's classes)
+    body += own or ["<h2>Samples</h2>", f"<pre>{esc(run.samples)}</pre>" if run.samples else
+                    "<p class=note>No samples.txt (train.samples = 0, or the run did not end).</p>"]
     body += ["<h2>Spark</h2>", spark_section(s.get("spark")),
              "<h2>Configuration</h2>", config_table(run.config)]
     return page(f"sparklm run {run.name}", body)

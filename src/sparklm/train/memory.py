@@ -164,37 +164,35 @@ def model_shapes(config, spec, context: int) -> Shapes:
     if not config.model.init_from:  # LoRA without a base was refused before
         return scratch_shapes(config.model, embedding_rows(spec.vocab_size), context)
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification
+    import transformers
 
     from ..model import lora
     from ..model.build import ADAPTER_CONFIG, model_source
+    from ..tasks import info as task_info
 
     name = config.model.init_from
     path = model_source(name, config.storage)
     if (path / ADAPTER_CONFIG).is_file():  # a LoRA run: its base, with the adapter merged in
         path = model_source(lora.base_of(path), config.storage)
-    task = config.model.task
-    names = dict(enumerate(config.model.labels or ["0", "1"]))
-    auto, extra, peft_task = {"classify": (AutoModelForSequenceClassification,
-                                           {"id2label": names,
-                                            "label2id": {v: k for k, v in names.items()}}, "SEQ_CLS"),
-                              "mlm": (AutoModelForMaskedLM, {}, None)}.get(task, (AutoModelForCausalLM, {}, "CAUSAL_LM"))
+    task = task_info(config.model.task)
+    auto = getattr(transformers, task.auto)  # the class the task loads its model with
+    extra = task.hf_config(config) if task.hf_config is not None else {}
     try:  # float32: a bfloat16 base's bytes are counted by plan_for, which knows the dtype training computes in
         with torch.device("meta"):
-            model = auto.from_config(AutoConfig.from_pretrained(str(path), local_files_only=True, **extra),
-                                     dtype=torch.float32)
+            model = auto.from_config(transformers.AutoConfig.from_pretrained(str(path), local_files_only=True,
+                                                                             **extra), dtype=torch.float32)
     except Exception as e:
         raise SparklmError(f"cannot read the model config in {name}: {' '.join(str(e).split())[:200]}") from None
     if config.lora.r:
         lora.check_targets(model, config.lora)
         with torch.device("meta"):
-            model = lora.wrap(model, config.lora, task_type=peft_task)
+            model = lora.wrap(model, config.lora, task_type=task.peft)
     cfg = model.config
     params = list(model.parameters())
     head = model.get_output_embeddings()  # a classifier's logits are its classes, not a vocabulary
     return Shapes(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
                   intermediate=getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size,
-                  vocab=head.weight.shape[0] if head is not None else len(names),
+                  vocab=head.weight.shape[0] if head is not None else model.config.num_labels,
                   params=sum(p.numel() for p in params), weight_bytes=sum(p.numel() * p.element_size() for p in params),
                   trainable=sum(p.numel() for p in params if p.requires_grad),
                   head_trains=head.weight.requires_grad if head is not None else True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import replace
 from typing import Any
 
 from .. import progress, spark_figures, trackers
@@ -21,15 +20,16 @@ from ..data.manifest import PreparedDataset, load_prepared, load_tokenizer
 from ..data.tokenizer import TokenizerSpec
 from ..errors import SparklmError
 from ..fs import effective, exists, is_remote, join, read_text, write_text
-from ..model.tasks import FigureSet, figures_for
+from ..model.tasks import FigureSet
 from ..runlock import RunLock
+from ..tasks import info as task_info
 from ..version import __version__
 from . import checkpoint, memory, resolve, rows
 from . import plan as plans
 from .epochs import EpochRows
 from .html_report import write_report
 from .recorder import RunResult
-from .report import plot_confusion, plot_loss
+from .report import plot_loss
 from .sinks import ConsoleSink, CsvSink, JsonSink, Sinks, metric_columns, read_metrics
 
 # Settings that decide which rows each step trains on: a resumed run must keep them.
@@ -106,7 +106,7 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
             {"config": config.to_saved(), "decided": resolve.decided(asked, config), "plan": plan.record(config),
              "data": data, "sparklm_version": __version__}, indent=2), storage)
         job = Job.of(plan, data=data, run_dir=run_dir, resume=resume, uid=uuid.uuid4().hex, warm=warm)
-        figures = figures_for(config.model.task)
+        figures = task_info(config.model.task).figures
         sinks = _sinks(run_dir, figures, storage, tracking, resume)
         t0 = time.time()
         with trackers.failed_on_error(tracking):
@@ -121,7 +121,8 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
                            spark_figures.collect(spark, jobs))
         _cards(run_dir, config, data, summary)
         plot_loss(run_dir, figures, storage)
-        plot_confusion(run_dir, summary["best"] or summary["final"], storage)
+        if (draw := task_info(config.model.task).report) is not None:  # the task's own pictures
+            draw(run_dir, summary["best"] or summary["final"], storage)
         write_report(run_dir, storage)
     model_dir = join(run_dir, "model")
     trackers.finish_all(tracking, trackers.Outcome(ok=True, summary=summary,
@@ -216,30 +217,23 @@ def _check_resumable(run_dir: str, config: Config) -> None:
 
 
 def task_data(config: Config, dataset: PreparedDataset, data: str) -> Config:
-    """The dataset must be prepared for what the run trains (model/tasks.py says which); a classifier's classes
-    come from its manifest (a resumed run's must be the same)."""
-    from ..model.tasks import REGISTRY
-
-    task, prepared = config.model.task, dataset.manifest.get("task", "causal-lm")
-    fits = REGISTRY[task].data
-    if prepared not in fits:
-        raise SparklmError(f"{data} was prepared for --task {prepared}, and this run trains --task {task}",
-                           hint=f"prepare the data with `sparklm prepare --task {fits[0]}`, or train with "
+    """The dataset must be prepared for what the run trains (its task says which); what the data fixes (a
+    classifier's classes) the task takes from its manifest."""
+    info = task_info(config.model.task)
+    prepared = dataset.manifest.get("task", "causal-lm")
+    if prepared not in info.data:
+        raise SparklmError(f"{data} was prepared for --task {prepared}, and this run trains --task {info.name}",
+                           hint=f"prepare the data with `sparklm prepare --task {info.data[0]}`, or train with "
                                 f"--task {prepared}")
-    if task != "classify":
-        return config
-    names = list(dataset.manifest["labels"]["names"])
-    if config.model.labels and list(config.model.labels) != names:
-        raise SparklmError(f"{data} has the classes {names}, and the run was trained on {list(config.model.labels)}",
-                           hint="resume on the dataset the run started with")
-    return config.replace(model=replace(config.model, labels=names))
+    return info.settle(config, dataset.manifest, data) if info.settle is not None else config
 
 
 def _check_init_from(config: Config, spec: TokenizerSpec, seq_len: int | None = None) -> None:
     """Before Spark starts: the pretrained model exists and loads (config and safetensors weights) and its tokenizer
     is the dataset's (LoRA's targets are checked with the model's shapes, memory.model_shapes)."""
+    info = task_info(config.model.task)
     if not config.model.init_from:
-        if config.model.task != "causal-lm":
+        if info.pretrained:
             from ..model.encoders import no_model  # imports torch: only on the error's path
 
             raise no_model(config.model.task)
@@ -259,10 +253,10 @@ def _check_init_from(config: Config, spec: TokenizerSpec, seq_len: int | None = 
     if (path / "tokenizer.json").is_file() and load(str(path)).sha256 != spec.sha256:
         raise SparklmError(f"the tokenizer of {name} differs from the dataset's",
                            hint=f"prepare the data with --tokenizer {name}")
-    if config.model.task != "causal-lm":
+    if info.pretrained:
         from ..model.encoders import check_loadable
 
-        check_loadable(config, path, seq_len)
+        check_loadable(config, path, seq_len, info.auto)
 
 
 def _summary(run_dir: str, config: Config, dataset: PreparedDataset, result: RunResult, spark, seconds: float,

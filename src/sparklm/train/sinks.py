@@ -196,8 +196,9 @@ class ConsoleSink(_WrittenAsItComes):
         elif isinstance(row, rows.Round):
             progress.info(round_line(row))
         elif isinstance(row, rows.Epoch):
-            progress.info(f"  epoch {row.epoch} done at step {row.step}: loss {row.loss:.3f} | accuracy "
-                          f"{row.acc:.1%} | {row.epoch_s:.1f} s | {row.tokens_per_s:,.0f} tok/s | "
+            acc = "" if row.acc != row.acc else f" | accuracy {row.acc:.1%}"  # NaN: a task without one
+            progress.info(f"  epoch {row.epoch} done at step {row.step}: loss {row.loss:.3f}{acc} | "
+                          f"{row.epoch_s:.1f} s | {row.tokens_per_s:,.0f} tok/s | "
                           f"{row.ms_per_step:.0f} ms/step{_peak(row.peak_rss_mb)}")
         elif isinstance(row, rows.Warn):
             progress.warn(row.message)

@@ -85,7 +85,7 @@ class RoundsUnit:
 
     def __init__(self, spark, job: Job, sink: Sink, name: str, shards: list[tuple[int, int]] | None):
         from ...data.manifest import load_prepared, load_tokenizer
-        from ...model.task import task_for
+        from ...tasks import make as make_task
 
         self.spark, self.job, self.name = spark, job, name
         plan = job.plan
@@ -100,7 +100,7 @@ class RoundsUnit:
                                  self.tc.time_budget)
         self.note_at = self.schedule.unit(0, self.size)  # the first round's end: its pace projects a time budget
         # The initial weights: the same seeded model every strategy starts from; only the trainable ones travel.
-        self.task = task = task_for(config)
+        self.task = task = make_task(config)
         model = task.build(config, load_tokenizer(self.dataset, self.storage), self.dataset.seq_len)
         self.params = {n: p.detach().clone() for n, p in task.trainable(model).items()}
         del model

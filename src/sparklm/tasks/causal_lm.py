@@ -1,0 +1,19 @@
+"""Next-token prediction with a decoder: sparklm's own model from ``[model]`` or a pretrained one (``--init-from``),
+full or LoRA. The model's math is model/task.py's ``CausalLM``; what a run leaves besides model/ is samples.txt."""
+
+from __future__ import annotations
+
+from ..model.tasks import LM_FIGURES
+from . import DataKind, TaskInfo
+
+
+def make(config):
+    from ..infer.sampling import Sampling
+    from ..model.task import CausalLM
+    from ..train.report import write_samples
+
+    return CausalLM.from_config(config, sampling=Sampling(), samples=write_samples)
+
+
+INFO = TaskInfo(name="causal-lm", figures=LM_FIGURES, make=make, prepares=DataKind(rows="packed"),
+                shows="samples.txt")
