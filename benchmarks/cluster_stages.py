@@ -25,12 +25,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "integration")]
 
-PACK = ("import time; t = time.time(); from sparklm import environment; p, built = environment.archive(); "
+PACK = ("import time; t = time.time(); from sparklm.spark import environment; p, built = environment.archive(); "
         "print(round(time.time() - t, 1), built, p.stat().st_size)")
 
 
 def pack_figures() -> dict:
-    from sparklm.cache import cache_dir
+    from sparklm.infra.cache import cache_dir
 
     shutil.rmtree(cache_dir("env"), ignore_errors=True)
     out = {}

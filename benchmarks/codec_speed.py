@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from sparklm.train.strategies.codec import Codec, apply_update, decode, encode_update
+from sparklm.strategies.codec import Codec, apply_update, decode, encode_update
 
 torch.set_num_threads(1)
 

@@ -134,7 +134,7 @@ CONTENDERS = {
 def run_sparklm(args: list[str], steps: int) -> dict:
     import tempfile
 
-    from sparklm.train.sinks import read_metrics
+    from sparklm.metrics.sinks import read_metrics
 
     with tempfile.TemporaryDirectory(dir=WORK) as tmp:
         run = Path(tmp) / "run"

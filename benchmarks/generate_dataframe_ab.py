@@ -40,7 +40,7 @@ def main():
     from sparklm.config import SparkConfig
     from sparklm.infer.batch import generate_dataframe
     from sparklm.infer.sampling import Sampling
-    from sparklm.spark import get_session
+    from sparklm.spark.session import get_session
     s = Sampling(temperature=0.8, top_k=50, max_new_tokens=64, min_new_tokens=64, seed=1)
     prompts = [f"Prompt number {i}: the king said" for i in range(int(sys.argv[2]) if len(sys.argv) > 2 else 32)]
     spark = get_session(SparkConfig(master="local[2]", ui=False))

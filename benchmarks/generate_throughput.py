@@ -90,7 +90,7 @@ def bench_spark(run: Path, new_tokens: int, n_prompts: int) -> dict:
     from sparklm.infer.batch import generate_dataframe
     from sparklm.infer.generate import generate, load
     from sparklm.infer.sampling import Sampling
-    from sparklm.spark import get_session
+    from sparklm.spark.session import get_session
 
     s = Sampling(temperature=0.8, top_k=50, max_new_tokens=new_tokens, min_new_tokens=new_tokens, seed=1)
     prompts = prompts_of(n_prompts)

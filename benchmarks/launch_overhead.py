@@ -71,7 +71,7 @@ def main() -> None:
     from pyspark.ml.torch.distributor import TorchDistributor
 
     from sparklm.config import SparkConfig
-    from sparklm.spark import get_session
+    from sparklm.spark.session import get_session
 
     spark = get_session(SparkConfig(master="local[2]", ui=False), jvm_log="/dev/null")
     ways = {

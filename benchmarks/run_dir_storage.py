@@ -50,7 +50,7 @@ def run(where: str, data: Path, output: str, steps: int, env: dict) -> dict:
     if r.returncode:
         raise SystemExit(f"{where} failed:\n{r.stderr[-3000:]}")
     sys.path.insert(0, str(ROOT / "src"))
-    from sparklm.fs import read_text
+    from sparklm.infra.fs import read_text
 
     s = json.loads(read_text(f"{output}/summary.json"))
     res = {"where": where, "wall_s": wall, "train_s": s["train_seconds"], "tokens_per_s": s["tokens_per_s"],

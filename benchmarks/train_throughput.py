@@ -36,8 +36,8 @@ SHARED = ROOT.parent / "shared" / "data"
 
 from nanogpt_ref import GPT, GPTConfig, train_steps  # noqa: E402
 from sparklm.config import from_dict  # noqa: E402
+from sparklm.metrics.sinks import read_metrics  # noqa: E402
 from sparklm.train.peak import matmul_peak  # noqa: E402
-from sparklm.train.sinks import read_metrics  # noqa: E402
 
 SIZES = {"4L/128": {"n_layer": 4, "n_head": 4, "n_embd": 128}, "~10M 8L/320": {"n_layer": 8, "n_head": 8, "n_embd": 320}}
 BATCH, SEQ, THREADS = 16, 256, 2
@@ -87,9 +87,9 @@ def settings(size: dict, arch: str, dtype: str, steps: int, compile: bool = Fals
 
 def sparklm_loop(size: dict, arch: str, dtype: str, steps: int, data: Path, compile: bool = False) -> dict:
     from sparklm.data.manifest import load_prepared, load_tokenizer
-    from sparklm.model.tasks import LM_FIGURES
+    from sparklm.metrics.sinks import CsvSink, JsonSink, Sinks, metric_columns
+    from sparklm.model.figures import LM_FIGURES
     from sparklm.train.core import Rank, train
-    from sparklm.train.sinks import CsvSink, JsonSink, Sinks, metric_columns
 
     ds = load_prepared(str(data))
     with tempfile.TemporaryDirectory() as run:

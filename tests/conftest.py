@@ -163,7 +163,7 @@ def make_text(n_paragraphs: int = 40, seed: int = 0) -> str:
 @pytest.fixture(scope="session")
 def spark(s3_server):
     # The S3 server starts first so its variables are in the environment Python workers inherit.
-    from sparklm.spark import get_session
+    from sparklm.spark.session import get_session
 
     session = get_session(SparkConfig(master="local[2]", ui=False, conf={"spark.sql.shuffle.partitions": "4"}))
     yield session
@@ -204,7 +204,7 @@ def start_standalone(work: Path) -> tuple[list[subprocess.Popen], str, int]:
     logs and work dirs under ``work``."""
     import pyspark
 
-    from sparklm.java import find_java_home
+    from sparklm.spark.java import find_java_home
 
     home = Path(pyspark.__file__).parent
     env = {**os.environ, "JAVA_HOME": find_java_home(), "SPARK_HOME": str(home), "SPARK_LOCAL_IP": "127.0.0.1",
@@ -266,7 +266,7 @@ def stopped_copy(full: Path, stopped: Path, *, after: int, last: int) -> None:
 def figures(run, name: str = "metrics.csv") -> list[tuple]:
     """What a run's metrics.csv (or rounds.csv) says step by step, without timings: equal for a resumed run and an
     uninterrupted one (each step once)."""
-    from sparklm.train.sinks import read_metrics
+    from sparklm.metrics.sinks import read_metrics
 
     return [(r.get("kind"), r.get("round"), r["step"], r["loss"], r.get("val_loss"))
             for r in read_metrics(str(run) + "/" + name)]
@@ -324,7 +324,7 @@ def cfg(**train):
 def dataset(spark, tmp_path_factory):
     """A prepared dataset of mixed scripts (seq 32, BPE 300), shared by the training tests."""
     from sparklm.config import from_dict
-    from sparklm.data.prepare import prepare
+    from sparklm.launch.prepare import prepare
 
     root = tmp_path_factory.mktemp("data")
     (root / "a.txt").write_text(make_text(400, seed=9))

@@ -11,7 +11,7 @@ In a notebook::
 """
 
 from .config import Config, load_config  # noqa: E402
-from .errors import SparklmError  # noqa: E402
+from .infra.errors import SparklmError  # noqa: E402
 from .version import __version__  # noqa: E402
 
 # The API's functions are imported on first use: `import sparklm` stays light (no torch, no pyspark).

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import progress
 from .config import Config, from_dict, load_config, load_raw, merge
-from .errors import SparklmError
+from .infra import progress
+from .infra.errors import SparklmError
 
 # A table name as Spark SQL writes one: table, db.table or catalog.db.table (backquotes not needed).
 _TABLE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*){0,2}")
@@ -40,7 +40,7 @@ def settings_of(config: Config | dict | str | Path | None, settings: dict[str, A
 
 def _running(spark, *frames):
     """The session a call runs in, if one runs already: ``spark``, a DataFrame's, or the active one."""
-    from .data.prepare import is_dataframe
+    from .launch.prepare import is_dataframe
 
     if spark is not None:
         return spark
@@ -53,14 +53,14 @@ def _running(spark, *frames):
 
 
 def _session(config: Config, spark):
-    from .spark import get_session
+    from .spark.session import get_session
 
     return get_session(config.spark, spark=spark)
 
 
 def _source(source, config: Config, spark, role: str):
     """(what prepare reads, how the manifest names it): a DataFrame, a table's DataFrame, or a list of paths."""
-    from .data.prepare import is_dataframe
+    from .launch.prepare import is_dataframe
 
     if is_dataframe(source):
         return source, None
@@ -88,7 +88,7 @@ def prepare(source, *, output: str, text_col: str | None = None, validation=None
     default ``text``) or a table name (``spark.table``); ``validation`` likewise, else documents are split by hash.
     A DataFrame's text is read by the executors, never collected to the driver.
     """
-    from .data.prepare import prepare as run
+    from .launch.prepare import prepare as run
 
     config = settings_of(config, {**(settings or {}), **({"data.text_field": text_col} if text_col else {})})
     inputs, described = _source(source, config, spark, "source")
@@ -126,7 +126,7 @@ def fit(*, data, output: str, config: Config | dict | str | None = None, setting
     """Train on a prepared dataset (its path, or what :func:`prepare` returned) into the run directory ``output``,
     as ``sparklm train`` does; ``resume`` continues the run there from its last checkpoint."""
     from .data.manifest import PreparedDataset
-    from .train.run import train
+    from .launch.train import train
 
     config = settings_of(config, settings)
     path = data.uri if isinstance(data, PreparedDataset) else data

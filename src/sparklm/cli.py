@@ -14,9 +14,10 @@ from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
-from . import progress, redact, tasks
+from . import tasks
 from .config import choices, fields_with_flags, from_dict, load_raw
-from .errors import SparklmError, known_cause
+from .infra import progress, redact
+from .infra.errors import SparklmError, known_cause
 from .version import __version__
 
 # Which config sections give each command its flags (the flags come from the fields' metadata).
@@ -252,7 +253,7 @@ def _config(args: argparse.Namespace):
 
 def _session_factory(args: argparse.Namespace, config):
     """Start Spark only when a stage needs it (after its inputs are checked), logging the JVM to a file."""
-    from .spark import default_jvm_log, get_session, refuse_connect
+    from .spark.session import default_jvm_log, get_session, refuse_connect
 
     def start():
         refuse_connect()  # before pyspark.sql routes to Spark Connect (whose client may not even be installed)
@@ -276,7 +277,7 @@ def _session_factory(args: argparse.Namespace, config):
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from .data.prepare import prepare
+    from .launch.prepare import prepare
 
     config, _ = _config(args)
     inputs = _inputs(args)
@@ -287,7 +288,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .train.run import train
+    from .launch.train import train
 
     config, changes = _config(args)
     summary = train(args.data, output=args.output, config=config, resume=args.resume, changes=changes,
@@ -297,8 +298,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .data.prepare import prepare
-    from .train.run import train
+    from .launch.prepare import prepare
+    from .launch.train import train
 
     config, raw = _config(args)
     tc = config.train
@@ -338,8 +339,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .fs import effective
-    from .train.html_report import REPORT, write_comparison, write_report
+    from .infra.fs import effective
+    from .metrics.html_report import REPORT, write_comparison, write_report
 
     config, _ = _config(args)
     storage = effective(config.storage)
@@ -368,8 +369,8 @@ def _sampling(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .fs import effective
     from .infer import batch
+    from .infra.fs import effective
 
     sampling = _sampling(args)
     if args.show_top < 0 or args.batch_size < 1:
@@ -421,8 +422,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _generate_on_spark(args: argparse.Namespace, sampling) -> int:
     """``generate --input``: a file of prompts, generated for by Spark tasks, written to ``--output``."""
-    from .fs import effective
     from .infer import batch
+    from .infra.fs import effective
 
     if args.prompt or args.prompt_file:
         raise SparklmError("give prompts either with --input (batch on Spark) or with --prompt/--prompt-file")
@@ -437,7 +438,7 @@ def _generate_on_spark(args: argparse.Namespace, sampling) -> int:
     model_uri(args.model, effective(config.storage))  # a missing model fails here, not in a task
     prompts = batch.read_prompts(args.input)
     spark = _session_factory(args, config)()
-    from .spark import check_shared
+    from .spark.session import check_shared
 
     check_shared(spark, {"model": args.model})
     df = spark.createDataFrame(prompts, "id long, prompt string")
@@ -453,8 +454,8 @@ def _generate_on_spark(args: argparse.Namespace, sampling) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from .fs import effective
     from .infer.predict import check_output, predict
+    from .infra.fs import effective
 
     if args.batch_size < 1:
         raise SparklmError("--batch-size must be >= 1")
@@ -489,15 +490,15 @@ def _eval(args: argparse.Namespace) -> int:
                   f"(window {result['max_length']}, stride {result['stride']})")
     progress.plain(tasks.figures_for(config.model.task).line(result, by="name"))
     if args.output:
-        from .fs import write_text
+        from .infra.fs import write_text
 
         write_text(args.output, json.dumps(result, indent=2))
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .fs import effective
     from .infer.export import export
+    from .infra.fs import effective
 
     config, _ = _config(args)
     if args.format == "hub":

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .errors import SparklmError
+from .infra.errors import SparklmError
+from .strategies import NAMES as STRATEGY_NAMES
 from .tasks import REGISTRY as TASKS  # the registries' names: they live there only
-from .train.strategies import NAMES as STRATEGY_NAMES
 
 
 def _f(default: Any, help: str, *, flag: str = "", **limits: Any) -> Any:
@@ -387,7 +387,7 @@ class Config:
 
     def to_saved(self) -> dict[str, Any]:
         """:meth:`to_dict` for files: values of secret-looking keys (e.g. an S3 secret in spark.conf) masked."""
-        from .redact import mapping
+        from .infra.redact import mapping
 
         return mapping(self.to_dict())
 

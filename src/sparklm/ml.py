@@ -25,7 +25,7 @@ from pyspark.ml.util import (
     MLWriter,
 )
 
-from .errors import SparklmError
+from .infra.errors import SparklmError
 
 
 def _settings(value) -> dict:
@@ -117,8 +117,8 @@ class _ModelWriter(MLWriter):
     def saveImpl(self, path: str) -> None:
         import pyarrow.fs as pafs
 
-        from .fs import resolve
         from .infer.generate import model_uri
+        from .infra.fs import resolve
 
         DefaultParamsWriter.saveMetadata(self.instance, path, self.sparkSession)
         source_fs, source = resolve(model_uri(self.instance.getOrDefault(self.instance.runDir)))

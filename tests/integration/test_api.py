@@ -14,7 +14,7 @@ import pytest
 
 from conftest import MULTILINGUAL, make_text
 from sparklm.config import from_dict
-from sparklm.errors import SparklmError
+from sparklm.infra.errors import SparklmError
 
 SMALL = {"data": {"seq_len": 32, "val_fraction": 0.2}, "tokenizer": {"vocab_size": 300}}
 

@@ -12,10 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import MULTILINGUAL, labelled_records, make_text, run_sparklm, tiny_bert, toy_corpus
-from sparklm import progress
 from sparklm.config import from_dict
-from sparklm.data.prepare import prepare
-from sparklm.errors import SparklmError
+from sparklm.infra import progress
+from sparklm.infra.errors import SparklmError
+from sparklm.launch.prepare import prepare
 
 pytestmark = pytest.mark.xdist_group("beam")
 # what may differ between two prepares of the same inputs: when and how they ran

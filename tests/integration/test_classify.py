@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import labelled_records, run_sparklm, tiny_bert, tiny_roberta, toy_corpus
-from sparklm.errors import SparklmError
+from sparklm.infra.errors import SparklmError
 
 # the module's datasets and models are built once per test process: keep its tests in one
 pytestmark = pytest.mark.xdist_group("classify")
@@ -29,7 +29,7 @@ def _jsonl(path: Path, records: list[dict]) -> str:
 
 def _prepare(spark, inputs, output, **data):
     from sparklm.config import from_dict
-    from sparklm.data.prepare import prepare
+    from sparklm.launch.prepare import prepare
 
     tokenizer = data.pop("tokenizer")
     cfg = from_dict({"data": {"task": "classify", "seq_len": 32, "val_fraction": 0.2, **data},
@@ -189,7 +189,7 @@ def test_a_roberta_classifies_and_continues_its_pretraining(spark, toy, roberta,
 
 def test_masked_lm_pretraining_lowers_its_loss(spark, toy, tmp_path):
     from sparklm.config import from_dict
-    from sparklm.data.prepare import prepare
+    from sparklm.launch.prepare import prepare
 
     text = tmp_path / "docs.txt"
     text.write_text("\n\n".join(r["text"] for r in labelled_records(200, seed=9, words=(20, 60))))
@@ -200,7 +200,7 @@ def test_masked_lm_pretraining_lowers_its_loss(spark, toy, tmp_path):
     assert m["splits"]["train"]["sequences"] > m["splits"]["train"]["documents"]  # long documents: several windows
     s = _fit(data.uri, tmp_path / "run", **{"model.task": "mlm", "model.init_from": toy.bert, "train.max_steps": 80,
                                            "train.eval_every": 40})
-    from sparklm.train.sinks import read_metrics
+    from sparklm.metrics.sinks import read_metrics
 
     losses = [r["val_loss"] for r in read_metrics(str(tmp_path / "run" / "metrics.csv")) if r["kind"] == "eval"]
     # at random the loss is ln(vocabulary) ≈ 5.7 nats per masked token

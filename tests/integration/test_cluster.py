@@ -21,9 +21,9 @@ import torch
 
 from conftest import assert_one_line_interrupt, interrupt, make_text, start_standalone, stop_processes
 from sparklm.config import from_dict
-from sparklm.data.prepare import prepare
-from sparklm.train.run import train
-from sparklm.train.sinks import read_metrics
+from sparklm.launch.prepare import prepare
+from sparklm.launch.train import train
+from sparklm.metrics.sinks import read_metrics
 
 pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("standalone")]
 

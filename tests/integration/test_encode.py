@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import LABELS, make_text, tiny_bert
-from sparklm.errors import SparklmError
+from sparklm.infra.errors import SparklmError
 
 
 def texts() -> list[str | None]:

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from conftest import assert_one_line_interrupt, cfg, figures, interrupt, make_text, weights
-from sparklm.errors import SparklmError
-from sparklm.train.run import train
-from sparklm.train.sinks import read_metrics
+from sparklm.infra.errors import SparklmError
+from sparklm.launch.train import train
+from sparklm.metrics.sinks import read_metrics
 
 TINY_FLAGS = ["--master", "local[2]", "--set", "spark.ui=false", "--set", "model.n_layer=1", "--set", "model.n_head=2",
               "--set", "model.n_embd=32", "--set", "train.eval_batches=2", "--set", "train.samples=0",
@@ -75,7 +75,7 @@ def test_overwrite_replaces_only_sparklm_outputs(tmp_path):
 def test_overwrite_of_a_dataset_refuses_files_it_did_not_write(spark, dataset, tmp_path):
     """A sparklm manifest beside a user's own file: --overwrite must not take the file with the dataset."""
     from sparklm.config import from_dict
-    from sparklm.data.prepare import prepare
+    from sparklm.launch.prepare import prepare
 
     mixed = tmp_path / "mixed"
     mixed.mkdir()
@@ -99,7 +99,7 @@ def test_overwrite_of_a_dataset_refuses_files_it_did_not_write(spark, dataset, t
 
 def test_stale_staging_of_a_killed_prepare_is_removed(spark, tmp_path):
     from sparklm.config import from_dict
-    from sparklm.data.prepare import prepare
+    from sparklm.launch.prepare import prepare
 
     (tmp_path / "in.txt").write_text(make_text(60))
     stale = tmp_path / ".out.sparklm-tmp-0123456789ab"

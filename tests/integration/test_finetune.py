@@ -10,7 +10,7 @@ import torch
 
 from conftest import make_text
 from sparklm.config import from_dict
-from sparklm.errors import SparklmError
+from sparklm.infra.errors import SparklmError
 
 # one test process takes the whole file: the module's models and datasets (`bases`) are made once
 pytestmark = pytest.mark.xdist_group("finetune")
@@ -67,7 +67,7 @@ def save_gpt2(directory):
 @pytest.fixture(scope="module")
 def bases(spark, tmp_path_factory):
     """{arch: (model dir, prepared dataset)}: each model's own tokenizer prepared the data."""
-    from sparklm.data.prepare import prepare
+    from sparklm.launch.prepare import prepare
 
     root = tmp_path_factory.mktemp("finetune")
     (root / "text.txt").write_text(TEXTS[0] + TEXTS[1])
@@ -126,7 +126,7 @@ def test_finetune_with_every_strategy(spark, bases, tmp_path, strategy, arch, lo
     from transformers import AutoModelForCausalLM
 
     from sparklm.infer.generate import load
-    from sparklm.train.run import train
+    from sparklm.launch.train import train
 
     model_dir, data = bases[arch]
     run = tmp_path / "run"
@@ -166,7 +166,7 @@ def test_finetune_with_every_strategy(spark, bases, tmp_path, strategy, arch, lo
 
 def test_lora_adapters_travel_compressed(spark, bases, tmp_path):
     """Sparse DiLoCo over LoRA: only the adapters travel, and they travel as Top-k deltas and sparse updates."""
-    from sparklm.train.run import train
+    from sparklm.launch.train import train
 
     model_dir, data = bases["llama"]
     rounds = {"codec": "topk", "density": 0.05, "outer_momentum": 0.0, "outer_lr": 1.0}
@@ -183,7 +183,7 @@ def test_merged_export_equals_base_plus_adapter(spark, bases, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from sparklm.cli import main
-    from sparklm.train.run import train
+    from sparklm.launch.train import train
 
     model_dir, data = bases["llama"]
     run = tmp_path / "run"
@@ -205,7 +205,7 @@ def test_merged_export_equals_base_plus_adapter(spark, bases, tmp_path):
 
 
 def test_bad_pretrained_models_are_one_line(spark, bases, tmp_path):
-    from sparklm.train.run import train
+    from sparklm.launch.train import train
 
     model_dir, data = bases["llama"]
     # a LoRA target that names no module

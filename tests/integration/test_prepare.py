@@ -15,8 +15,8 @@ from conftest import MULTILINGUAL, make_text
 from sparklm.config import from_dict
 from sparklm.data.clean import clean_text
 from sparklm.data.manifest import load_prepared
-from sparklm.data.prepare import prepare
-from sparklm.errors import SparklmError
+from sparklm.infra.errors import SparklmError
+from sparklm.launch.prepare import prepare
 
 
 def rows(dataset, split):

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import labelled_records, run_sparklm, tiny_bert, toy_corpus
-from sparklm.errors import SparklmError
+from sparklm.infra.errors import SparklmError
 
 pytestmark = pytest.mark.xdist_group("classify")  # the tiny BERT and its dataset, built once per process
 
@@ -34,7 +34,7 @@ def scored(n: int, seed: int) -> list[dict]:
 
 def _prepare(spark, inputs, output, tokenizer, **data):
     from sparklm.config import from_dict
-    from sparklm.data.prepare import prepare
+    from sparklm.launch.prepare import prepare
 
     cfg = from_dict({"data": {"task": "regress", "seq_len": 32, "val_fraction": 0.2, "label_field": "y", **data},
                      "tokenizer": {"path": tokenizer}, "output": {"row_group_mb": 1}})

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import cfg
 from sparklm.cli import main
-from sparklm.train.run import train
+from sparklm.launch.train import train
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import cfg, figures, stopped_copy, weights
-from sparklm.train.run import train
-from sparklm.train.sinks import read_metrics
+from sparklm.launch.train import train
+from sparklm.metrics.sinks import read_metrics
 
 
 def rounds(run_dir):
@@ -49,8 +49,8 @@ def test_one_worker_in_rounds_equals_the_single_process_loop(spark, dataset, tmp
 
 
 def test_two_workers_averaging_identical_data_equal_one_worker(spark, dataset, tmp_path):
-    from sparklm.train.sinks import Sinks
-    from sparklm.train.strategies import Job, get
+    from sparklm.metrics.sinks import Sinks
+    from sparklm.strategies import Job, get
 
     def run(name, workers, shards):
         config = cfg(max_steps=4, samples=0, strategy="average", sync_every=2)
@@ -127,7 +127,7 @@ def test_resume_in_rounds_ends_with_the_same_weights(spark, dataset, tmp_path):
 
 
 def test_bad_inputs_in_rounds_are_one_line(spark, dataset, tmp_path):
-    from sparklm.errors import SparklmError
+    from sparklm.infra.errors import SparklmError
 
     with pytest.raises(SparklmError, match="fewer than one global batch"):
         train(dataset, output=str(tmp_path / "big"), config=cfg(batch_size=100000, max_steps=1, strategy="diloco"),
@@ -136,7 +136,7 @@ def test_bad_inputs_in_rounds_are_one_line(spark, dataset, tmp_path):
     train(dataset, output=str(ddp_run), config=cfg(max_steps=2, samples=0), spark=spark)
     with pytest.raises(SparklmError, match="written by strategy ddp, not diloco"):
         train(None, output=str(ddp_run), config=cfg(max_steps=4, strategy="diloco"), resume=True, spark=spark)
-    from sparklm.train.strategies.rounds import parse_fault
+    from sparklm.strategies.rounds import parse_fault
 
     with pytest.raises(SparklmError, match="is not round=R,worker=W"):
         parse_fault("round=one")

@@ -6,11 +6,11 @@ import pytest
 
 from conftest import make_text
 from sparklm.data.manifest import load_prepared
-from sparklm.data.prepare import prepare
-from sparklm.errors import SparklmError
-from sparklm.fs import exists, list_names, resolve, staged_dir
-from sparklm.train.rows import Train
-from sparklm.train.sinks import TRAIN_COLUMNS, CsvSink, read_metrics
+from sparklm.infra.errors import SparklmError
+from sparklm.infra.fs import exists, list_names, resolve, staged_dir
+from sparklm.launch.prepare import prepare
+from sparklm.metrics.rows import Train
+from sparklm.metrics.sinks import TRAIN_COLUMNS, CsvSink, read_metrics
 
 
 def test_prepare_from_and_to_s3(spark, s3_server, config):
@@ -36,7 +36,7 @@ def test_prepare_from_and_to_s3(spark, s3_server, config):
     from deltalake import write_deltalake
 
     from sparklm.config import StorageConfig
-    from sparklm.data.delta import storage_options
+    from sparklm.data.delta_lake import storage_options
 
     options = storage_options("s3://corpus/delta", StorageConfig(endpoint_url=s3_server))
     write_deltalake("s3://corpus/delta", pa.table({"text": ["an old document"] * 3}), storage_options=options)
@@ -54,7 +54,7 @@ def test_unreachable_or_missing_object_store_is_one_line(spark, s3_server, confi
 
     dead = StorageConfig(endpoint_url="http://127.0.0.1:9")  # nothing listens on the discard port
     with pytest.raises(SparklmError, match="cannot list s3://corpus/books"):
-        from sparklm.fs import expand
+        from sparklm.infra.fs import expand
 
         expand("s3://corpus/books", dead)
 
@@ -73,7 +73,7 @@ def test_run_directory_on_s3(spark, dataset, s3_server, tmp_path):
     from sparklm.infer.export import export
     from sparklm.infer.generate import generate, load
     from sparklm.infer.sampling import Sampling
-    from sparklm.train.run import train
+    from sparklm.launch.train import train
 
     s3 = boto3.client("s3", endpoint_url=s3_server)
     s3.create_bucket(Bucket="runs")
@@ -132,7 +132,7 @@ def test_a_run_directory_on_s3_has_one_writer(s3_server):
     import time
 
     from sparklm.config import StorageConfig
-    from sparklm.runlock import LOCK, RunLock
+    from sparklm.infra.runlock import LOCK, RunLock
 
     s3 = boto3.client("s3", endpoint_url=s3_server)
     s3.create_bucket(Bucket="locked")
@@ -169,7 +169,7 @@ def test_stale_staging_is_removed_on_an_object_store_too(s3_server):
     import boto3
 
     from sparklm.config import StorageConfig
-    from sparklm.fs import remove_stale
+    from sparklm.infra.fs import remove_stale
 
     s3 = boto3.client("s3", endpoint_url=s3_server)
     s3.create_bucket(Bucket="stale")
@@ -212,7 +212,7 @@ def test_sparse_diloco_on_s3_keeps_its_residuals_there(spark, dataset, s3_server
     from safetensors.numpy import load
 
     from conftest import cfg
-    from sparklm.train.run import train
+    from sparklm.launch.train import train
 
     s3 = boto3.client("s3", endpoint_url=s3_server)
     s3.create_bucket(Bucket="sparse")

@@ -17,7 +17,7 @@ from conftest import make_text
 SHOW = """
 import json, sys
 from sparklm.config import SparkConfig
-from sparklm.spark import get_session
+from sparklm.spark.session import get_session
 
 spark = get_session(SparkConfig(ui=False, class_cache=False))
 conf = spark.sparkContext.getConf()
@@ -73,7 +73,7 @@ def test_spark_defaults_conf_wins_over_sparklm_defaults(tmp_path):
 SECRET_JOB = """
 import glob, json, os
 from sparklm.config import SparkConfig
-from sparklm.spark import get_session
+from sparklm.spark.session import get_session
 
 secret = os.environ["THE_SECRET"]  # not on this script's own command line
 spark = get_session(SparkConfig(master="local[1]", ui=False, class_cache=False, conf={
@@ -132,7 +132,7 @@ def test_spark_connect_is_one_line_naming_what_needs_classic_spark(tmp_path, how
 
 
 def test_python_workers_import_the_installed_pyspark_not_sparks_zip(spark):
-    """Compiled once, not in every worker (sparklm.daemon): the first task of a command starts ~0.5 s sooner."""
+    """Compiled once, not in every worker (sparklm.spark.daemon): the first task of a command starts ~0.5 s sooner."""
     import pyspark
 
     def where(_):

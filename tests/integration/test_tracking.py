@@ -17,9 +17,9 @@ import pytest
 
 from conftest import cfg, free_port, make_text, run_sparklm
 from sparklm.config import TrackingConfig, flatten
-from sparklm.errors import SparklmError
-from sparklm.train.run import train
-from sparklm.train.sinks import read_metrics
+from sparklm.infra.errors import SparklmError
+from sparklm.launch.train import train
+from sparklm.metrics.sinks import read_metrics
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +199,7 @@ def test_wandb_offline_run_has_the_config_history_summary_and_artifacts(spark, d
 
 
 def _train_row(step: int, loss: float):
-    from sparklm.train import rows
+    from sparklm.metrics import rows
 
     return rows.Train(step=step, epoch=0.0, tokens=step * 10, loss=loss, lr=1e-3, grad_norm=1.0, tokens_per_s=1.0,
                       ms_per_step=1.0, mfu=0.0, rss_mb=1.0, peak_rss_mb=1.0, rank_peak_rss_mb="1", elapsed=1.0)
@@ -210,8 +210,8 @@ def test_a_restart_leaves_one_clean_history_in_mlflow_and_wandb(tmp_path, mlflow
     once, with the second attempt's values, though neither can delete a logged value."""
     from mlflow import MlflowClient
 
-    from sparklm import trackers
     from sparklm.config import Config, StorageConfig
+    from sparklm.metrics import trackers
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

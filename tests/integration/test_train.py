@@ -10,9 +10,9 @@ import torch
 
 from conftest import TINY, cfg, figures, run_sparklm, stopped_copy, weights
 from sparklm.config import from_dict
-from sparklm.errors import SparklmError
-from sparklm.train.run import train
-from sparklm.train.sinks import read_metrics
+from sparklm.infra.errors import SparklmError
+from sparklm.launch.train import train
+from sparklm.metrics.sinks import read_metrics
 
 
 def test_loss_falls_and_the_run_directory_is_complete(spark, dataset, tmp_path):
@@ -125,7 +125,7 @@ def test_warm_rank_processes_are_taken_once_and_report_how_their_rank_ended(tmp_
     import signal
 
     from sparklm.config import Config, TrainConfig
-    from sparklm.train.strategies.ddp import DDP, WarmRank
+    from sparklm.strategies.ddp import DDP, WarmRank
 
     with DDP().prestart(Config(train=TrainConfig(workers=2, threads=1)), "local[2]") as warm:
         assert len(warm) == 2
@@ -281,8 +281,8 @@ def test_epochs_csv_sums_each_pass_and_train_rows_carry_the_training_accuracy(sp
     loss and accuracy the step-weighted means of the pass's train rows."""
     from conftest import make_text
     from sparklm.config import from_dict
-    from sparklm.data.prepare import prepare
-    from sparklm.train.epochs import epoch_rows
+    from sparklm.launch.prepare import prepare
+    from sparklm.metrics.epochs import epoch_rows
 
     (tmp_path / "a.txt").write_text(make_text(24, seed=4))
     data = prepare([str(tmp_path / "a.txt")], output=str(tmp_path / "prep"), spark=spark,

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from sparklm.train.strategies.codec import Codec, decode, from_bf16, pack_bits, to_bf16, unpack_bits
+from sparklm.strategies.codec import Codec, decode, from_bf16, pack_bits, to_bf16, unpack_bits
 
 FLOATS = st.floats(-1e3, 1e3, allow_nan=False, width=32)
 
@@ -106,7 +106,7 @@ def test_bad_settings_are_refused():
 @given(st.integers(0, 2000), st.floats(0.0, 1.0), st.integers(0, 10))
 @settings(max_examples=60, deadline=None)
 def test_an_update_carries_exactly_the_changed_weights(n, share, seed):
-    from sparklm.train.strategies.codec import apply_update, encode_update
+    from sparklm.strategies.codec import apply_update, encode_update
 
     g = np.random.default_rng(seed)
     old = {"w": g.standard_normal(n).astype(np.float32), "m": g.standard_normal((3, 5)).astype(np.float32)}
@@ -125,7 +125,7 @@ def test_an_encoded_step_lands_bit_for_bit_and_the_driver_keeps_what_it_did_not_
     """The driver's side of a round with downlink = codec: it encodes the step from the weights the workers hold
     (h) to its exact weights (x), and both sides compute h + decode with the same function: equal bits. What one
     step does not deliver stays in x - h, so over steps the workers' weights follow the exact ones."""
-    from sparklm.train.strategies.codec import apply_update
+    from sparklm.strategies.codec import apply_update
 
     codec = Codec(name, density=0.05, bits=2)
     g = np.random.default_rng(7)

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from sparklm.config import Config, describe, from_dict, load_config
-from sparklm.errors import SparklmError
+from sparklm.infra.errors import SparklmError
 
 ROOT = Path(__file__).resolve().parents[2]
 

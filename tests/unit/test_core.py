@@ -12,14 +12,14 @@ import torch
 
 from sparklm.config import Config, TrainConfig, diff, from_dict, merge
 from sparklm.data.stream import TokenStream, row_groups
-from sparklm.errors import SparklmError
+from sparklm.infra.errors import SparklmError
+from sparklm.launch.train import peak_mb, resume_config
+from sparklm.metrics.recorder import Best
+from sparklm.model.figures import lm_figures
 from sparklm.model.lm_head import token_sums
 from sparklm.model.task import IGNORE, make_batch
-from sparklm.model.tasks import lm_figures
 from sparklm.train import checkpoint
 from sparklm.train.core import fraction, lr_at, plan
-from sparklm.train.recorder import Best
-from sparklm.train.run import peak_mb, resume_config
 
 # -- the schedule ---------------------------------------------------------------------------------
 
@@ -276,7 +276,7 @@ def test_auto_optimizer_is_muon_only_where_bf16_is_fast():
 
 
 def test_a_plan_of_many_epochs_says_so():
-    from sparklm.train.recorder import MANY_EPOCHS, epochs_note
+    from sparklm.metrics.recorder import MANY_EPOCHS, epochs_note
 
     assert epochs_note(MANY_EPOCHS, 1000) is None and epochs_note(1.5, 10) is None
     note = epochs_note(13.2, 174_636)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sparklm.config import Config, ModelConfig, from_dict
-from sparklm.train import fit
+from sparklm.train import budget as fit
 
 
 def _shape(c: ModelConfig) -> tuple[int, int]:

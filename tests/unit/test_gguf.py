@@ -11,8 +11,8 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from sparklm.errors import SparklmError  # noqa: E402
-from sparklm.fs import staged_once  # noqa: E402
+from sparklm.infra.errors import SparklmError  # noqa: E402
+from sparklm.infra.fs import staged_once  # noqa: E402
 from sparklm.model import gguf as gguf_import  # noqa: E402
 from sparklm.model.build import load_model  # noqa: E402
 

@@ -12,11 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from sparklm import spark_figures
-from sparklm.errors import SparklmError
-from sparklm.model.tasks import LM_FIGURES
-from sparklm.train import html_report
-from sparklm.train.html_report import RunData, read_run, render_comparison, render_run, thin
+from sparklm.infra.errors import SparklmError
+from sparklm.metrics import html_report
+from sparklm.metrics.html_report import RunData, read_run, render_comparison, render_run, thin
+from sparklm.model.figures import LM_FIGURES
+from sparklm.spark import figures as spark_figures
 
 
 def stage(sid, attempt=0, status="COMPLETE", **kw):

@@ -86,8 +86,9 @@ def test_the_driver_and_the_barrier_task_do_not_import_torch_for_a_run_from_scra
     code = (
         "import dataclasses, sys\n"
         "from sparklm.config import Config\n"
-        "from sparklm.train import memory, resolve, run\n"
-        "from sparklm.train.strategies import ddp, rounds\n"
+        "from sparklm.launch import train as run\n"
+        "from sparklm.train import memory, resolve\n"
+        "from sparklm.strategies import ddp, rounds\n"
         "cfg = Config()\n"
         "resolve.settings(cfg.replace(train=dataclasses.replace(cfg.train, dtype='float32', optimizer='adamw')), 2)\n"
         "memory.scratch_shapes(cfg.model, 4096, 256)\n"
@@ -106,3 +107,41 @@ def test_no_function_in_src_is_longer_than_80_lines():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
                 long.append(f"{path.name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert not long, long
+
+
+# The layers, lowest first: a module imports only from its own layer and those below (lazy imports count). The
+# registries (sparklm.tasks' and sparklm.strategies' __init__: names only, nothing imported) sit with the base, so
+# the configuration can read their names; the modules they name are found by name at run time, never imported
+# from below.
+LAYERS = [
+    ("base", ["sparklm.version", "sparklm.config", "sparklm.infra", "sparklm.tasks", "sparklm.strategies"]),
+    ("spark platform", ["sparklm.spark"]),
+    ("tokens and models", ["sparklm.data", "sparklm.model"]),
+    ("inference", ["sparklm.infer"]),
+    ("metrics, report, trackers", ["sparklm.metrics"]),
+    ("the loop and its plan", ["sparklm.train"]),
+    ("strategies", ["sparklm.strategies."]),
+    ("stage drivers", ["sparklm.launch"]),
+    ("tasks", ["sparklm.tasks."]),
+    ("entry points", ["sparklm", "sparklm.__main__", "sparklm.cli", "sparklm.api", "sparklm.ml"]),
+]
+
+
+def layer(module: str) -> int:
+    """The layer of ``module``: the most specific prefix that names it (a registry package's modules are above it)."""
+    best, rank = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            hit = module.startswith(p) if p.endswith(".") else module == p or module.startswith(p + ".")
+            if hit and len(p) > best:
+                best, rank = len(p), i
+    assert rank is not None, f"{module} is in no layer: add it to LAYERS"
+    return rank
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    mods = modules()
+    upward = [f"{name} ({LAYERS[layer(name)][0]}) imports {target} ({LAYERS[layer(target)][0]})"
+              for name, path in mods.items() for target, _ in imports(name, path, set(mods))
+              if layer(target) > layer(name)]
+    assert not upward, "\n".join(upward)

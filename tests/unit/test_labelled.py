@@ -8,7 +8,7 @@ import random
 import pytest
 
 from sparklm.data import labelled
-from sparklm.model.tasks import classify_figures
+from sparklm.model.figures import classify_figures
 
 
 def test_label_cells_become_class_names():
@@ -83,7 +83,7 @@ def test_pairs_carry_segment_ids():
 
 
 def test_a_sequence_with_no_room_for_text_is_refused():
-    from sparklm.errors import SparklmError
+    from sparklm.infra.errors import SparklmError
 
     with pytest.raises(SparklmError, match="no room"):
         labelled.encode(_wordpiece(), ["a"], None, seq_len=2, window=False, overlap=0, pad_id=0)

@@ -12,11 +12,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sparklm.config import TrainConfig
-from sparklm.model.tasks import LM_FIGURES, Figure, FigureSet
-from sparklm.train import rows
-from sparklm.train.recorder import Recorder, RunResult
+from sparklm.metrics import rows
+from sparklm.metrics.recorder import Recorder, RunResult
+from sparklm.metrics.sinks import TRAIN_COLUMNS, metric_columns
+from sparklm.model.figures import LM_FIGURES, Figure, FigureSet
 from sparklm.train.schedule import Schedule
-from sparklm.train.sinks import TRAIN_COLUMNS, metric_columns
 
 
 @given(total=st.one_of(st.none(), st.integers(1, 200)), every=st.integers(0, 50), step=st.integers(1, 250))
@@ -135,7 +135,7 @@ def _tr(step: int, epoch: float, loss: float, acc: float = 0.5, elapsed: float |
 
 
 def test_epoch_rows_sum_the_train_rows_of_each_pass():
-    from sparklm.train.epochs import epoch_rows
+    from sparklm.metrics.epochs import epoch_rows
 
     train = [_tr(2, 0.4, 4.0, 0.1), _tr(4, 0.8, 3.0, 0.2), _tr(6, 1.2, 2.0, 0.3),  # epoch 1 ends at step 6's row
              _tr(8, 1.6, 1.0, 0.4), _tr(10, 2.0, 1.0, 0.5),  # epoch 2 ends exactly at step 10
@@ -150,7 +150,7 @@ def test_epoch_rows_sum_the_train_rows_of_each_pass():
 
 
 def test_the_epoch_sink_adds_epoch_rows_once_and_forgets_them_on_a_rewind():
-    from sparklm.train.epochs import EpochRows
+    from sparklm.metrics.epochs import EpochRows
 
     class Keep:
         def __init__(self):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from sparklm.errors import SparklmError
+from sparklm.infra.errors import SparklmError
 from sparklm.train import memory
 from sparklm.train.memory import GB, MB, Footprint, Shapes
 
@@ -91,8 +91,8 @@ def test_rank_limit_sources():
     "The executor with id 2 exited with exit code 137(SIGKILL, possible container OOM).",
 ])
 def test_a_killed_python_worker_is_named_as_memory(text):
-    from sparklm.errors import killed_note, known_cause
-    from sparklm.train.strategies.ddp import lost_cause
+    from sparklm.infra.errors import killed_note, known_cause
+    from sparklm.strategies.ddp import lost_cause
 
     assert "memory limit" in killed_note(text) and "--memory-limit" in killed_note(text)
     assert known_cause(text) is None  # the strategies decide: DDP restarts, a round goes on without the worker

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparklm.train.strategies import outer
+from sparklm.strategies import outer
 
 
 def average(parts):

@@ -8,7 +8,7 @@ import pytest
 from sparklm.config import from_dict
 from sparklm.data import beam_engine, passes
 from sparklm.data.sources import ReadUnit
-from sparklm.errors import SparklmError
+from sparklm.infra.errors import SparklmError
 
 
 def test_the_copy_kept_is_the_validation_one_then_the_first_by_source_and_position():

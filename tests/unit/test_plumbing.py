@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from sparklm.cache import process_local
-from sparklm.fs import exists, list_names, read_text, staged_dir, write_text
-from sparklm.model.tasks import LM_FIGURES
-from sparklm.train import rows
-from sparklm.train.sinks import (
+from sparklm.infra.cache import process_local
+from sparklm.infra.fs import exists, list_names, read_text, staged_dir, write_text
+from sparklm.metrics import rows
+from sparklm.metrics.sinks import (
     TRAIN_COLUMNS,
     Channel,
     ChannelSink,
@@ -25,6 +24,7 @@ from sparklm.train.sinks import (
     round_line,
     train_line,
 )
+from sparklm.model.figures import LM_FIGURES
 
 
 def test_write_text_replaces_whole_and_leaves_no_temporary(tmp_path):
@@ -138,7 +138,7 @@ class _Uploads:
 def test_a_rank_checkpoints_only_after_the_driver_made_its_rows_durable():
     """Before each checkpoint a rank asks the driver to flush its sinks and waits for the answer; a driver that
     cannot write makes the rank stop there (found by benchmarks/kill_campaign.py: see the next test)."""
-    from sparklm.errors import SparklmError
+    from sparklm.infra.errors import SparklmError
 
     sink = _Uploads()
     channel = Channel(sink)
@@ -165,7 +165,7 @@ def test_a_rank_whose_driver_died_does_not_checkpoint():
     whose rows were lost with the driver, since a run resumed from that checkpoint would lack them."""
     import socket
 
-    from sparklm.errors import SparklmError
+    from sparklm.infra.errors import SparklmError
 
     driver = socket.create_server(("127.0.0.1", 0))
     rank = ChannelSink(*driver.getsockname(), "token")
@@ -202,7 +202,7 @@ def _train(step: int, **fields) -> rows.Train:
 
 
 def test_secret_values_are_masked_in_files_and_lines():
-    from sparklm import redact
+    from sparklm.infra import redact
 
     saved = redact.mapping({"spark": {"conf": {"spark.hadoop.fs.s3a.secret.key": "s3cr3t-value",
                                                "spark.hadoop.fs.s3a.access.key": "AKIAEXAMPLE", "spark.x": "1"}},
@@ -216,8 +216,8 @@ def test_secret_values_are_masked_in_files_and_lines():
 
 
 def test_hidden_directories_are_skipped_and_a_delta_table_is_refused(tmp_path):
-    from sparklm.errors import SparklmError
-    from sparklm.fs import expand
+    from sparklm.infra.errors import SparklmError
+    from sparklm.infra.fs import expand
 
     data = tmp_path / "data"
     for rel in ("a.txt", "sub/b.txt", "_temporary/0/part-0.txt", ".cache/c.txt", "sub/_SUCCESS", "sub/.d.txt"):
@@ -234,7 +234,7 @@ def test_hidden_directories_are_skipped_and_a_delta_table_is_refused(tmp_path):
 
 
 def test_spark_defaults_file_is_read_as_spark_reads_it(tmp_path):
-    from sparklm.spark import read_defaults
+    from sparklm.spark.session import read_defaults
 
     f = tmp_path / "spark-defaults.conf"
     f.write_text("# comment\n! also a comment\nspark.master   yarn\nspark.app.name=mine\n"
@@ -245,7 +245,7 @@ def test_spark_defaults_file_is_read_as_spark_reads_it(tmp_path):
 
 
 def test_settings_made_before_sparklm_win_over_its_defaults():
-    from sparklm.spark import session_conf
+    from sparklm.spark.session import session_conf
 
     defaults = {"spark.app.name": "sparklm", "spark.driver.memory": "4g", "spark.barrier.sync.timeout": "600s",
                 "spark.driver.extraJavaOptions": "-Dlog4j2.configurationFile=x"}
@@ -262,7 +262,7 @@ def test_settings_made_before_sparklm_win_over_its_defaults():
 
 
 def test_fsspec_filesystems_are_reached_through_pyarrow():
-    from sparklm.fs import read_bytes, resolve
+    from sparklm.infra.fs import read_bytes, resolve
 
     fs, path = resolve("memory://bucket/dir/a.txt")
     write_text("memory://bucket/dir/a.txt", "through fsspec")
@@ -299,7 +299,7 @@ def _zip_with_version(path: Path, version: str) -> str:
 def test_the_daemon_path_puts_the_installed_pyspark_first_only_at_the_zips_version(tmp_path):
     import pyspark
 
-    from sparklm.daemon import installed_first
+    from sparklm.spark.daemon import installed_first
 
     site = str(Path(pyspark.__file__).parents[1])
     same = _zip_with_version(tmp_path / "pyspark.zip", pyspark.__version__)
@@ -315,7 +315,7 @@ def test_the_daemon_path_puts_the_installed_pyspark_first_only_at_the_zips_versi
 
 LAST_WORDS = """
 import os, threading, time
-from sparklm import progress
+from sparklm.infra import progress
 
 def spam():
     i = 0
@@ -369,8 +369,8 @@ def test_tensorboard_sink_keeps_one_history_across_a_rewind(tmp_path):
     written after the restart, as metrics.csv does."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from sparklm.trackers.tensorboard_tracker import TensorBoardSink
-    from sparklm.train import rows
+    from sparklm.metrics import rows
+    from sparklm.metrics.trackers.tensorboard_tracker import TensorBoardSink
 
     def train_row(step: int, loss: float) -> rows.Train:
         return rows.Train(step=step, epoch=step / 10, tokens=step * 64, loss=loss, lr=1e-3, grad_norm=1.0,

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from sparklm.errors import SparklmError
-from sparklm.runlock import LOCK, RunLock
+from sparklm.infra.errors import SparklmError
+from sparklm.infra.runlock import LOCK, RunLock
 
 
 def test_a_second_writer_is_refused_naming_the_holder_until_the_first_ends(tmp_path):

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from sparklm import trackers
 from sparklm.config import Config, TrackingConfig
-from sparklm.errors import SparklmError
-from sparklm.train import rows
+from sparklm.infra.errors import SparklmError
+from sparklm.metrics import rows, trackers
 
 
 def _eval(step: int) -> rows.Eval:

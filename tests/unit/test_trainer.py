@@ -14,7 +14,7 @@ import torch
 from sparklm.config import TokenizerConfig, from_dict
 from sparklm.data import tokenizer
 from sparklm.data.manifest import PreparedDataset
-from sparklm.model.tasks import LM_FIGURES
+from sparklm.model.figures import LM_FIGURES
 from sparklm.train.core import Trainer
 
 SEQ = 16

@@ -22,11 +22,11 @@ import uuid
 from contextlib import contextmanager, nullcontext
 from functools import partial
 
-from .. import progress
-from ..cache import log_file, process_local
 from ..config import Config
-from ..errors import SparklmError, spark_errors
-from ..fs import delete, join, read_bytes, write_bytes
+from ..infra import progress
+from ..infra.cache import log_file, process_local
+from ..infra.errors import SparklmError, spark_errors
+from ..infra.fs import delete, join, read_bytes, write_bytes
 from . import labelled, passes, sources
 
 INSTALL = "pip install 'sparklm[beam]' (Apache Beam), or leave out --engine beam to prepare on Spark"

@@ -11,7 +11,7 @@ the generation prompt (its content and the template's end-of-turn marker) trains
 learns to answer and to stop as the template says. Without a template the contents are joined as
 they are. :func:`frame` turns the tokenized pieces into one document with its loss mask.
 
-Nothing here touches Spark, files or a tokenizer: :mod:`sparklm.data.prepare` feeds these
+Nothing here touches Spark, files or a tokenizer: :mod:`sparklm.launch.prepare` feeds these
 functions on the executors, and the tests call them directly.
 """
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..errors import SparklmError
+from ..infra.errors import SparklmError
 from .parts import PartFile, list_column
 
 NO_LABEL = "no_label"  # a record dropped because it has no label (sources.py's statuses)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import StorageConfig
-from ..errors import SparklmError
-from ..fs import join, resolve
+from ..infra.errors import SparklmError
+from ..infra.fs import join, resolve
 from .tokenizer import TokenizerSpec, from_tokenizer
 
 MANIFEST = "manifest.json"

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..config import StorageConfig
-from ..fs import resolve
+from ..infra.fs import resolve
 
 
 def list_column(a: np.ndarray) -> pa.Array:

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..config import Config
-from ..errors import SparklmError
+from ..infra.errors import SparklmError
 from . import clean, instruct, labelled, sources
 from . import tokenizer as tokenizers_mod
 from .manifest import SPLITS

@@ -20,8 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..config import DataConfig, StorageConfig
-from ..errors import SparklmError
-from ..fs import expand, resolve, storage_hint, uri_like
+from ..infra.errors import SparklmError
+from ..infra.fs import expand, resolve, storage_hint, uri_like
 from . import clean, instruct, labelled
 
 _COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4"}
@@ -89,10 +89,10 @@ def plan_units(inputs: list[str], *, group: str, data: DataConfig, storage: Stor
 def _files(uri: str, storage: StorageConfig) -> list[tuple[str, pa.fs.FileInfo]]:
     """(file URI, its info) for each file behind one input: a file, a directory's files, a glob's matches, or the
     Parquet files of a Delta table's current version."""
-    from . import delta
+    from . import delta_lake as delta
 
     if delta.is_table(uri, storage):
-        from .. import progress
+        from ..infra import progress
 
         version, uris = delta.current_files(uri, storage)
         progress.info(f"{uri}: Delta table, version {version} ({len(uris)} files)")

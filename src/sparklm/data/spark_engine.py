@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .. import progress
 from ..config import Config
-from ..errors import spark_errors
+from ..infra import progress
+from ..infra.errors import spark_errors
 from . import labelled, passes, sources
 
 

@@ -19,8 +19,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..config import StorageConfig
-from ..errors import SparklmError
-from ..fs import resolve
+from ..infra.errors import SparklmError
+from ..infra.fs import resolve
 
 
 @dataclass(frozen=True)

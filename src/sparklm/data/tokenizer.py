@@ -12,7 +12,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from ..config import TokenizerConfig
-from ..errors import SparklmError
+from ..infra.errors import SparklmError
 
 _EOS_NAMES = ("<|eos|>", "<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 _BOS_NAMES = ("<|bos|>", "<s>", "<bos>", "<|begin_of_text|>", "[CLS]")

@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..cache import process_local
 from ..config import StorageConfig
-from ..errors import SparklmError
-from ..fs import effective, write_bytes
+from ..infra.cache import process_local
+from ..infra.errors import SparklmError
+from ..infra.fs import effective, write_bytes
 from .sampling import Sampling
 
 OUTPUT_SCHEMA = "id long, sample int, prompt string, text string, prompt_tokens int, new_tokens int, truncated boolean"
@@ -111,7 +111,7 @@ def check_columns(df, text_col: str, flag: str, added: list, adder: str) -> None
 
 def _context(model_path: str, storage: StorageConfig) -> int | None:
     """The context length a model directory's config.json gives (None for an adapter's, or an unreadable one)."""
-    from ..fs import join, read_text
+    from ..infra.fs import join, read_text
     from ..model.build import context_length
 
     try:

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..cache import process_local
 from ..config import StorageConfig
-from ..errors import SparklmError
-from ..fs import effective
+from ..infra.cache import process_local
+from ..infra.errors import SparklmError
+from ..infra.fs import effective
 from .batch import check_columns
 
 POOLINGS = ("mean", "cls", "last")
@@ -44,7 +44,7 @@ def load_encoder(path: str, *, classify: bool, threads: int = 0, storage: Storag
     from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from ..fs import verify_checksums
+    from ..infra.fs import verify_checksums
     from ..model.build import check_model_dir
     from .generate import model_dir
 
@@ -239,7 +239,7 @@ def _model_path(model: str, storage: StorageConfig, *, classify: bool) -> str:
     """The model directory, checked on the driver (a missing model or head fails here, not in every task)."""
     import json
 
-    from ..fs import join, read_text
+    from ..infra.fs import join, read_text
     from .generate import model_uri
 
     path = model_uri(model, storage)

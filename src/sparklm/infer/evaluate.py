@@ -13,12 +13,12 @@ import dataclasses
 
 import torch
 
-from ..cache import process_local
 from ..config import Config
-from ..errors import SparklmError, spark_errors
-from ..fs import effective
+from ..infra.cache import process_local
+from ..infra.errors import SparklmError, spark_errors
+from ..infra.fs import effective
 from ..model import lm_head
-from ..model.tasks import lm_figures
+from ..model.figures import lm_figures
 
 
 def windows(n_tokens: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:
@@ -61,7 +61,7 @@ def evaluate(model: str, inputs: list[str], *, config: Config | None = None, max
     import os
 
     from ..data.sources import OK, documents, plan_units
-    from ..spark import check_shared, get_session
+    from ..spark.session import check_shared, get_session
     from .generate import load, model_uri, token_ids
 
     config = config or Config()

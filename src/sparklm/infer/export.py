@@ -21,8 +21,8 @@ from types import SimpleNamespace
 import torch
 
 from ..config import StorageConfig
-from ..errors import SparklmError
-from ..fs import staged_dir
+from ..infra.errors import SparklmError
+from ..infra.fs import staged_dir
 
 ONNX_FILE = "model.onnx"
 
@@ -102,7 +102,7 @@ def _write_graph(graph: torch.nn.Module, tmp: Path, output: str, context: int, q
 
 def _architectures(model: str, storage: StorageConfig | None) -> list:
     """The architectures ``model``'s config.json names ([] for a LoRA adapter or a .gguf file: causal LMs)."""
-    from ..fs import exists, join, read_text
+    from ..infra.fs import exists, join, read_text
     from .generate import model_uri
 
     path = model_uri(model, storage)
@@ -143,7 +143,7 @@ def _export_encoder(model: str, out: Path, architectures: list, *, quantize: str
 
 def _output(output: str, overwrite: bool) -> Path:
     """The export directory: new, empty, or (with ``overwrite``) an earlier export of ours."""
-    from ..fs import check_replaceable
+    from ..infra.fs import check_replaceable
 
     out = Path(output)
     check_replaceable(out, overwrite, marker=MARKER, kind="a sparklm export")
@@ -158,7 +158,7 @@ def export_hub(model: str, output: str, *, overwrite: bool = False, merge: bool 
     plain model (the Hub cannot resolve a base named by a local path)."""
     import shutil
 
-    from ..fs import CHECKSUMS, verify_checksums
+    from ..infra.fs import CHECKSUMS, verify_checksums
     from ..model.build import ADAPTER_CONFIG
     from .generate import load, model_dir
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from .. import progress
 from ..config import StorageConfig
-from ..errors import SparklmError
-from ..fs import exists, is_remote, join, list_names, local_copy
+from ..infra import progress
+from ..infra.errors import SparklmError
+from ..infra.fs import exists, is_remote, join, list_names, local_copy
 from .sampling import Sampling, next_tokens, row_generator
 
 

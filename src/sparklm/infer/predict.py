@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from ..errors import SparklmError, spark_errors
-from ..fs import check_replaceable, staging_path, swap_in
+from ..infra.errors import SparklmError, spark_errors
+from ..infra.fs import check_replaceable, staging_path, swap_in
 
 MARKER = "_sparklm_predict.json"  # "_": Spark and pyarrow readers of the directory skip it
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -93,7 +93,7 @@ def predict(spark, model: str, inputs: list[str], output: str, *, text_col: str 
 
 def regression(model: str, storage) -> bool:
     """Whether ``model``'s head answers values (its config's problem_type is "regression", as transformers reads it)."""
-    from ..fs import join, read_text
+    from ..infra.fs import join, read_text
     from .generate import model_uri
 
     try:
@@ -129,7 +129,7 @@ def check_labels(df, field: str, model: str, storage, *, values: bool = False) -
     regression model's true values need only be there."""
     from pyspark.sql import functions as F
 
-    from ..fs import join, read_text
+    from ..infra.fs import join, read_text
     from .generate import model_uri
 
     if field not in df.columns:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import SparklmError
+from ..infra.errors import SparklmError
 
 
 def _option(default, help: str, metavar: str):

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig, StorageConfig
-from ..errors import SparklmError
-from ..fs import verify_checksums
+from ..infra.errors import SparklmError
+from ..infra.fs import verify_checksums
 
 
 def build_model(cfg: ModelConfig, *, vocab_size: int, context: int, bos_id: int, eos_id: int, pad_id: int,
@@ -76,7 +76,7 @@ ADAPTER_CONFIG = "adapter_config.json"  # what peft's save_pretrained writes bes
 def model_source(directory: str, storage: StorageConfig | None = None) -> Path:
     """The local directory of the model ``directory`` names: itself, an object store's copy in the per-host cache,
     or a .gguf file's conversion (done once, cached)."""
-    from ..fs import is_remote, local_copy
+    from ..infra.fs import is_remote, local_copy
     from . import gguf
 
     if is_remote(directory):

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 
 from ..config import Config, StorageConfig
 from ..data.tokenizer import TokenizerSpec
-from ..errors import SparklmError
+from ..infra.errors import SparklmError
 from . import lora, masking
 from .build import model_source
-from .tasks import CLASSIFY_FIGURES, MLM_FIGURES, classify_figures, lm_figures, safe_name
+from .figures import CLASSIFY_FIGURES, MLM_FIGURES, classify_figures, lm_figures, safe_name
 
 MASK_NAMES = ("[MASK]", "<mask>")
 UNK_NAMES = ("[UNK]", "<unk>")
@@ -60,7 +60,7 @@ def load_pretrained(config: Config, auto_class, what: str, **overrides) -> torch
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
-    from ..fs import verify_checksums
+    from ..infra.fs import verify_checksums
     from .build import check_model_dir
 
     name = config.model.init_from
@@ -208,7 +208,7 @@ class EncoderTask:
 
     def export(self, model: torch.nn.Module, spec: TokenizerSpec, uri: str, storage: StorageConfig) -> None:
         """An HF model directory (merged weights when LoRA trained) with the tokenizer as an encoder's."""
-        from ..fs import CHECKSUMS, staged_dir, write_checksums
+        from ..infra.fs import CHECKSUMS, staged_dir, write_checksums
         from .build import context_length
 
         out = model

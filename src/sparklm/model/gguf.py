@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from ..cache import cache_dir
-from ..errors import SparklmError
-from ..fs import file_sha256, staged_cache
+from ..infra.cache import cache_dir
+from ..infra.errors import SparklmError
+from ..infra.fs import file_sha256, staged_cache
 
 MAGIC = b"GGUF"
 MARKER = "sparklm_import.json"  # marks a directory this module wrote (and so may replace)
@@ -49,7 +49,7 @@ def convert(gguf_path: str, output: str, *, overwrite: bool = False) -> dict:
     (one with ``sparklm_import.json``) is replaced. Returns what was written: architecture, params, bytes,
     seconds, path.
     """
-    from .. import fs
+    from ..infra import fs
 
     source = _source(gguf_path)
     local = fs.local_path(output)
@@ -100,7 +100,7 @@ def digest(path: str) -> str:
     known = {k: v for k, v in known.items() if not k.startswith(f"{p}|")}  # drop the file's older versions
     known[stamp] = value = file_sha256(p)
     with contextlib.suppress(OSError):  # a memo only: a read-only cache just means hashing again next time
-        from ..fs import write_text
+        from ..infra.fs import write_text
 
         write_text(str(memo), json.dumps(dict(list(known.items())[-_KEEP_DIGESTS:]), indent=1))
     return value
@@ -300,7 +300,7 @@ def _quiet_loader() -> Iterator[None]:
 
 def _write(path: Path, sha256: str, directory: Path) -> dict:
     """Fill ``directory`` with the converted model; the figures :func:`convert` returns."""
-    from ..fs import write_checksums
+    from ..infra.fs import write_checksums
 
     t0 = time.perf_counter()
     inspected = _inspect(path)

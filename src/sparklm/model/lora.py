@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import LoraConfig
-from ..errors import SparklmError
+from ..infra.errors import SparklmError
 
 ALL_LINEAR = "all-linear"
 

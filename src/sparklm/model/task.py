@@ -19,10 +19,10 @@ import torch
 
 from ..config import Config, StorageConfig, embedding_rows
 from ..data.tokenizer import TokenizerSpec
-from ..errors import SparklmError
+from ..infra.errors import SparklmError
 from . import lm_head, lora
 from .build import build_model, context_length, flops_per_token, load_model
-from .tasks import LM_FIGURES, FigureSet, lm_figures
+from .figures import LM_FIGURES, FigureSet, lm_figures
 
 IGNORE = lm_head.IGNORE  # label of positions without a loss (padding), as in HF and torch's cross_entropy
 
@@ -217,7 +217,7 @@ class CausalLM:
     def export(self, model: torch.nn.Module, spec: TokenizerSpec, uri: str, storage: StorageConfig) -> None:
         """An HF model directory (config, model.safetensors, tokenizer files, generation config), or with LoRA
         the adapter in PEFT format naming its base, with the tokenizer files."""
-        from ..fs import CHECKSUMS, staged_dir, write_checksums
+        from ..infra.fs import CHECKSUMS, staged_dir, write_checksums
 
         gc = model.generation_config
         gc.bos_token_id = spec.bos_id if spec.add_bos else None
@@ -251,6 +251,6 @@ class CausalLM:
 def base_name(init_from: str) -> str:
     """How an adapter names its base: an object store URI as given, a local path absolute (so it loads from
     anywhere on this host)."""
-    from ..fs import is_remote
+    from ..infra.fs import is_remote
 
     return init_from if is_remote(init_from) else str(Path(init_from).expanduser().resolve())

@@ -3,14 +3,14 @@ full or LoRA. The model's math is model/task.py's ``CausalLM``; what a run leave
 
 from __future__ import annotations
 
-from ..model.tasks import LM_FIGURES
+from ..model.figures import LM_FIGURES
 from . import DataKind, TaskInfo
 
 
 def make(config):
     from ..infer.sampling import Sampling
+    from ..metrics.report import write_samples
     from ..model.task import CausalLM
-    from ..train.report import write_samples
 
     return CausalLM.from_config(config, sampling=Sampling(), samples=write_samples)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..errors import SparklmError
-from ..model.tasks import CLASSIFY_FIGURES
+from ..infra.errors import SparklmError
+from ..model.figures import CLASSIFY_FIGURES
 from . import DataKind, TaskInfo
 
 
@@ -33,13 +33,13 @@ def settle(config, manifest: dict, data: str):
 
 
 def report(run_dir: str, kept: dict, storage) -> None:
-    from ..train.report import plot_confusion
+    from ..metrics.report import plot_confusion
 
     plot_confusion(run_dir, kept, storage)
 
 
 def section(run) -> list[str]:
-    from ..train.html_report import classes_section
+    from ..metrics.html_report import classes_section
 
     kept = run.summary.get("best") or run.summary.get("final") or {}
     if not kept.get("val_confusion"):

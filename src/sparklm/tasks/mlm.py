@@ -3,7 +3,7 @@ it. The model's math is model/encoders.py's ``MaskedLM``."""
 
 from __future__ import annotations
 
-from ..model.tasks import MLM_FIGURES
+from ..model.figures import MLM_FIGURES
 from . import DataKind, TaskInfo
 
 

@@ -19,7 +19,7 @@ import io
 import math
 from dataclasses import dataclass
 
-from ..model.tasks import Figure, FigureSet
+from ..model.figures import Figure, FigureSet
 from . import DataKind, TaskInfo
 
 FIGURES = FigureSet((
@@ -128,7 +128,7 @@ class Regressor:
 
         from ..data.manifest import checked_row_groups
         from ..data.stream import validation_rows
-        from ..fs import join, write_bytes
+        from ..infra.fs import join, write_bytes
 
         groups = checked_row_groups(dataset, "validation", config.storage)
         if not groups:
@@ -180,7 +180,7 @@ def hf_config(config) -> dict:
 
 def section(run) -> list[str]:
     """report.html: the kept evaluation's figures and the scatter plot beside the page."""
-    from ..train.html_report import esc, table
+    from ..metrics.html_report import esc, table
 
     kept = run.summary.get("best") or run.summary.get("final") or {}
     if not kept:

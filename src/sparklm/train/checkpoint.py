@@ -14,8 +14,19 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..config import StorageConfig
-from ..errors import SparklmError
-from ..fs import delete, exists, file_sha256, join, list_names, read_bytes, read_text, remove_stale, sha256, staged_dir
+from ..infra.errors import SparklmError
+from ..infra.fs import (
+    delete,
+    exists,
+    file_sha256,
+    join,
+    list_names,
+    read_bytes,
+    read_text,
+    remove_stale,
+    sha256,
+    staged_dir,
+)
 
 if TYPE_CHECKING:
     import torch

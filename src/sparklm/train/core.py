@@ -19,16 +19,16 @@ from ..config import Config, TrainConfig
 from ..data.manifest import PreparedDataset, checked_row_groups
 from ..data.stream import TokenStream, validation_rows
 from ..data.tokenizer import TokenizerSpec, token_byte_lengths
-from ..errors import SparklmError
-from ..fs import delete, exists, join
+from ..infra.errors import SparklmError
+from ..infra.fs import delete, exists, join
+from ..metrics.recorder import Best, Recorder, RunResult
+from ..metrics.sinks import Sink
 from ..model import param_count
 from ..model.task import Batch, Task
 from ..tasks import make as make_task
 from . import checkpoint, collective, device, loop, optim
 from .plan import RunPlan, local
-from .recorder import Best, Recorder, RunResult
 from .schedule import Schedule, fraction, steps
-from .sinks import Sink
 
 plan = steps  # the step plan (schedule.steps), by the name the core's callers know it
 __all__ = ["Rank", "RankUnit", "Trainer", "TrainState", "fraction", "lr_at", "plan", "train"]

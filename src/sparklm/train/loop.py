@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .recorder import NOTE_STEP, Best, Recorder, RunResult
+from ..metrics.recorder import NOTE_STEP, Best, Recorder, RunResult
 from .schedule import Schedule, crossed
 
 __all__ = ["NOTE_STEP", "Advance", "Evaluation", "Position", "Restored", "Unit", "run"]

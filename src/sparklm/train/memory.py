@@ -24,7 +24,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..config import chunk_size, embedding_rows
-from ..errors import SparklmError
+from ..infra.errors import SparklmError
+from ..spark.session import process_limit
 
 MB = 1 << 20
 GB = 1 << 30
@@ -333,22 +334,3 @@ def out_of_memory(where: str) -> SparklmError:
                         hint="let sparklm plan the micro-batch to each rank's memory (--memory-limit SIZE, not none), "
                              "or lower train.batch_size, or train LoRA adapters with a bfloat16 base, or "
                              "--grad-checkpoint on")
-
-
-# Under an address-space limit (RLIMIT_AS, which spark.executor.pyspark.memory sets on Python workers) a process
-# must reserve less: measured here, a training process held 1.9 GB more address space than resident memory, mostly
-# pyarrow's jemalloc pool and glibc's per-thread arenas; with Arrow on the system allocator and two arenas, 0.6 GB
-# (same speed, same resident memory). Both are read at process start: set for the Python workers (executorEnv)
-# and the DDP ranks' processes.
-LEAN_ADDRESS_SPACE = {"ARROW_DEFAULT_MEMORY_POOL": "system", "MALLOC_ARENA_MAX": "2"}
-
-
-def process_limit() -> int | None:
-    """This process's own address-space limit (RLIMIT_AS: what spark.executor.pyspark.memory sets), if any."""
-    try:
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
-    except (ImportError, OSError, ValueError):
-        return None
-    return None if soft == resource.RLIM_INFINITY else soft

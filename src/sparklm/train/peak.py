@@ -12,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-from ..cache import cache_dir
+from ..infra.cache import cache_dir
 
 BF16_FAST = 1.3  # bf16 counts as fast where its matmuls measure this much faster than fp32
 
@@ -44,7 +44,7 @@ def matmul_peak(threads: int, dtype: str, *, size: int = 1024, seconds: float = 
     peak = 2 * size**3 * n / (time.perf_counter() - t0)
     torch.set_num_threads(before)
     known[key] = peak
-    from ..fs import write_text
+    from ..infra.fs import write_text
 
     try:  # whole or not at all: ranks on one host read it while another writes it
         write_text(str(cache), json.dumps(known, indent=2))

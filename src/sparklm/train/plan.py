@@ -1,7 +1,7 @@
 """The run plan: everything decided about a run, made once on the driver and read by every worker.
 
 The launcher settles the settings before Spark starts (:func:`settle`: every "auto" decided by resolve.py, a fresh
-model fitted to its time budget by fit.py), then, once Spark says how much memory a rank has, makes the frozen
+model fitted to its time budget by budget.py), then, once Spark says how much memory a rank has, makes the frozen
 :class:`RunPlan` (:func:`make`): the settings as they run (the memory plan's micro-batch, accumulation, gradient
 checkpointing, allocator and LM-head loss applied), the device, the torch threads, the step plan and the round
 codec. It is written whole to the run's config.json before any worker starts and travels in the job; a rank or a
@@ -14,10 +14,9 @@ import json
 from dataclasses import asdict, dataclass, replace
 
 from ..config import Config, flatten, from_dict
-from ..errors import SparklmError
-from . import device, fit, memory, resolve
+from ..infra.errors import SparklmError
+from . import budget, device, memory, resolve
 from .schedule import Steps, steps
-from .strategies.codec import Codec
 
 
 @dataclass(frozen=True)
@@ -27,7 +26,8 @@ class RunPlan:
     device: device.Device  # where a worker computes, its autocast dtype and collective backend
     steps: Steps  # rows and tokens per optimizer step, and the run's steps (None: the time budget ends it)
     memory: memory.MemoryPlan | None = None  # None: nothing planned (a worker driven directly)
-    codec: Codec | None = None  # average/DiLoCo: what a round's deltas (and the driver's steps) travel as
+    # average/DiLoCo: what a round's deltas (and the driver's steps) travel as (strategies/codec.Codec's fields)
+    codec: dict | None = None
 
     @property
     def workers(self) -> int:
@@ -36,7 +36,7 @@ class RunPlan:
     def to_dict(self) -> dict:
         return {"config": self.config.to_dict(), "threads": self.threads, "device": asdict(self.device),
                 "steps": asdict(self.steps), "memory": asdict(self.memory) if self.memory else None,
-                "codec": asdict(self.codec) if self.codec else None}
+                "codec": self.codec}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -67,7 +67,7 @@ class RunPlan:
         mem = raw.get("memory")
         return cls(config=from_dict(raw["config"]), threads=raw["threads"], device=device.Device(**raw["device"]),
                    steps=Steps(**raw["steps"]), memory=memory.MemoryPlan(**mem) if mem else None,
-                   codec=Codec(**raw["codec"]) if raw.get("codec") else None)
+                   codec=raw.get("codec"))
 
 
 def settle(config: Config, *, threads: int, vocab: int, context: int, train_tokens: int, master: str,
@@ -78,7 +78,7 @@ def settle(config: Config, *, threads: int, vocab: int, context: int, train_toke
     config = resolve.settings(config, threads)
     if resume:
         return config, None
-    return fit.apply(config, vocab=vocab, context=context, train_tokens=train_tokens, master=master)
+    return budget.apply(config, vocab=vocab, context=context, train_tokens=train_tokens, master=master)
 
 
 def make(config: Config, *, train_rows: int, seq_len: int, mem: memory.MemoryPlan | None = None) -> RunPlan:
@@ -87,7 +87,8 @@ def make(config: Config, *, train_rows: int, seq_len: int, mem: memory.MemoryPla
     tc = config.train
     mem = mem or memory.unplanned(tc)
     runs = memory.apply(config, mem)
-    codec = Codec.of(tc.rounds) if tc.strategy != "ddp" else None
+    rc = tc.rounds
+    codec = {"name": rc.codec, "density": rc.density, "bits": rc.bits} if tc.strategy != "ddp" else None
     return RunPlan(config=runs, threads=tc.threads, device=device.select(tc.dtype),
                    steps=steps(runs.train, train_rows=train_rows, seq_len=seq_len, workers=tc.workers), memory=mem,
                    codec=codec)

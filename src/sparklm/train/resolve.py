@@ -32,7 +32,7 @@ def threads(tc: TrainConfig, master: str, spark_config: SparkConfig | None = Non
         return tc.threads
     if master.startswith("local"):
         return local_threads(tc.workers)
-    from ..spark import planned_conf
+    from ..spark.session import planned_conf
 
     return int(planned_conf(spark_config, "spark.task.cpus", spark) or 1)
 
@@ -69,16 +69,25 @@ def lora_base_dtype(cfg: LoraConfig, compute: str) -> str:
     return "bfloat16" if compute == "bfloat16" else "float32"
 
 
+def rounds(rc, strategy: str):
+    """``[train.rounds]`` with its automatic choices made. codec auto: int4 for diloco (sent both ways, with the
+    default H 32 and outer momentum 0.5 the setting measured within 2% of DDP on both corpora with the fewest
+    bytes, BENCHMARKS.md); fp32 for average (it stays the workers' exact average). downlink auto: the codec itself
+    for dense codecs, the exact changed weights for topk (re-sparsifying the sum of the workers' Top-k deltas
+    measured worse)."""
+    codec = rc.codec if rc.codec != "auto" else "int4" if strategy == "diloco" else "fp32"
+    downlink = rc.downlink if rc.downlink != "auto" else "exact" if codec == "topk" else "codec"
+    return replace(rc, codec=codec, downlink=downlink)
+
+
 def settings(config: Config, n_threads: int) -> Config:
     """``config`` with every automatic training setting decided for workers of ``n_threads`` torch threads (a
     config already decided comes back unchanged)."""
     tc = config.train
     dtype = compute_dtype(tc.dtype, n_threads)
-    from .strategies.codec import resolved
-
     train = replace(tc, threads=n_threads, dtype=dtype, lr=peak_lr(config),
                     optimizer=optimizer(tc, n_threads, pretrained=bool(config.model.init_from)),
-                    rounds=resolved(tc.rounds, tc.strategy))
+                    rounds=rounds(tc.rounds, tc.strategy))
     lora = replace(config.lora, base_dtype=lora_base_dtype(config.lora, dtype))
     return config.replace(train=train, lora=lora)
 

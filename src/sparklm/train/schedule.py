@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import TrainConfig
-from ..errors import SparklmError
+from ..infra.errors import SparklmError
 
 
 @dataclass(frozen=True)

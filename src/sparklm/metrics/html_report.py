@@ -16,13 +16,13 @@ import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .. import spark_figures
 from ..config import StorageConfig
-from ..errors import SparklmError
-from ..fs import exists, join, read_text, write_text
-from ..model.tasks import FigureSet
-from ..progress import duration
-from ..redact import MASK
+from ..infra.errors import SparklmError
+from ..infra.fs import exists, join, read_text, write_text
+from ..infra.progress import duration
+from ..infra.redact import MASK
+from ..model.figures import FigureSet
+from ..spark import figures as spark_figures
 from ..tasks import info as task_info
 from .sinks import read_metrics
 

@@ -5,7 +5,7 @@ bytecode for modules imported from a zip, so every worker process compiles pyspa
 0.2 s from the installed package, paid before the first task of every command and by every Python worker
 Spark starts later. Where the installed pyspark is the zip's own version, this moves the zips behind it and
 runs pyspark's daemon unchanged (its workers are forked from it and inherit the path); anywhere else it
-changes nothing. Set by :mod:`sparklm.spark` where the workers run sparklm's own environment.
+changes nothing. Set by :mod:`sparklm.spark.session` where the workers run sparklm's own environment.
 """
 
 from __future__ import annotations

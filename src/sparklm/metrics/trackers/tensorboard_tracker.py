@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import StorageConfig, TrackingConfig
-from ..fs import local_path, upload_tree
-from ..train.rows import Row
+from ...config import StorageConfig, TrackingConfig
+from ...infra.fs import local_path, upload_tree
+from ..rows import Row
 from . import Context, Outcome, numbers
 
 
 def open_tracker(tc: TrackingConfig, ctx: Context) -> TensorBoardSink:
-    from ..fs import join
+    from ...infra.fs import join
 
     return TensorBoardSink(join(ctx.run_dir, "tensorboard"), ctx.storage)
 
@@ -39,7 +39,7 @@ class TensorBoardSink:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            from ..errors import SparklmError
+            from ...infra.errors import SparklmError
 
             raise SparklmError("--tensorboard needs the tensorboard package",
                                hint="pip install 'sparklm[tensorboard]'") from None

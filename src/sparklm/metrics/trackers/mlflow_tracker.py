@@ -15,11 +15,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from .. import progress
-from ..config import TrackingConfig
-from ..errors import SparklmError
-from ..fs import exists, join, read_bytes
-from ..train.rows import Row
+from ...config import TrackingConfig
+from ...infra import progress
+from ...infra.errors import SparklmError
+from ...infra.fs import exists, join, read_bytes
+from ..rows import Row
 from . import RUN_FILES, Buffered, Context, numbers, short, summary_figures
 
 BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics and 100 parameters per call
@@ -136,8 +136,8 @@ class MlflowTracker(Buffered):
         from mlflow.models import ModelSignature
         from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
-        from ..infer.sampling import Sampling
-        from ..model.build import context_length, load_model, model_source
+        from ...infer.sampling import Sampling
+        from ...model.build import context_length, load_model, model_source
 
         model = load_model(model_dir, storage=self.ctx.storage)
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_source(model_dir, self.ctx.storage)))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 
 from ..config import StorageConfig
-from ..fs import join, write_bytes, write_text
-from ..model.tasks import FigureSet
+from ..infra.fs import join, write_bytes, write_text
+from ..model.figures import FigureSet
 from .sinks import read_metrics
 
 

@@ -43,11 +43,6 @@ class Codec:
         if not 0 < self.density <= 1 or not (2 <= self.bits <= 8 or self.bits == 32) or not 1 <= self.chunk <= 65536:
             raise ValueError(f"bad codec settings: density {self.density}, bits {self.bits}, chunk {self.chunk}")
 
-    @classmethod
-    def of(cls, rounds) -> Codec:
-        """The codec ``[train.rounds]`` (a RoundsConfig whose choices the driver made: :func:`resolved`) names."""
-        return cls(rounds.codec, density=rounds.density, bits=rounds.bits)
-
     @property
     def lossless(self) -> bool:
         return self.name == "fp32"
@@ -147,19 +142,6 @@ class Codec:
         out = np.zeros((chunks, c), np.float32)
         np.put_along_axis(out, idx, vals, axis=1)
         return out.reshape(-1)[:n]
-
-
-def resolved(rounds, strategy: str):
-    """``[train.rounds]`` with its automatic choices made. codec auto: int4 for diloco (sent both ways, with the
-    default H 32 and outer momentum 0.5 the setting measured within 2% of DDP on both corpora with the fewest
-    bytes, BENCHMARKS.md); fp32 for average (it stays the workers' exact average). downlink auto: the codec itself
-    for dense codecs, the exact changed weights for topk (re-sparsifying the sum of the workers' Top-k deltas
-    measured worse)."""
-    from dataclasses import replace
-
-    codec = rounds.codec if rounds.codec != "auto" else "int4" if strategy == "diloco" else "fp32"
-    downlink = rounds.downlink if rounds.downlink != "auto" else "exact" if codec == "topk" else "codec"
-    return replace(rounds, codec=codec, downlink=downlink)
 
 
 def decode(payload: bytes) -> dict[str, np.ndarray]:

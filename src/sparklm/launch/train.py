@@ -14,23 +14,25 @@ import time
 import uuid
 from typing import Any
 
-from .. import progress, spark_figures, trackers
 from ..config import Config, diff, flatten, from_dict, merge
 from ..data.manifest import PreparedDataset, load_prepared, load_tokenizer
 from ..data.tokenizer import TokenizerSpec
-from ..errors import SparklmError
-from ..fs import effective, exists, is_remote, join, read_text, write_text
-from ..model.tasks import FigureSet
-from ..runlock import RunLock
+from ..infra import progress
+from ..infra.errors import SparklmError
+from ..infra.fs import effective, exists, is_remote, join, read_text, write_text
+from ..infra.runlock import RunLock
+from ..metrics import rows, trackers
+from ..metrics.epochs import EpochRows
+from ..metrics.html_report import write_report
+from ..metrics.recorder import RunResult
+from ..metrics.report import plot_loss
+from ..metrics.sinks import ConsoleSink, CsvSink, JsonSink, Sinks, metric_columns, read_metrics
+from ..model.figures import FigureSet
+from ..spark import figures as spark_figures
 from ..tasks import info as task_info
+from ..train import checkpoint, memory, resolve
+from ..train import plan as plans
 from ..version import __version__
-from . import checkpoint, memory, resolve, rows
-from . import plan as plans
-from .epochs import EpochRows
-from .html_report import write_report
-from .recorder import RunResult
-from .report import plot_loss
-from .sinks import ConsoleSink, CsvSink, JsonSink, Sinks, metric_columns, read_metrics
 
 # Settings that decide which rows each step trains on: a resumed run must keep them.
 DATA_ORDER_KEYS = ("train.seed", "train.batch_size", "train.grad_accum", "train.workers", "train.window_row_groups")
@@ -50,8 +52,8 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
 
 
 def _train(data: str | None, *, output: str, config: Config | None, resume: bool, spark, changes, storage) -> dict:
-    from ..spark import check_shared, get_session, planned_master
-    from .strategies import Job, get
+    from ..spark.session import check_shared, get_session, planned_master
+    from ..strategies import Job, get
 
     run_dir = output
     saved_plan = None

@@ -30,8 +30,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .cache import cache_dir
-from .errors import SparklmError
+from ..infra.cache import cache_dir
+from ..infra.errors import SparklmError
 
 PREFIX = "sparklm-env-"  # archive, launcher and the directory an executor unpacks into share it
 # Not needed by a Python worker: the cluster's Spark has its own jars (~460 MB in the pyspark wheel), an
@@ -92,7 +92,7 @@ def ship(*, log=None) -> tuple[list[Path], str]:
     name = packed.name.removesuffix(_SUFFIX)
     launcher = packed.with_name(f"{name}.sh")
     if not launcher.is_file():
-        from .fs import staged_file  # pyarrow's import, only when something is written
+        from ..infra.fs import staged_file  # pyarrow's import, only when something is written
 
         with staged_file(launcher) as tmp:
             tmp.write_text(_SHIP % {"name": name, "archive": packed.name})
@@ -119,7 +119,7 @@ def archive(*, log=None) -> tuple[Path, bool]:
     if log:
         log("packing the Python environment for the executors (once; cached by what is installed)")
     try:
-        from .fs import staged_file  # pyarrow's import, only when something is written
+        from ..infra.fs import staged_file  # pyarrow's import, only when something is written
 
         # compresslevel 1: 3x faster than 6, 10% larger here
         with staged_file(target) as tmp, tarfile.open(tmp, "w:gz", compresslevel=1) as tar:

@@ -28,12 +28,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as save_bytes
 
-from ...cache import process_local
-from ...data.manifest import load_prepared, load_tokenizer
-from ...fs import delete, exists, join, list_names, local_path, read_bytes, write_bytes
-from ...model.task import Batch
-from .. import checkpoint, device
-from ..core import Rank, Trainer, TrainState
+from ..data.manifest import load_prepared, load_tokenizer
+from ..infra.cache import process_local
+from ..infra.fs import delete, exists, join, list_names, local_path, read_bytes, write_bytes
+from ..model.task import Batch
+from ..train import checkpoint, device
+from ..train.core import Rank, Trainer, TrainState
 from .base import BEST, Job, RoundSpec, WorkerResult
 from .codec import Codec, apply_update, decode, digest
 
@@ -49,7 +49,7 @@ def run_worker(job: Job, worker: int, full: Callable[[], bytes], spec: RoundSpec
     device.set_allocator(job.plan.config.train.allocator)
     trainer: Trainer = process_local(("rounds", job.uid), lambda: _trainer(job))
     tc = trainer.tc
-    codec = job.plan.codec  # decided on the driver
+    codec = Codec(**job.plan.codec)  # decided on the driver
     t0 = time.time()
     trainable = trainer.task.trainable(trainer.model)
     global_w, fetched = global_weights(job, spec, full, update, hold=not codec.lossless, own=trainable)

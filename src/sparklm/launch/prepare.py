@@ -22,16 +22,17 @@ from collections import defaultdict
 
 import pyarrow.fs as pafs
 
-from .. import progress, trackers
 from ..config import Config, flatten
-from ..errors import SparklmError, spark_errors
-from ..fs import effective, remove_stale, resolve, staging_path, swap_in, uri_like
+from ..data import beam_engine, labelled, passes, sources
+from ..data import tokenizer as tokenizers_mod
+from ..data.manifest import FORMAT, MANIFEST, SPLITS, PreparedDataset, load_prepared
+from ..data.packing import PackSpec
+from ..data.spark_engine import SparkSource
+from ..infra import progress
+from ..infra.errors import SparklmError, spark_errors
+from ..infra.fs import effective, remove_stale, resolve, staging_path, swap_in, uri_like
+from ..metrics import trackers
 from ..version import __version__
-from . import beam_engine, labelled, passes, sources
-from . import tokenizer as tokenizers_mod
-from .manifest import FORMAT, MANIFEST, SPLITS, PreparedDataset, load_prepared
-from .packing import PackSpec
-from .spark_engine import SparkSource
 
 
 def prepare(
@@ -54,7 +55,7 @@ def prepare(
     manifest names a DataFrame source (e.g. ``table db.docs``). With ``data.engine = "beam"`` both passes run as an
     Apache Beam pipeline on ``beam.runner`` instead (paths only; ``spark`` is not used).
     """
-    from ..spark import check_shared, get_session
+    from ..spark.session import check_shared, get_session
 
     config = config or Config()
     config = config.replace(storage=effective(config.storage))
@@ -121,7 +122,7 @@ def is_dataframe(value) -> bool:
 def _frames(frame, validation, data) -> list[tuple[object, str]]:
     """(DataFrame, group) pairs to read — "auto" (split by hash), or "train" and "validation" — checked for the
     columns ``data`` reads, and for a Spark Connect session (whose DataFrames have no RDDs)."""
-    from ..spark import CONNECT_HINT, CONNECT_MESSAGE, is_connect
+    from ..spark.session import CONNECT_HINT, CONNECT_MESSAGE, is_connect
 
     if not is_dataframe(frame) or not (is_dataframe(validation) or validation in ((), [], None)):
         raise SparklmError("the inputs and the validation inputs are of different kinds",

@@ -1,6 +1,6 @@
 """Synchronous data parallelism: N Spark barrier tasks, each running one torch.distributed rank.
 
-Each barrier task starts its rank as a child process (``python -m sparklm.train.strategies.ddp_rank``):
+Each barrier task starts its rank as a child process (``python -m sparklm.strategies.ddp_rank``):
 the rank's threads, memory and gloo teardown stay out of Spark's Python worker, and a rank that dies
 takes its task down with it (and the barrier stage with it) instead of hanging. Rank 0's address is
 shared with ``BarrierTaskContext.allGather`` (with peers to tell); rank 0 streams its metrics rows to
@@ -30,14 +30,14 @@ import time
 from collections import deque
 from contextlib import contextmanager
 
-from ... import progress
-from ...config import Config
-from ...errors import SparklmError, killed_note, known_cause, spark_errors
-from ...fs import join, local_path, read_text, write_bytes
-from .. import checkpoint
-from ..device import Device
-from ..memory import LEAN_ADDRESS_SPACE, process_limit
-from ..sinks import Channel, Sink
+from ..config import Config
+from ..infra import progress
+from ..infra.errors import SparklmError, killed_note, known_cause, spark_errors
+from ..infra.fs import join, local_path, read_text, write_bytes
+from ..metrics.sinks import Channel, Sink
+from ..spark.session import LEAN_ADDRESS_SPACE, process_limit
+from ..train import checkpoint
+from ..train.device import Device
 from .base import Job, RankStart, RunResult
 
 RESULT = "SPARKLM-RESULT "
@@ -67,7 +67,7 @@ class DDP:
                     listener.bind(path)
                     listener.listen(1)
                     procs.append(subprocess.Popen(
-                        [sys.executable, "-m", "sparklm.train.strategies.ddp_rank", "--warm", str(listener.fileno())],
+                        [sys.executable, "-m", "sparklm.strategies.ddp_rank", "--warm", str(listener.fileno())],
                         pass_fds=(listener.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                         stderr=subprocess.DEVNULL, env=_rank_env(threads), preexec_fn=die_with_parent))
                 paths.append(path)
@@ -205,7 +205,7 @@ def _start_rank(log_dir: str, rank: int, threads: int, warm: str = "") -> tuple[
         env = _rank_env(threads)
         if limited:
             env.update(LEAN_ADDRESS_SPACE)
-        proc = subprocess.Popen([sys.executable, "-m", "sparklm.train.strategies.ddp_rank"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "sparklm.strategies.ddp_rank"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=log, env=env, preexec_fn=die_with_parent)
     return proc, log_path
 

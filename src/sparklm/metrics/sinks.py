@@ -2,7 +2,7 @@
 
 Sinks here: ``CsvSink`` (metrics.csv, rounds.csv on any filesystem), ``JsonSink`` (run_info.json),
 ``ConsoleSink`` (progress lines); the experiment trackers (TensorBoard, MLflow, W&B) are sinks too, in
-``sparklm.trackers``. DDP ranks run in other processes, maybe on other hosts: rank 0 sends its rows to the driver
+``sparklm.metrics.trackers``. DDP ranks run in other processes, maybe on other hosts: rank 0 sends its rows to the driver
 over a TCP ``Channel`` (as TorchDistributor streams rank logs), and the driver feeds its own sinks —
 no shared disk is assumed.
 """
@@ -19,10 +19,10 @@ import time
 from collections.abc import Iterable
 from typing import Protocol
 
-from .. import progress
 from ..config import StorageConfig
-from ..fs import exists, local_path, read_text, write_text
-from ..model.tasks import FigureSet
+from ..infra import progress
+from ..infra.fs import exists, local_path, read_text, write_text
+from ..model.figures import FigureSet
 from . import rows
 from .rows import Row
 
@@ -339,7 +339,7 @@ class Channel:
 
 
 def _not_recorded(why: str):
-    from ..errors import SparklmError
+    from ..infra.errors import SparklmError
 
     return SparklmError(f"the driver did not record this run's progress ({why})",
                         hint="the run can continue with --resume from its last checkpoint")
@@ -357,7 +357,7 @@ class ChannelSink:
         try:
             self.sock = socket.create_connection((host, port), timeout=30)
         except OSError as e:
-            from ..errors import SparklmError
+            from ..infra.errors import SparklmError
 
             raise SparklmError(f"a training rank cannot reach the driver at {host}:{port} to report progress: {e}",
                                hint="the executors must reach the driver's address (spark.driver.host)") from None

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..config import TrainConfig
-from ..model.tasks import FigureSet
+from ..model.figures import FigureSet
 from . import rows
 from .sinks import Sink, rank_mb
 

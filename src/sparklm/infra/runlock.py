@@ -19,7 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
-from .config import StorageConfig
+from ..config import StorageConfig
 from .errors import SparklmError
 from .fs import join, local_path, write_text
 

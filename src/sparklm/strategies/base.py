@@ -12,10 +12,10 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
-from ...config import Config, from_dict
-from ..plan import RunPlan
-from ..recorder import RunResult
-from ..sinks import Sink
+from ..config import Config, from_dict
+from ..metrics.recorder import RunResult
+from ..metrics.sinks import Sink
+from ..train.plan import RunPlan
 
 # Names in the weights the last round task gets that are the best evaluation's weights, not the final ones.
 BEST = "best/"
@@ -46,8 +46,8 @@ class Job:
         the driver, as the launcher would without a memory limit."""
         if self.plan is not None:
             return self
-        from ...data.manifest import load_prepared
-        from ..plan import local
+        from ..data.manifest import load_prepared
+        from ..train.plan import local
 
         config = self.config.replace(train=replace(self.config.train, threads=self.config.train.threads or self.threads))
         plan = local(config, load_prepared(self.data, config.storage), self.threads, workers=self.workers)
@@ -107,7 +107,7 @@ class RoundSpec:
     def fraction(self, i: int) -> float:
         """The run's progress at the round's i-th step (schedule.fraction), its time as the driver projects it: the
         time fractions are seconds of a budget of 1."""
-        from ..schedule import fraction
+        from ..train.schedule import fraction
 
         if self.time_frac0 is None:
             return fraction(self.step0 + i, self.total_steps, 0.0, 0.0)

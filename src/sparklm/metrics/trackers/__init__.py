@@ -22,11 +22,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .. import progress
-from ..config import Config, StorageConfig, TrackingConfig
-from ..errors import SparklmError
-from ..train.rows import Row
-from ..train.sinks import Sink
+from ...config import Config, StorageConfig, TrackingConfig
+from ...infra import progress
+from ...infra.errors import SparklmError
+from ..rows import Row
+from ..sinks import Sink
 
 # the run directory's files a tracker keeps beside its run (those that exist)
 RUN_FILES = ("config.json", "summary.json", "metrics.csv", "rounds.csv", "run_info.json", "loss.png", "samples.txt",
@@ -68,7 +68,7 @@ class Tracker(Sink, Protocol):
 @dataclass(frozen=True)
 class Registered:
     enabled: Callable[[TrackingConfig], bool]
-    module: str  # sparklm.trackers.<module>, imported only when the tracker is on
+    module: str  # sparklm.metrics.trackers.<module>, imported only when the tracker is on
     package: str  # what the tracker needs installed, and the extra that installs it
     extra: str
 

@@ -15,11 +15,11 @@ def main() -> None:
     # sends the job once the ranks have found each other, so the two overlap.
     from transformers import PreTrainedModel  # noqa: F401  (transformers' model machinery: ~3 s)
 
-    from ...data.manifest import load_prepared, load_tokenizer
-    from ...errors import SparklmError, known_cause
-    from ..collective import Group, Single
-    from ..core import Rank, train
-    from ..sinks import ChannelSink
+    from ..data.manifest import load_prepared, load_tokenizer
+    from ..infra.errors import SparklmError, known_cause
+    from ..metrics.sinks import ChannelSink
+    from ..train.collective import Group, Single
+    from ..train.core import Rank, train
     from .base import Job, RankStart
 
     if sys.argv[1:2] == ["--warm"]:  # started before Spark (ddp.DDP.prestart): wait for the task that takes it
@@ -54,7 +54,7 @@ def main() -> None:
         what = cause[0] if cause else f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
         error = SparklmError(f"{where}: {what}", hint=cause[1] if cause else None)
         if cause and cause[0] == "out of memory":
-            from ..memory import out_of_memory
+            from ..train.memory import out_of_memory
 
             error = out_of_memory(where)
         print(error.one_line(), file=sys.stderr, flush=True)

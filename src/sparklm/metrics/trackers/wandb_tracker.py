@@ -14,11 +14,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .. import progress
-from ..config import TrackingConfig
-from ..errors import SparklmError
-from ..fs import exists, join, local_path, read_bytes, upload_tree
-from ..train.rows import Row
+from ...config import TrackingConfig
+from ...infra import progress
+from ...infra.errors import SparklmError
+from ...infra.fs import exists, join, local_path, read_bytes, upload_tree
+from ..rows import Row
 from . import RUN_FILES, Buffered, Context, numbers, summary_figures
 
 KINDS = ("train", "eval", "round")
@@ -98,7 +98,7 @@ class WandbTracker(Buffered):
     def _log_model(self, model_dir: str) -> None:
         import wandb
 
-        from ..model.build import model_source
+        from ...model.build import model_source
 
         art = wandb.Artifact(f"{_safe(self.ctx.name)}-model", type="model",
                              metadata={"format": "huggingface", "task": "text-generation"})

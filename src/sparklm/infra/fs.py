@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
-from .config import StorageConfig
+from ..config import StorageConfig
 from .errors import SparklmError
 
 _GLOB_CHARS = set("*?[")

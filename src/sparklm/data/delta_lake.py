@@ -11,8 +11,8 @@ from __future__ import annotations
 from urllib.parse import urlparse
 
 from ..config import StorageConfig
-from ..errors import SparklmError
-from ..fs import exists, join, storage_hint
+from ..infra.errors import SparklmError
+from ..infra.fs import exists, join, storage_hint
 
 LOG = "_delta_log"
 

@@ -27,7 +27,7 @@ def get(name: str):
 
 
 def __getattr__(name: str):
-    """The interface's types, imported when first asked for (``from sparklm.train.strategies import Job``)."""
+    """The interface's types, imported when first asked for (``from sparklm.strategies import Job``)."""
     if name in ("Job", "RoundSpec", "RunResult", "Strategy", "WorkerResult"):
         return getattr(importlib.import_module(f"{__name__}.base"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,15 +24,16 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from ...config import Config
-from ...errors import SparklmError, killed_note, spark_errors
-from ...fs import delete, join
-from .. import checkpoint, loop, rows
-from ..recorder import Best, Recorder
-from ..schedule import Schedule
-from ..sinks import CsvSink, Sink, Sinks
+from ..config import Config
+from ..infra.errors import SparklmError, killed_note, spark_errors
+from ..infra.fs import delete, join
+from ..metrics import rows
+from ..metrics.recorder import Best, Recorder
+from ..metrics.sinks import CsvSink, Sink, Sinks
+from ..train import checkpoint, loop
+from ..train.schedule import Schedule
 from .base import BEST, Job, Partial, RoundSpec, RunResult, WorkerResult
-from .codec import apply_update, decode, digest, encode_update
+from .codec import Codec, apply_update, decode, digest, encode_update
 
 # A testing aid: "round=R,worker=W[,attempts=K][,at=start|end|crash]" fails that task's first K attempts
 # (default 1) at its start, after its work (default end), or by killing its Python worker after its work.
@@ -66,7 +67,7 @@ class Rounds:
                             info={"sync_every": unit.tc.rounds.sync_every})
         finally:  # the workers' inner states in the temporary directory (shared with the driver in local mode)
             shutil.rmtree(os.path.join(tempfile.gettempdir(), "sparklm-inner", job.uid), ignore_errors=True)
-            from .rounds_task import shared_inner_dir
+            from .round_worker import shared_inner_dir
 
             shared = shared_inner_dir(job.run_dir)
             if shared:
@@ -84,8 +85,8 @@ class RoundsUnit:
     log_every = 1  # a train row per round
 
     def __init__(self, spark, job: Job, sink: Sink, name: str, shards: list[tuple[int, int]] | None):
-        from ...data.manifest import load_prepared, load_tokenizer
-        from ...tasks import make as make_task
+        from ..data.manifest import load_prepared, load_tokenizer
+        from ..tasks import make as make_task
 
         self.spark, self.job, self.name = spark, job, name
         plan = job.plan
@@ -116,7 +117,7 @@ class RoundsUnit:
         self.max_failures = _max_failures(spark)
         self.shards = tuple(tuple(s) for s in (shards or [(w, job.workers) for w in range(job.workers)]))
         self.comm = {"broadcast": 0, "returned": 0}
-        self.codec = plan.codec
+        self.codec = Codec(**plan.codec)
         # With a lossy codec: ``params`` are the weights the workers hold (what they train from, evaluate and export),
         # ``exact`` the outer optimizer's own weights when the driver's step travels encoded (params + what the codec
         # has not delivered yet), ``update`` the encoded step from the weights of step ``update[0]`` to ``params``,
@@ -408,8 +409,8 @@ def _aggregate(spark, job: Job, bc, bu, spec: RoundSpec, workers: list[int], fau
 
         from pyspark import TaskContext
 
-        from ...errors import SparklmError
-        from .rounds_task import run_worker
+        from ..infra.errors import SparklmError
+        from .round_worker import run_worker
 
         attempt = TaskContext.get().attemptNumber()
         for worker in it:
