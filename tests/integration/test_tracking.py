@@ -238,3 +238,34 @@ def test_a_restart_leaves_one_clean_history_in_mlflow_and_wandb(tmp_path, mlflow
     history = [{i.nested_key[0] if i.nested_key else i.key: json.loads(i.value_json) for i in r.history.item}
                for r in wandb_records(tmp_path / "run") if r.WhichOneof("record_type") == "history"]
     assert [(h["step"], h["train/loss"]) for h in history] == want
+
+
+def test_a_regressor_is_tracked_through_the_task_seam(spark, tmp_path, mlflow_server):
+    """A task added as one module (text regression) reaches MLflow as every task does: its figures, its picture
+    (scatter.png) and its model as the pipeline the task names, which pyfunc scores."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    import sparklm
+    from conftest import labelled_records, tiny_bert, toy_corpus
+
+    bert = tiny_bert(tmp_path / "bert", corpus=toy_corpus())
+    records = [{"text": r["text"], "y": 2.0 if r["label"] == "pos" else 0.0} for r in labelled_records(200, seed=3)]
+    path = tmp_path / "toy.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    data = sparklm.prepare([str(path)], output=str(tmp_path / "data"), spark=spark,
+                           settings={"data.task": "regress", "data.label_field": "y", "data.seq_len": 32,
+                                     "tokenizer.path": bert})
+    sparklm.fit(data=data, output=str(tmp_path / "run"), spark=spark,
+                settings={"model.task": "regress", "model.init_from": bert, "train.max_steps": 20,
+                          "train.batch_size": 8, "train.dtype": "float32", "train.threads": 1,
+                          "tracking.mlflow_uri": mlflow_server, "tracking.mlflow_experiment": "regress",
+                          "tracking.mlflow_register": "sparklm-regress"})
+    client = MlflowClient(tracking_uri=mlflow_server)
+    (run,) = client.search_runs([client.get_experiment_by_name("regress").experiment_id])
+    assert run.info.status == "FINISHED" and client.get_metric_history(run.info.run_id, "eval/val_rmse")
+    assert "scatter.png" in {f.path for f in client.list_artifacts(run.info.run_id)}
+    mlflow.set_tracking_uri(mlflow_server)
+    model = mlflow.pyfunc.load_model("models:/sparklm-regress/1")
+    out = model.predict(["good good fine", "bad awful"])
+    assert len(out) == 2 and all(isinstance(float(s), float) for s in out["score"])

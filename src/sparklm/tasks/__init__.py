@@ -57,6 +57,7 @@ class TaskInfo:
     peft: str | None = "CAUSAL_LM"  # peft's task type for its LoRA adapters
     hf_config: Callable[[Any], dict] | None = None  # overrides of the model's HF config (a classifier's labels)
     settle: Callable[[Any, dict, str], Any] | None = None  # (config, manifest, data URI): what the data fixes
+    pipeline: str = "text-generation"  # the transformers pipeline that reads its model/ (trackers log it as one)
     shows: str | None = None  # the file a finished run points people to besides report.html
     report: Callable[[str, dict, Any], None] | None = None  # (run dir, kept figures, storage): driver-side pictures
     section: Callable[[Any], list[str]] | None = None  # report.html's section for the task (a RunData → HTML parts)

@@ -49,5 +49,6 @@ def section(run) -> list[str]:
 
 INFO = TaskInfo(name="classify", figures=CLASSIFY_FIGURES, make=make, data=("classify",),
                 prepares=DataKind(rows="encoded", labels="class", long="truncate"), pretrained=True,
-                auto="AutoModelForSequenceClassification", peft="SEQ_CLS", hf_config=hf_config, settle=settle,
+                auto="AutoModelForSequenceClassification", peft="SEQ_CLS", pipeline="text-classification",
+                hf_config=hf_config, settle=settle,
                 shows="confusion.png", report=report, section=section)

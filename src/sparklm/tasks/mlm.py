@@ -15,4 +15,4 @@ def make(config):
 
 INFO = TaskInfo(name="mlm", figures=MLM_FIGURES, make=make, data=("mlm", "classify"),
                 prepares=DataKind(rows="encoded", long="window"), pretrained=True, auto="AutoModelForMaskedLM",
-                peft=None)
+                peft=None, pipeline="fill-mask")

@@ -196,5 +196,6 @@ def make(config) -> Regressor:
 
 INFO = TaskInfo(name="regress", figures=FIGURES, make=make, data=("regress",),
                 prepares=DataKind(rows="encoded", labels="value", long="truncate"), pretrained=True,
-                auto="AutoModelForSequenceClassification", peft="SEQ_CLS", hf_config=hf_config, shows=SCATTER,
+                auto="AutoModelForSequenceClassification", peft="SEQ_CLS", pipeline="text-classification",
+                hf_config=hf_config, shows=SCATTER,
                 section=section)

@@ -48,6 +48,18 @@ class Context:
         """The tracker run's display name: the directory's last part."""
         return self.run_dir.rstrip("/").rsplit("/", 1)[-1] or self.run_dir
 
+    @property
+    def task(self):
+        """What the run trained (sparklm/tasks: its pipeline, the picture it leaves)."""
+        from ...tasks import info
+
+        return info(self.params.get("model.task", "causal-lm"))
+
+    def files(self) -> tuple[str, ...]:
+        """The files of the run (or dataset) a tracker logs: :data:`RUN_FILES` and the task's own picture."""
+        shown = self.task.shows if self.command == "train" else None
+        return RUN_FILES + ((shown,) if shown and shown not in RUN_FILES else ())
+
 
 @dataclass
 class Outcome:

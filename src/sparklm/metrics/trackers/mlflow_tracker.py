@@ -20,7 +20,7 @@ from ...infra import progress
 from ...infra.errors import SparklmError
 from ...infra.fs import exists, join, read_bytes
 from ..rows import Row
-from . import RUN_FILES, Buffered, Context, numbers, short, summary_figures
+from . import Buffered, Context, numbers, short, summary_figures
 
 BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics and 100 parameters per call
 PARAMS_PER_BATCH = 100
@@ -121,7 +121,7 @@ class MlflowTracker(Buffered):
 
     def _log_files(self) -> None:
         with tempfile.TemporaryDirectory(prefix="sparklm-mlflow-") as tmp:
-            for name in RUN_FILES:
+            for name in self.ctx.files():
                 uri = join(self.ctx.run_dir, name)
                 if exists(uri, self.ctx.storage):
                     (Path(tmp) / name).write_bytes(read_bytes(uri, self.ctx.storage))
@@ -129,9 +129,12 @@ class MlflowTracker(Buffered):
 
     def _log_model(self, model_dir: str) -> None:
         """The model as a ``text-generation`` pipeline in MLflow's transformers flavor (a LoRA run's adapter merged
-        into its base: the logged model stands alone), with sparklm's sampling defaults as its inference config."""
+        into its base: the logged model stands alone), with sparklm's sampling defaults as its inference config; an
+        encoder's as the pipeline its task names (``text-classification``: a label and a score per text)."""
+        if self.ctx.task.pipeline != "text-generation":
+            self._log_pipeline(model_dir, self.ctx.task.pipeline)
+            return
         import mlflow
-        import torch
         import transformers
         from mlflow.models import ModelSignature
         from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
@@ -150,8 +153,7 @@ class MlflowTracker(Buffered):
         types = {int: "long", float: "double", bool: "boolean"}
         signature = ModelSignature(inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]),
                                    params=ParamSchema([ParamSpec(k, types[type(v)], v) for k, v in inference.items()]))
-        requirements = [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}",
-                        f"tokenizers=={_version('tokenizers')}", f"safetensors=={_version('safetensors')}"]
+        requirements = _requirements()
         before = mlflow.get_tracking_uri()
         mlflow.set_tracking_uri(self.uri)
         try:
@@ -162,6 +164,42 @@ class MlflowTracker(Buffered):
                     registered_model_name=self.tc.mlflow_register or None)
         finally:
             mlflow.set_tracking_uri(before)
+
+    def _log_pipeline(self, model_dir: str, task: str) -> None:
+        """An encoder's model/ (a plain HF directory: merged weights) as the transformers pipeline ``task``."""
+        import mlflow
+        import transformers
+
+        from ...model.build import model_source
+
+        path = str(model_source(model_dir, self.ctx.storage))
+        pipe = transformers.pipeline(task, model=path, tokenizer=path, device="cpu")
+        before = mlflow.get_tracking_uri()
+        mlflow.set_tracking_uri(self.uri)
+        try:
+            with mlflow.start_run(run_id=self.run_id):
+                mlflow.transformers.log_model(transformers_model=pipe, name="model", task=task,
+                                              signature=_pipeline_signature(task), pip_requirements=_requirements(),
+                                              registered_model_name=self.tc.mlflow_register or None)
+        finally:
+            mlflow.set_tracking_uri(before)
+
+
+def _pipeline_signature(task: str):
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, Schema
+
+    outputs = (Schema([ColSpec("string", "label"), ColSpec("double", "score")]) if task == "text-classification"
+               else Schema([ColSpec("string")]))
+    return ModelSignature(inputs=Schema([ColSpec("string")]), outputs=outputs)
+
+
+def _requirements() -> list[str]:
+    import torch
+    import transformers
+
+    return [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}",
+            f"tokenizers=={_version('tokenizers')}", f"safetensors=={_version('safetensors')}"]
 
 
 def _version(package: str) -> str:

@@ -19,7 +19,7 @@ from ...infra import progress
 from ...infra.errors import SparklmError
 from ...infra.fs import exists, join, local_path, read_bytes, upload_tree
 from ..rows import Row
-from . import RUN_FILES, Buffered, Context, numbers, summary_figures
+from . import Buffered, Context, numbers, summary_figures
 
 KINDS = ("train", "eval", "round")
 
@@ -83,7 +83,7 @@ class WandbTracker(Buffered):
         import wandb
 
         art = wandb.Artifact(f"{_safe(self.ctx.name)}-files", type=f"sparklm-{self.ctx.command}")
-        for name in RUN_FILES:
+        for name in self.ctx.files():
             uri = join(self.ctx.run_dir, name)
             if not exists(uri, self.ctx.storage):
                 continue
@@ -101,7 +101,7 @@ class WandbTracker(Buffered):
         from ...model.build import model_source
 
         art = wandb.Artifact(f"{_safe(self.ctx.name)}-model", type="model",
-                             metadata={"format": "huggingface", "task": "text-generation"})
+                             metadata={"format": "huggingface", "task": self.ctx.task.pipeline})
         art.add_dir(str(model_source(model_dir, self.ctx.storage)))
         self.run.log_artifact(art)
 
