@@ -124,7 +124,11 @@ def test_a_capped_python_worker_trains_with_the_planned_micro_batch(spark, stand
     assert micro < 16 and micro * accum == 16  # the global batch kept
     summary = json.loads((tmp_path / "planned" / "summary.json").read_text())
     assert summary["steps"] == 2 and 0 < summary["peak_rss_mb"] < 1900
-    assert json.loads((tmp_path / "planned" / "config.json").read_text())["config"]["train"]["batch_size"] == 16
+    saved = json.loads((tmp_path / "planned" / "config.json").read_text())
+    assert saved["config"]["train"]["batch_size"] == 16  # the settings as asked: --resume starts from them
+    # what ran, recorded whole before any rank started: the plan's micro-batch and accumulation
+    assert (saved["plan"]["runs"]["train.batch_size"], saved["plan"]["runs"]["train.grad_accum"]) == (micro, accum)
+    assert saved["plan"]["memory"]["source"].startswith("spark.executor.pyspark.memory")
 
 
 def test_ctrl_c_on_a_standalone_cluster_is_one_line_and_the_checkpoint_resumes(spark, standalone, dataset, tmp_path):

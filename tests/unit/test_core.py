@@ -402,3 +402,34 @@ def test_summary_peak_is_the_exact_reading_unless_an_earlier_segment_logged_more
     assert peak_mb(496.71484375, rows) == 496.71484375
     assert peak_mb(400.0, [{"rss_mb": 512.0}]) == 512.0  # a resumed run's earlier process peaked higher
     assert peak_mb(None, []) == 0.0
+
+
+def test_the_run_plan_round_trips_records_what_the_memory_plan_changed_and_refuses_a_changed_resume():
+    import dataclasses
+    import json
+
+    from sparklm.config import from_dict
+    from sparklm.infra.errors import SparklmError
+    from sparklm.train import memory, resolve
+    from sparklm.train.plan import RunPlan, make
+
+    settled = resolve.settings(from_dict({"train": {"dtype": "float32", "optimizer": "adamw", "batch_size": 8,
+                                                    "strategy": "diloco"}}), 2)
+    shrunk = memory.MemoryPlan(batch_size=2, grad_accum=4, checkpointing=True, estimate=1 << 30, limit=2 << 30,
+                               source="train.memory_limit", hand_back=True)
+    plan = make(settled, train_rows=1000, seq_len=64, mem=shrunk)
+    assert RunPlan.from_dict(json.loads(plan.to_json())) == plan  # as a worker reads it
+    tc = plan.config.train  # what runs: the global batch kept, the rest as the memory plan says
+    assert (tc.batch_size, tc.grad_accum, tc.grad_checkpoint, tc.allocator) == (2, 4, "on", "return")
+    assert plan.steps.rows_per_step == 8 * settled.train.workers  # the global batch the settings asked for
+    assert plan.codec == {"name": "int4", "density": settled.train.rounds.density, "bits": settled.train.rounds.bits}
+    recorded = plan.record(settled)
+    assert "config" not in recorded and recorded["runs"] == {"train.batch_size": 2, "train.grad_accum": 4,
+                                                             "train.grad_checkpoint": "on", "train.allocator": "return"}
+    assert recorded["memory"]["source"] == "train.memory_limit" and recorded["threads"] == 2
+    plan.check_resumable(recorded, "run")  # the same plan resumes
+    plan.check_resumable(None, "run")  # a run from before plans were recorded
+    other = make(settled.replace(train=dataclasses.replace(settled.train, dtype="bfloat16")), train_rows=1000,
+                 seq_len=64)
+    with pytest.raises(SparklmError, match="its plan had compute dtype float32, this one bfloat16"):
+        other.check_resumable(recorded, "run")

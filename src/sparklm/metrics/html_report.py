@@ -121,10 +121,8 @@ def render_run(run: RunData) -> str:
         body += ["<h2>Epochs</h2>", epochs_table(run.epochs)]
     if run.rounds:
         body += ["<h2>Rounds</h2>", charts(round_charts(run)), rounds_table(run.rounds)]
-    section = task_info(run.task).section
-    own = section(run) if section is not None else []  # the task's own section (a classifier's classes)
-    body += own or ["<h2>Samples</h2>", f"<pre>{esc(run.samples)}</pre>" if run.samples else
-                    "<p class=note>No samples.txt (train.samples = 0, or the run did not end).</p>"]
+    section = task_info(run.task).section  # the task's own: a causal LM's samples, a classifier's classes, ...
+    body += section(run) if section is not None else []
     body += ["<h2>Spark</h2>", spark_section(s.get("spark")),
              "<h2>Configuration</h2>", config_table(run.config)]
     return page(f"sparklm run {run.name}", body)
@@ -186,6 +184,12 @@ def table(rows: list[tuple], header: tuple[str, ...], classes: list[str] | None 
     body = "".join(f"<tr{f' class={classes[i]}' if classes and classes[i] else ''}>"
                    + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for i, row in enumerate(rows))
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def samples_section(run: RunData) -> list[str]:
+    """A causal LM's samples.txt."""
+    return ["<h2>Samples</h2>", f"<pre>{esc(run.samples)}</pre>" if run.samples else
+            "<p class=note>No samples.txt (train.samples = 0, or the run did not end).</p>"]
 
 
 def classes_section(figures: dict) -> str:

@@ -15,5 +15,11 @@ def make(config):
     return CausalLM.from_config(config, sampling=Sampling(), samples=write_samples)
 
 
+def section(run) -> list[str]:
+    from ..metrics.html_report import samples_section
+
+    return samples_section(run)
+
+
 INFO = TaskInfo(name="causal-lm", figures=LM_FIGURES, make=make, prepares=DataKind(rows="packed"),
-                shows="samples.txt")
+                shows="samples.txt", section=section)
