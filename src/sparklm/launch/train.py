@@ -269,7 +269,7 @@ def _summary(run_dir: str, config: Config, dataset: PreparedDataset, result: Run
     epoch_tokens = dataset.manifest["splits"]["train"]["tokens"]
     r = result
     summary = {
-        "task": config.model.task,  # its figures' names: model/tasks.py
+        "task": config.model.task,  # its figures' names: tasks/
         "final": r.final, "best": r.best,
         "steps": r.steps, "tokens": r.tokens, "epochs": r.tokens / max(epoch_tokens, 1),
         "train_seconds": r.seconds, "wall_seconds": seconds, "spark_start_seconds": spark_start,

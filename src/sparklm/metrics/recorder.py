@@ -1,7 +1,7 @@
 """What a run records, the same for every strategy: its rows, the best evaluation, early stopping, the epochs
 note, every worker's peak memory, and the one :class:`RunResult`.
 
-The DDP rank loop (core.train) and the rounds driver (strategies/rounds.py) both hand their figures to a
+The run loop (train/loop.py), for a DDP rank and for the rounds driver alike, hands their figures to a
 :class:`Recorder`; the row a sink receives does not depend on which strategy trained. Torch-free.
 """
 

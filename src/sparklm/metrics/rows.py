@@ -2,7 +2,7 @@
 line, :func:`from_dict` on arrival) and what metrics.csv, rounds.csv and run_info.json hold (:meth:`to_dict`).
 
 Kinds: ``info`` (the run's facts, once), ``train`` (a log step, or a round's steps: the same fields from every
-strategy), ``eval`` (an evaluation: the task's named figures, model/tasks.py), ``round`` (a round of average/
+strategy), ``eval`` (an evaluation: the task's named figures, model/figures.py), ``round`` (a round of average/
 DiLoCo), ``epoch`` (a pass over the training split, made by the driver from train rows), ``note`` and ``warning``
 (something the user should know). Torch-free.
 """

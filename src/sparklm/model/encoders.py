@@ -204,7 +204,7 @@ class EncoderTask:
 
     def artefacts(self, model: torch.nn.Module, spec: TokenizerSpec, run_dir: str, dataset, config: Config) -> None:
         """Nothing beside model/: an encoder has no text samples to show; a classifier's confusion matrix is drawn
-        from its kept evaluation by the driver (confusion.png, train/run.py)."""
+        from its kept evaluation by the driver (confusion.png: tasks/classify.py)."""
 
     def export(self, model: torch.nn.Module, spec: TokenizerSpec, uri: str, storage: StorageConfig) -> None:
         """An HF model directory (merged weights when LoRA trained) with the tokenizer as an encoder's."""

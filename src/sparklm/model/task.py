@@ -56,7 +56,7 @@ class Task(Protocol):
     holds only what its configuration says (nothing is set on it during a run)."""
 
     name: str
-    figure_set: FigureSet  # the named figures ``figures`` returns (model/tasks.py: what the driver reads)
+    figure_set: FigureSet  # the named figures ``figures`` returns (model/figures.py: what the driver reads)
     eval_width: int  # the length of ``eval_sums``' vector (the loop sums them over batches and ranks)
 
     def build(self, config: Config, spec: TokenizerSpec, context: int) -> torch.nn.Module: ...

@@ -1,7 +1,7 @@
 """The strategy seam: how a run is spread over Spark tasks, behind one small interface.
 
 A strategy gets the job (what to train, where) and a metrics sink, runs the workers on Spark and
-returns the run's result. It never knows the task (what is trained) and the launcher (train/run.py)
+returns the run's result. It never knows the task (what is trained) and the launcher (launch/train.py)
 knows nothing of training. Messages between the driver and its workers are these frozen dataclasses.
 """
 

@@ -1,7 +1,7 @@
 """Training in rounds on plain Spark tasks: parameter averaging (``average``) and DiLoCo (``diloco``).
 
 A round: the driver broadcasts the global weights; N ordinary (non-barrier) tasks each run
-``sync_every`` steps of the training core on their shard (rounds_task.py) and return their delta; a
+``sync_every`` steps of the training core on their shard (round_worker.py) and return their delta; a
 tree aggregation sums the deltas; the driver takes one outer step (outer.py) — torchtitan's choice:
 DiLoCo wraps the same steps a DDP rank runs. Nothing needs all workers up at once: Spark schedules
 the tasks as slots free up, retries a lost task (which recomputes the same delta, tasks being

@@ -2,7 +2,7 @@
 
 Every strategy runs these same steps. A DDP rank runs :func:`train`: the run loop (loop.py) over a
 :class:`RankUnit` of one optimizer step, its collectives behind one object (collective.py); an average/DiLoCo
-worker runs :meth:`Trainer.run_steps` for one round's ``sync_every`` steps (strategies/rounds_task.py). The core
+worker runs :meth:`Trainer.run_steps` for one round's ``sync_every`` steps (strategies/round_worker.py). The core
 knows nothing of Spark and decides nothing: the run plan (plan.py) says what runs, the task seam (model/task.py)
 what is trained, the device seam (device.py) where, and its figures go to metrics sinks (sinks.py).
 """

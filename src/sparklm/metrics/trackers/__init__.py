@@ -1,4 +1,4 @@
-"""Experiment trackers: metrics sinks (train/sinks.py's seam) that also open and close a run elsewhere.
+"""Experiment trackers: metrics sinks (metrics/sinks.py's seam) that also open and close a run elsewhere.
 
 Each tracker is one module here, registered in ``TRACKERS`` by the config switch that turns it on:
 TensorBoard (event files under the run directory), MLflow (a tracking server or store) and Weights & Biases
