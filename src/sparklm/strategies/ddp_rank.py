@@ -18,7 +18,7 @@ def main() -> None:
     from ..data.manifest import load_prepared, load_tokenizer
     from ..infra.errors import SparklmError, known_cause
     from ..metrics.sinks import ChannelSink
-    from ..train.collective import Group, Single
+    from ..train import collective
     from ..train.core import Rank, train
     from .base import Job, RankStart
 
@@ -31,14 +31,13 @@ def main() -> None:
     where = f"training rank {rank.rank} on {socket.gethostname()}"
     plan = job.plan  # what runs, decided on the driver: a rank reads it and decides nothing
     try:
-        comm = Single()
         if rank.world > 1:  # the ranks find each other: their collectives from here on
             import torch.distributed as dist
 
             os.environ.update(MASTER_ADDR=start.master_addr, MASTER_PORT=str(start.master_port))
             dist.init_process_group(plan.device.backend, rank=rank.rank, world_size=rank.world,
                                     timeout=timedelta(seconds=plan.config.train.ddp.collective_timeout))
-            comm = Group(rank.rank, rank.world)
+        comm = collective.of(rank.rank, rank.world)
         dataset = load_prepared(job.data, plan.config.storage)
         spec = load_tokenizer(dataset, plan.config.storage)
         if rank.rank == 0:

@@ -131,12 +131,17 @@ class Trainer:
             done = frac(i)
             if stop and done >= 1.0:
                 return
-            lr = lr_at(self.state.step, done, self.tc)
-            loss, grad_norm, tally = self.train_step(batches, lr)
-            self.state.step += 1
-            self.state.position += self.plan.rows_per_step
-            self.state.tokens_seen += self.plan.tokens_per_step
-            yield loss, grad_norm, lr, tally
+            yield self.step(batches, done)
+
+    def step(self, batches: Iterator[Batch], done: float) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
+        """One optimizer step at progress ``done`` (the learning rate follows it), the state advanced: (loss, grad
+        norm, lr, accuracy counts)."""
+        lr = lr_at(self.state.step, done, self.tc)
+        loss, grad_norm, tally = self.train_step(batches, lr)
+        self.state.step += 1
+        self.state.position += self.plan.rows_per_step
+        self.state.tokens_seen += self.plan.tokens_per_step
+        return loss, grad_norm, lr, tally
 
     @torch.no_grad()
     def eval_sums(self, part: int, parts: int) -> torch.Tensor:
@@ -294,11 +299,7 @@ class RankUnit:
 
     def advance(self, steps: int, *, done: float, evaluate: bool, checkpoint: bool) -> loop.Advance:
         t = self.t
-        lr = lr_at(t.state.step, done, t.tc)
-        loss, grad_norm, tally = t.train_step(self.stream, lr)
-        t.state.step += 1
-        t.state.position += t.plan.rows_per_step
-        t.state.tokens_seen += t.plan.tokens_per_step
+        loss, grad_norm, lr, tally = t.step(self.stream, done)
         if self.on_step is not None:
             self.on_step(t.state.step)
         mean, acc = t.global_mean(loss, tally)

@@ -134,7 +134,6 @@ class MlflowTracker(Buffered):
         if self.ctx.task.pipeline != "text-generation":
             self._log_pipeline(model_dir, self.ctx.task.pipeline)
             return
-        import mlflow
         import transformers
         from mlflow.models import ModelSignature
         from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
@@ -154,33 +153,28 @@ class MlflowTracker(Buffered):
         signature = ModelSignature(inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]),
                                    params=ParamSchema([ParamSpec(k, types[type(v)], v) for k, v in inference.items()]))
         requirements = _requirements()
-        before = mlflow.get_tracking_uri()
-        mlflow.set_tracking_uri(self.uri)
-        try:
-            with mlflow.start_run(run_id=self.run_id):
-                mlflow.transformers.log_model(
-                    transformers_model=pipe, name="model", task="text-generation", signature=signature,
-                    model_config=inference, pip_requirements=requirements,
-                    registered_model_name=self.tc.mlflow_register or None)
-        finally:
-            mlflow.set_tracking_uri(before)
+        self._log_pipe(pipe, "text-generation", signature, model_config=inference, pip_requirements=requirements)
 
     def _log_pipeline(self, model_dir: str, task: str) -> None:
         """An encoder's model/ (a plain HF directory: merged weights) as the transformers pipeline ``task``."""
-        import mlflow
         import transformers
 
         from ...model.build import model_source
 
         path = str(model_source(model_dir, self.ctx.storage))
         pipe = transformers.pipeline(task, model=path, tokenizer=path, device="cpu")
+        self._log_pipe(pipe, task, _pipeline_signature(task), pip_requirements=_requirements())
+
+    def _log_pipe(self, pipe, task: str, signature, **extra) -> None:
+        """``pipe`` into this run in MLflow's transformers flavor (registered when tracking.mlflow_register says)."""
+        import mlflow
+
         before = mlflow.get_tracking_uri()
         mlflow.set_tracking_uri(self.uri)
         try:
             with mlflow.start_run(run_id=self.run_id):
-                mlflow.transformers.log_model(transformers_model=pipe, name="model", task=task,
-                                              signature=_pipeline_signature(task), pip_requirements=_requirements(),
-                                              registered_model_name=self.tc.mlflow_register or None)
+                mlflow.transformers.log_model(transformers_model=pipe, name="model", task=task, signature=signature,
+                                              registered_model_name=self.tc.mlflow_register or None, **extra)
         finally:
             mlflow.set_tracking_uri(before)
 
