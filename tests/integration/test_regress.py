@@ -86,7 +86,7 @@ def test_a_float_label_column_becomes_a_hash_split_dataset_of_targets(spark, toy
     ("ddp", 2, {}),
     ("average", 2, {"train.rounds.sync_every": 20}),
     ("diloco", 2, {"train.rounds.sync_every": 20}),
-    ("ddp", 1, {"lora.r": 8, "train.lr": 3e-3, "train.max_steps": 300, "train.eval_every": 100}),
+    ("ddp", 1, {"lora.r": 8, "train.lr": 3e-3, "train.max_steps": 500, "train.eval_every": 100}),
 ], ids=["ddp", "average", "diloco", "lora"])
 def test_a_regressor_learns_with_each_strategy(spark, toy, tmp_path, strategy, workers, extra):
     s = _fit(toy.data, tmp_path / "run", **{"model.init_from": toy.bert, "train.strategy": strategy,
@@ -94,8 +94,9 @@ def test_a_regressor_learns_with_each_strategy(spark, toy, tmp_path, strategy, w
                                            **extra})
     best = s["best"]
     assert s["task"] == "regress" and best["val_examples"] == toy.manifest["labels"]["values"]["validation"]["rows"]
-    # LoRA adapts a random 2-layer model through rank-8 updates: it learns, less far in these steps (R² 0.44 here;
-    # full fine-tuning 0.97)
+    # LoRA adapts a random 2-layer model through rank-8 updates: it learns more slowly and its R² varies with the seed
+    # and the machine's float rounding (at 300 steps 0.14 on CI, 0.44-0.98 here; at 500 steps 0.73-0.91 over four
+    # seeds here); full fine-tuning reaches 0.97 in 120
     bar = 0.3 if "lora.r" in extra else 0.6
     assert best["val_r2"] >= bar and best["val_rmse"] == pytest.approx(math.sqrt(best["val_loss"])), best
     assert best["val_mae"] <= best["val_rmse"]
