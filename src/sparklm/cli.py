@@ -126,6 +126,7 @@ def _add_inference(sub) -> None:
     _sampling_flags(g.add_argument_group("sampling"))
     g.add_argument("--show-top", type=int, default=0, metavar="N", help="show the N most likely tokens at each step")
     g.add_argument("--backend", choices=["torch", "onnx"], default="torch")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto: CUDA where torch sees a GPU")
     g.add_argument("--quantize", choices=["none", "int8"], default="none",
                    help="torch backend: dynamic int8 Linear layers for CPU inference")
     g.add_argument("--batch-size", type=int, default=8, metavar="N")
@@ -392,7 +393,8 @@ def _generate(args: argparse.Namespace) -> int:
         lm = load_onnx(args.model, threads=args.threads)
     else:
         config, _ = _config(args)
-        lm = load(args.model, threads=args.threads, quantize=args.quantize, storage=effective(config.storage))
+        lm = load(args.model, threads=args.threads, quantize=args.quantize, storage=effective(config.storage),
+                  device=args.device)
     streaming = len(prompts) == 1 and sampling.num_samples == 1 and not args.show_top and not args.output
     if streaming:
         sys.stdout.write(prompts[0])

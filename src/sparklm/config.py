@@ -315,8 +315,13 @@ class TrainConfig:
     epochs: float = _f(0.0, "passes over the training tokens (0: unset)", min=0.0, flag="--epochs")
     max_tokens: int = _f(0, "training tokens (0: unset)", min=0, flag="--max-tokens")
     time_budget: float = _f(0.0, "seconds of training (0: unset); the schedule follows elapsed time", min=0.0, flag="--time-budget")
-    dtype: Literal["auto", "float32", "bfloat16"] = _f(
-        "auto", "autocast dtype; auto: bfloat16 where bf16 matmuls measure >1.3x faster than fp32, else float32"
+    device: Literal["auto", "cpu", "cuda"] = _f(
+        "auto", "where workers compute; auto: cuda where Spark hands the tasks GPUs (spark.task.resource.gpu.amount) "
+                "or, in local mode, where this machine has one; else cpu. Decided once, on the driver",
+        flag="--device")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f(
+        "auto", "autocast dtype; auto: on the CPU bfloat16 where bf16 matmuls measure >1.3x faster than fp32, else "
+                "float32; on CUDA bfloat16 (float16, with a gradient scaler, for GPUs without bf16: V100, T4)"
     )
     compile: bool = _f(False, "torch.compile the model")
     grad_checkpoint: Literal["auto", "on", "off"] = _f(

@@ -62,8 +62,7 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
     elif exists(join(run_dir, "config.json"), storage) or exists(join(run_dir, "checkpoints"), storage):
         raise SparklmError(f"run directory {run_dir} already holds a run",
                            hint="use --resume to continue it, or another --output")
-    config = config or Config()
-    config = config.replace(storage=effective(config.storage))
+    config = (config or Config()).replace(storage=effective((config or Config()).storage))
     storage = config.storage
     if not data:
         raise SparklmError("no prepared dataset given", hint="pass --data DIR (made by `sparklm prepare`)")
@@ -75,6 +74,7 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
     spec = load_tokenizer(dataset, storage)
     # Every "auto" decided here, once, for every rank and round worker (a resumed run's were decided before).
     asked = config
+    config = resolve.with_device(config, master, None if callable(spark) else spark)  # where Spark hands tasks GPUs
     config, note = plans.settle(config, threads=resolve.threads(config.train, master, config.spark,
                                                                 None if callable(spark) else spark),
                                 vocab=spec.vocab_size, context=dataset.seq_len,
@@ -279,7 +279,8 @@ def _summary(run_dir: str, config: Config, dataset: PreparedDataset, result: Run
         "peak_rss_mb": peak_mb(r.peak_rss_mb, train_rows),
         "rank_peak_rss_mb": r.rank_peak_rss_mb,  # each rank's (round worker's), in rank order
         "params": r.params, "trainable_params": r.trainable_params, "flops_per_token": r.flops_per_token,
-        "peak_flops": r.peak_flops, "dtype": r.dtype,
+        "peak_flops": r.peak_flops, "dtype": r.dtype, "device": r.device,
+        **({"gpus": r.gpus} if r.gpus else {}),  # the GPU Spark assigned each rank's task
         "workers": config.train.workers, "strategy": config.train.strategy,
         "bytes_communicated": r.bytes_communicated,
         **{k: getattr(r, k) for k in ("rounds", "bytes_broadcast", "bytes_returned") if getattr(r, k) is not None},

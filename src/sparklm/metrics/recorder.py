@@ -106,6 +106,8 @@ class RunResult:
     rounds: int | None = None
     bytes_broadcast: int | None = None
     bytes_returned: int | None = None
+    device: str | None = None  # rank 0's (round worker 0's): "cpu", "cuda:0"
+    gpus: list[str] = field(default_factory=list)  # the GPU address Spark assigned each rank's task, in rank order
 
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
@@ -204,6 +206,6 @@ class Recorder:
         f = self.facts
         return RunResult(steps=steps, tokens=tokens, seconds=seconds, params=f.params,
                          flops_per_token=f.flops_per_token, peak_flops=f.peak_flops,
-                         dtype=f.dtype, final=self.last_eval, best=self.best.summary(),
+                         dtype=f.dtype, device=f.device, final=self.last_eval, best=self.best.summary(),
                          peak_rss_mb=max(self.peaks, default=0.0), rank_peak_rss_mb=list(self.peaks),
                          **{"trainable_params": f.trainable_params, **extra})

@@ -33,6 +33,7 @@ class Info(Row):
     flops_per_token: float | None = None
     peak_flops: float | None = None  # the measured matmul peak of one worker (FLOP/s): what MFU is against
     dtype: str | None = None
+    device: str | None = None  # where rank 0 (round worker 0) computed: "cpu", "cuda:0"
     optimizer: str | None = None
     threads: int | None = None  # DDP: torch threads per rank
     sync_every: int | None = None  # rounds: steps per round

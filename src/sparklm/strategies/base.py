@@ -75,6 +75,7 @@ class RankStart:
     master_addr: str
     master_port: int
     channel: tuple[str, int, str]  # the driver's metrics channel: host, port, token
+    gpu: str | None = None  # the GPU address Spark assigned this rank's task (None: none assigned)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -169,3 +170,10 @@ class Strategy(Protocol):
         ...
 
     def run(self, spark, job: Job, sink: Sink) -> RunResult: ...
+
+
+def task_gpu(ctx) -> str | None:
+    """The GPU address Spark assigned the running task (spark.task.resource.gpu.amount), or None: one GPU per
+    task, as TorchDistributor places them; a task given several computes on the first."""
+    res = ctx.resources().get("gpu")
+    return res.addresses[0] if res is not None and res.addresses else None

@@ -37,8 +37,8 @@ from ..infra.fs import join, local_path, read_text, write_bytes
 from ..metrics.sinks import Channel, Sink
 from ..spark.session import LEAN_ADDRESS_SPACE, process_limit
 from ..train import checkpoint
-from ..train.device import Device
-from .base import Job, RankStart, RunResult
+from ..train.device import Device, gpu_slots
+from .base import Job, RankStart, RunResult, task_gpu
 
 RESULT = "SPARKLM-RESULT "
 
@@ -145,9 +145,10 @@ def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> RunResult:
                 peers = [json.loads(m) for m in ctx.allGather(json.dumps({"host": host, "port": port}))]
             else:  # no peers to find (and a barrier call costs about a second: Spark 4 polls once a second)
                 peers = [{"host": host, "port": 0}]
+            gpu = task_gpu(ctx)
             start = RankStart(job=job_json, rank=rank, world=workers, threads=threads,
-                              master_addr=peers[0]["host"], master_port=peers[0]["port"], channel=channel)
-            yield rank, _finish_rank(proc, start, log_path).to_json()
+                              master_addr=peers[0]["host"], master_port=peers[0]["port"], channel=channel, gpu=gpu)
+            yield rank, (gpu, _finish_rank(proc, start, log_path).to_json())
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -165,7 +166,8 @@ def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> RunResult:
             raise SparklmError(f"--workers {workers} needs {workers} free Spark task slots at once",
                                hint="lower --workers, or give the cluster more cores (local[N], executors)") from None
         raise
-    return RunResult.from_json(results[0])
+    gpus = [results[r][0] for r in range(workers)]
+    return dataclasses.replace(RunResult.from_json(results[0][1]), gpus=gpus if any(gpus) else [])
 
 
 def _publish_log(path: str, uri: str, storage) -> None:
@@ -307,11 +309,18 @@ def check_slots(spark, workers: int, dev: Device, wait: float = 30.0) -> None:
     barrier stage wait (Spark retries its slot check for minutes). On a cluster, executors that are still
     registering get ``wait`` seconds."""
     deadline = time.time() + wait
+    local = re.match(r"local(\[|$)", spark.sparkContext.master) is not None  # (not local-cluster: it has executors)
     while True:
         slots = dev.slots(spark)
         if slots >= workers:
             return
-        if spark.sparkContext.master.startswith("local") or time.time() > deadline:
+        gpus = gpu_slots(spark) if dev.kind == "cuda" or spark.sparkContext.getConf().get(
+            "spark.task.resource.gpu.amount") else None
+        if gpus is not None and gpus < workers and (local or time.time() > deadline):
+            raise SparklmError(f"--workers {workers} needs {workers} GPUs at once, one per rank; this Spark can "
+                               f"hand out {gpus}", hint="lower --workers, or give Spark more GPUs (executors with "
+                               "spark.executor.resource.gpu.amount; README: GPUs)")
+        if local or time.time() > deadline:
             raise SparklmError(f"--workers {workers} needs {workers} free Spark task slots at once; this Spark "
                                f"has {slots}", hint="lower --workers, or give Spark more cores (local[N], more "
                                "executors), or use --strategy average/diloco, which needs no slots at once")

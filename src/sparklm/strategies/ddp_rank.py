@@ -26,7 +26,7 @@ def main() -> None:
         _serve_once(int(sys.argv[2]))
     start = RankStart.from_json(sys.stdin.read())
     job = Job.from_json(start.job)
-    rank = Rank(rank=start.rank, world=start.world, threads=start.threads)
+    rank = Rank(rank=start.rank, world=start.world, threads=start.threads, gpu=start.gpu)
     sink = None
     where = f"training rank {rank.rank} on {socket.gethostname()}"
     plan = job.plan  # what runs, decided on the driver: a rank reads it and decides nothing

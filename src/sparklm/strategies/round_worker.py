@@ -39,15 +39,16 @@ from .codec import Codec, apply_update, decode, digest
 
 
 def run_worker(job: Job, worker: int, full: Callable[[], bytes], spec: RoundSpec, *, attempt: int = 0,
-               update: Callable[[], bytes] | None = None
+               update: Callable[[], bytes] | None = None, gpu: str | None = None
                ) -> tuple[WorkerResult, dict[str, np.ndarray] | bytes | None]:
     """Run ``worker``'s part of round ``spec`` from the global weights (``full()``: serialized whole; ``update()``:
-    the changes since the weights of ``spec.base_step``); return its figures and its delta (name → float32 array,
+    the changes since the weights of ``spec.base_step``; ``gpu``: the GPU address Spark assigned the task); return its figures and its delta (name → float32 array,
     already multiplied by the worker's weight; with a lossy codec, its encoded bytes), or None without steps."""
     t_task = time.time()
     torch.set_num_threads(job.plan.threads)
     device.set_allocator(job.plan.config.train.allocator)
-    trainer: Trainer = process_local(("rounds", job.uid), lambda: _trainer(job))
+    # one per GPU: a Python worker Spark reuses may be handed another GPU by a later task
+    trainer: Trainer = process_local(("rounds", job.uid, gpu), lambda: _trainer(job, gpu))
     tc = trainer.tc
     codec = Codec(**job.plan.codec)  # decided on the driver
     t0 = time.time()
@@ -169,11 +170,12 @@ def encode_with_feedback(codec: Codec, delta: dict[str, np.ndarray], residual: d
     return payload, {n: total[n] - sent[n] for n in total}
 
 
-def _trainer(job: Job) -> Trainer:
-    """The job's dataset, tokenizer and model, built once per Python worker and reused across rounds."""
+def _trainer(job: Job, gpu: str | None) -> Trainer:
+    """The job's dataset, tokenizer and model, built once per Python worker (and GPU) and reused across rounds."""
     plan = job.plan
     dataset = load_prepared(job.data, plan.config.storage)
-    return Trainer(plan, dataset, load_tokenizer(dataset, plan.config.storage), rank=Rank(0, 1, plan.threads))
+    return Trainer(plan, dataset, load_tokenizer(dataset, plan.config.storage),
+                   rank=Rank(0, 1, plan.threads, gpu=gpu))
 
 
 def _counted(batches: Iterator[Batch], seen: list[int]) -> Iterator[Batch]:

@@ -410,16 +410,18 @@ def _aggregate(spark, job: Job, bc, bu, spec: RoundSpec, workers: list[int], fau
         from pyspark import TaskContext
 
         from ..infra.errors import SparklmError
+        from .base import task_gpu
         from .round_worker import run_worker
 
         attempt = TaskContext.get().attemptNumber()
+        gpu = task_gpu(TaskContext.get())
         for worker in it:
             hit = fault is not None and fault.hits(spec.round, worker, attempt)
             try:
                 if hit and fault.at == "start":
                     raise RuntimeError(f"injected fault (round {spec.round}, worker {worker}, attempt {attempt})")
                 result, delta = run_worker(job, worker, lambda: bc.value, spec, attempt=attempt,
-                                           update=None if bu is None else (lambda: bu.value))
+                                           update=None if bu is None else (lambda: bu.value), gpu=gpu)
                 if hit and fault.at == "crash":  # the Python worker dies, as in an out-of-memory kill
                     os.kill(os.getpid(), signal.SIGKILL)
                 if hit:  # after the inner steps and the state write: the retry must recompute the same delta

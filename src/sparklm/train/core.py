@@ -39,6 +39,7 @@ class Rank:
     rank: int = 0
     world: int = 1
     threads: int = 1
+    gpu: str | None = None  # the GPU address Spark assigned this rank's task (TaskContext.resources()); None: none
 
 
 @dataclass
@@ -67,7 +68,8 @@ class Trainer:
                  task: Task | None = None, comm: collective.Single | None = None, workers: int | None = None):
         if isinstance(plan, Config):  # a worker driven directly (a test, a benchmark) is its own driver
             plan = local(plan, dataset, rank.threads, workers=workers or rank.world)
-        self.run_plan, self.config, self.device = plan, plan.config, plan.device
+        # the plan's device placed on this rank's GPU (on the CPU: as it is)
+        self.run_plan, self.config, self.device = plan, plan.config, plan.device.placed(rank.gpu, rank.rank)
         self.dataset, self.spec, self.rank = dataset, spec, rank
         self.comm = comm or collective.Single()
         self.tc = self.config.train
@@ -84,6 +86,7 @@ class Trainer:
         self.val_groups = checked_row_groups(dataset, "validation", self.config.storage)
         self.plan = plan.steps  # rows and tokens per step, the run's steps
         self.byte_lengths = self.device.tensor(token_byte_lengths(spec))
+        self.scaler = self.device.grad_scaler()  # fp16 only
         self.state = TrainState()
 
     # -- building blocks --
@@ -111,13 +114,22 @@ class Trainer:
         loss_sum, tally = self.device.zeros(), self.device.zeros(2)
         micros = [next(batches) for _ in range(tc.grad_accum)]
         total = sum(self.task.weight(b) for b in micros)  # micro-batches weigh by their share of the step
+        scaler = self.scaler
         for micro, batch in enumerate(micros):
             with self.comm.no_sync(self.net, last=micro == tc.grad_accum - 1), self.device.autocast():
                 loss = self.task.loss(self.net, batch, total, tally)
-            loss.backward()
+            (scaler.scale(loss) if scaler else loss).backward()
             loss_sum += loss.detach().float()
+        if scaler:  # fp16: the gradients back to their true scale before clipping; a step with inf/nan is skipped
+            for opt in optim.parts(self.optimizer):
+                scaler.unscale_(opt)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip or float("inf"))
-        self.optimizer.step()
+        if scaler:
+            for opt in optim.parts(self.optimizer):
+                scaler.step(opt)
+            scaler.update()
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm, tally
 
@@ -170,6 +182,7 @@ class Trainer:
     def facts(self) -> dict:
         return {"params": param_count(self.model), "flops_per_token": self.task.flops_per_token(self.model, self.seq_len),
                 "peak_flops": self.device.peak_flops(self.rank.threads), "dtype": self.device.dtype_name,
+                "device": self.device.where,
                 "optimizer": self.optimizer_name,
                 "trainable_params": sum(p.numel() for p in self.task.trainable(self.model).values())}
 
@@ -203,7 +216,7 @@ class Trainer:
 
     def gather_peaks(self) -> list[float]:
         """Every rank's peak resident memory, in rank order: a collective, so every rank calls it at the same step."""
-        return self.comm.gather(self.device.tensor([device.peak_rss_mb()])).tolist()
+        return self.comm.gather(self.device.tensor([self.device.peak_mb()])).tolist()
 
     def global_mean(self, loss: torch.Tensor, tally: torch.Tensor) -> tuple[float, float]:
         """The step's loss averaged over the ranks and its training accuracy over all their predictions (one

@@ -1,8 +1,10 @@
 """The device seam: where tensors live, the autocast dtype and the process-group backend, chosen in one
 place; and the host's memory settings and figures (RSS, the glibc allocator; the matmul peak is peak.py's).
 
-Only the CPU with gloo exists today; a CUDA device (NCCL, Spark's GPU resources) plugs in here. The module
-imports torch only where a tensor is made: the driver asks a device how many workers Spark can run at once.
+Two kinds: the CPU with gloo, and CUDA with NCCL (one GPU per rank: the one Spark assigned the task, or in local
+mode the rank's own). The driver decides the kind and dtype (resolve.py) and writes them in the run plan; a rank
+places its copy on its GPU (:meth:`Device.placed`). The module imports torch only where a tensor is made: the
+driver asks a device how many workers Spark can run at once.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import dataclasses
 import os
 import platform
 import re
+import socket
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .peak import matmul_peak
+from ..infra.errors import SparklmError
+from .peak import gpu_peak, matmul_peak
 
 if TYPE_CHECKING:
     import torch
@@ -25,52 +29,91 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Device:
-    kind: str = "cpu"
+    kind: str = "cpu"  # "cpu" or "cuda"
     dtype_name: str = "float32"  # autocast dtype (train.dtype as the driver decided it); float32: no autocast
     backend: str = "gloo"  # torch.distributed backend for this device
+    index: int | None = None  # the rank's GPU (placed); None: not placed yet (the driver's copy), or the CPU
 
     @property
-    def dtype(self) -> torch.dtype:
-        import torch
-
-        return getattr(torch, self.dtype_name)
+    def where(self) -> str:
+        """torch's name for where this device's tensors go."""
+        return "cpu" if self.kind == "cpu" else f"cuda:{self.index or 0}"
 
     def slots(self, spark) -> int:
-        """How many workers of this device Spark can run at once (the driver asks before a barrier stage): on the
-        CPU, task slots — cores (local[N]: N) ÷ spark.task.cpus; a GPU device would count Spark's GPU resources."""
+        """How many workers Spark can run at once (the driver asks before a barrier stage): task slots — cores
+        (local[N]: N) ÷ spark.task.cpus — and, on CUDA or where Spark hands tasks GPUs, no more than its GPUs
+        allow (:func:`gpu_slots`)."""
         sc = spark.sparkContext
-        cpus = int(sc.getConf().get("spark.task.cpus", "1"))
+        conf = sc.getConf()
+        cpus = int(conf.get("spark.task.cpus", "1"))
         m = re.match(r"local(?:\[(\*|\d+)(?:,\s*\d+)?\])?$", sc.master)
         if m:
             n = 1 if m.group(1) is None else (os.cpu_count() or 1) if m.group(1) == "*" else int(m.group(1))
-            return n // cpus
-        return sc.defaultParallelism // cpus
+            cores = n // cpus
+        else:
+            cores = sc.defaultParallelism // cpus
+        if self.kind == "cpu" and not float(conf.get("spark.task.resource.gpu.amount", "0") or 0):
+            return cores
+        return min(cores, gpu_slots(spark))
 
-    # Everything a worker places goes through these: on the CPU they are what torch does anyway; a CUDA device
-    # overrides them (tensors moved to the card, its RNG state saved beside the CPU's, DDP with device_ids).
+    def placed(self, address: str | None, local_rank: int) -> Device:
+        """This device as one rank computes on it: on CUDA the GPU Spark assigned the task (``address``, from
+        TaskContext.resources()), else (local mode) GPU ``local_rank`` of this host's; checked, made current, TF32
+        matmuls on. The CPU as it is."""
+        if self.kind == "cpu":
+            return self
+        import torch
+
+        where = f"on {socket.gethostname()}"
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise SparklmError(f"a worker {where} has no CUDA GPU torch can use (train.device is cuda)",
+                               hint="install a CUDA build of torch on the executors (README: GPUs), or --device cpu")
+        index = int(address) if address is not None and address.isdigit() else local_rank % count
+        if index >= count:
+            raise SparklmError(f"Spark assigned GPU {address} to a worker {where}, which sees {count} "
+                               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})",
+                               hint="make the executors' GPU discovery script report the addresses torch sees")
+        torch.cuda.set_device(index)
+        if self.dtype_name == "bfloat16" and not torch.cuda.is_bf16_supported():
+            raise SparklmError(f"GPU {torch.cuda.get_device_name(index)} {where} has no bfloat16",
+                               hint="--set train.dtype=float16 (a gradient scaler keeps its gradients in range)")
+        torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls on tensor cores (10 bits of mantissa)
+        torch.backends.cudnn.allow_tf32 = True
+        return dataclasses.replace(self, index=index)
+
+    # Everything a worker places goes through these: on the CPU they are what torch does anyway; on CUDA tensors
+    # go to the rank's GPU (batches from pinned memory, without waiting), DDP gets its device id.
 
     def put(self, x):
         """A tensor, module or batch (a dataclass of tensors) on this device."""
-        if self.kind == "cpu":
+        if self.kind == "cpu" or x is None:
             return x
         if dataclasses.is_dataclass(x):
             return type(x)(**{f.name: self.put(getattr(x, f.name)) for f in dataclasses.fields(x)})
-        return x if x is None else x.to(self.kind)
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            if x.device.type == "cpu":  # pinned: the copy runs while the GPU computes what was queued before
+                return x.pin_memory().to(self.where, non_blocking=True)
+            return x.to(self.where)
+        return x.to(self.where) if hasattr(x, "to") else x
 
     def zeros(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A buffer on this device (sums, collective buffers); float32 unless ``dtype`` says."""
         import torch
 
-        return torch.zeros(shape, dtype=dtype or torch.float32, device=self.kind)
+        return torch.zeros(shape, dtype=dtype or torch.float32, device=self.where)
 
     def tensor(self, data, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``data`` as a tensor on this device (float64 unless ``dtype`` says)."""
         import torch
 
-        return torch.tensor(data, dtype=dtype or torch.float64, device=self.kind)
+        return torch.tensor(data, dtype=dtype or torch.float64, device=self.where)
 
     def rng_state(self) -> torch.Tensor:
-        """This process's random state for a checkpoint (dropout; the data order has its own seed)."""
+        """This process's random state for a checkpoint (dropout; the data order has its own seed). The CPU's on
+        both kinds, so a checkpoint resumes on either: a GPU's dropout draws restart from the seed and rank."""
         import torch
 
         return torch.get_rng_state()
@@ -84,21 +127,73 @@ class Device:
         """``model`` under DistributedDataParallel over this device's process group."""
         import torch
 
-        return torch.nn.parallel.DistributedDataParallel(model)
+        ids = None if self.kind == "cpu" else [self.index or 0]
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
     def autocast(self) -> AbstractContextManager:
         import torch
 
         return torch.autocast(self.kind, dtype=self.dtype, enabled=self.dtype_name != "float32")
 
+    @property
+    def dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype_name)
+
+    def grad_scaler(self):
+        """fp16 autocast's loss scaler (its gradients underflow without one); None for bf16 and fp32."""
+        if self.dtype_name != "float16":
+            return None
+        import torch
+
+        return torch.amp.GradScaler(self.kind)
+
     def peak_flops(self, threads: int) -> float:
-        return matmul_peak(threads, self.dtype_name)
+        if self.kind == "cpu":
+            return matmul_peak(threads, self.dtype_name)
+        import torch
+
+        return gpu_peak(torch.cuda.get_device_name(self.index or 0), self.dtype_name, self.index or 0)
+
+    def peak_mb(self) -> float:
+        """The memory figure that limits this worker: the host's peak RSS on the CPU, the GPU's peak reserved
+        memory on CUDA."""
+        if self.kind == "cpu":
+            return peak_rss_mb()
+        import torch
+
+        return torch.cuda.max_memory_reserved(self.index or 0) / 2**20
+
+    def synchronize(self) -> None:
+        """Wait for queued GPU work (a timed span ends here); nothing on the CPU."""
+        if self.kind != "cpu":
+            import torch
+
+            torch.cuda.synchronize(self.index or 0)
 
 
-def select(dtype: str) -> Device:
-    """The device for a rank: the CPU, with the autocast dtype ``dtype`` names (decided on the driver:
-    resolve.settings, which picks bf16 only where its matmuls measure clearly faster than fp32)."""
-    return Device(dtype_name=dtype)
+def select(kind: str, dtype: str) -> Device:
+    """The device the driver decided (resolve.device, resolve.dtype): the CPU with gloo, or CUDA with NCCL."""
+    return Device(kind=kind, dtype_name=dtype, backend="nccl" if kind == "cuda" else "gloo")
+
+
+def gpu_slots(spark) -> int:
+    """GPU workers Spark can run at once: per executor, spark.executor.resource.gpu.amount ÷
+    spark.task.resource.gpu.amount; in local mode (no resource scheduling) this machine's GPUs."""
+    sc = spark.sparkContext
+    conf = sc.getConf()
+    if re.match(r"local(\[|$)", sc.master):
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    task = float(conf.get("spark.task.resource.gpu.amount", "0") or 0)
+    per_executor = float(conf.get("spark.executor.resource.gpu.amount", "0") or 0)
+    if task <= 0 or per_executor <= 0:
+        return 0
+    # the driver is listed among the executors' infos, except in local mode (handled above)
+    executors = max(0, len(sc._jsc.sc().statusTracker().getExecutorInfos()) - 1)
+    return executors * int(per_executor // task + 1e-9)
 
 
 def rss_mb() -> float:

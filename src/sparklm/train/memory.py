@@ -210,7 +210,8 @@ def plan_for(config, shapes: Shapes, seq_len: int, spark) -> MemoryPlan:
     tc = config.train
     sc = spark.sparkContext
     conf = dict(sc.getConf().getAll())
-    limit, source = rank_limit(conf, sc.master, ranks_per_host=tc.workers, setting=tc.memory_limit)
+    limit, source = (gpu_limit(tc.memory_limit) if tc.device == "cuda" else
+                     rank_limit(conf, sc.master, ranks_per_host=tc.workers, setting=tc.memory_limit))
     bf16_base = base_in_bf16(config)
     if bf16_base:  # the frozen weights at 2 bytes instead of 4
         shapes = replace(shapes, weight_bytes=shapes.weight_bytes - 2 * (shapes.params - shapes.trainable))
@@ -292,6 +293,20 @@ def rank_limit(conf: dict[str, str], master: str, *, ranks_per_host: int, settin
         avail = host_available()
         return (avail // max(1, ranks_per_host), "this host's available memory") if avail else (None, "")
     return None, ""
+
+
+def gpu_limit(setting: str = "") -> tuple[int | None, str]:
+    """A GPU rank's memory limit in bytes and where it comes from: ``setting`` (train.memory_limit) wins; else the
+    driver's GPU, less 8% for the CUDA context and allocator slack, standing for the executors' (a cluster's
+    driver often has none: then nothing is planned, and --memory-limit says the executors' GPU memory)."""
+    if setting.strip():
+        return rank_limit({}, "", ranks_per_host=1, setting=setting)
+    import torch
+
+    if not torch.cuda.is_available():
+        return None, ""
+    props = torch.cuda.get_device_properties(0)
+    return int(props.total_memory * 0.92), f"the GPU's memory ({props.name}, 92%)"
 
 
 def host_available() -> int | None:

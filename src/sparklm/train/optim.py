@@ -35,6 +35,11 @@ def adamw(params: list[torch.nn.Parameter], decays: set[int], weight_decay: floa
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, fused=True)
 
 
+def parts(optimizer) -> tuple[torch.optim.Optimizer, ...]:
+    """The torch optimizers ``optimizer`` steps (a gradient scaler unscales and steps each)."""
+    return optimizer.optimizers if isinstance(optimizer, Chained) else (optimizer,)
+
+
 class Chained:
     """Optimizers stepped as one: ``param_groups``, ``step``, ``zero_grad`` and a single state dict."""
 

@@ -89,7 +89,7 @@ def make(config: Config, *, train_rows: int, seq_len: int, mem: memory.MemoryPla
     runs = memory.apply(config, mem)
     rc = tc.rounds
     codec = {"name": rc.codec, "density": rc.density, "bits": rc.bits} if tc.strategy != "ddp" else None
-    return RunPlan(config=runs, threads=tc.threads, device=device.select(tc.dtype),
+    return RunPlan(config=runs, threads=tc.threads, device=device.select(tc.device, tc.dtype),
                    steps=steps(runs.train, train_rows=train_rows, seq_len=seq_len, workers=tc.workers), memory=mem,
                    codec=codec)
 

@@ -1,6 +1,6 @@
 """Settings decided once, on the driver, before any task starts: every "auto" becomes what runs.
 
-Each rule lives here and nowhere else: the compute dtype, the optimizer, the peak learning rate, LoRA's
+Each rule lives here and nowhere else: the device, the compute dtype, the optimizer, the peak learning rate, LoRA's
 frozen-base dtype and the torch threads of a worker. They used to be decided inside every rank from that
 host's own bf16 measurement, so ranks on hosts that measured differently (or one near the threshold) could
 train one DDP model in two dtypes with two optimizers. Now :func:`settings` writes the decisions into the
@@ -10,9 +10,13 @@ keeps it), and the ranks take them as given. Torch-free: the driver decides befo
 
 from __future__ import annotations
 
+import importlib.util
+import re
 from dataclasses import replace
+from pathlib import Path
 
 from ..config import Config, LoraConfig, SparkConfig, TrainConfig, flatten
+from ..infra.errors import SparklmError
 from .peak import bf16_fast, compute_dtype
 
 SCRATCH_LR, LORA_LR, FINETUNE_LR = 3e-3, 1e-3, 5e-5
@@ -37,6 +41,73 @@ def threads(tc: TrainConfig, master: str, spark_config: SparkConfig | None = Non
     return int(planned_conf(spark_config, "spark.task.cpus", spark) or 1)
 
 
+def device(tc: TrainConfig, master: str, spark_config: SparkConfig | None = None, spark=None) -> str:
+    """``train.device`` decided: "cuda" where Spark hands each task GPUs (``spark.task.resource.gpu.amount``, as
+    TorchDistributor asks for them) or, in local mode, where this machine has a CUDA GPU; else "cpu". "cuda" asked
+    for where neither holds is one line before any work."""
+    from ..spark.session import planned_conf
+
+    if tc.device == "cpu":
+        return "cpu"
+    task_gpus = float(planned_conf(spark_config, "spark.task.resource.gpu.amount", spark) or 0)
+    return device_for(tc.device, master, task_gpus, cuda_gpus() if master.startswith("local") else 0)
+
+
+def device_for(setting: str, master: str, task_gpus: float, local_gpus: int) -> str:
+    """:func:`device`'s rule (pure): ``task_gpus``, Spark's GPUs per task; ``local_gpus``, this machine's."""
+    if setting == "cpu":
+        return "cpu"
+    local = master.startswith("local")
+    if task_gpus > 0 or (local and local_gpus > 0):
+        return "cuda"
+    if setting == "cuda":
+        if local:
+            raise SparklmError("--device cuda: this machine has no CUDA GPU that torch can use",
+                               hint="install a CUDA build of torch (README: GPUs) on a machine with a GPU, or leave "
+                                    "--device to auto")
+        raise SparklmError(f"--device cuda: Spark on {master} hands its tasks no GPUs",
+                           hint="set spark.executor.resource.gpu.amount and spark.task.resource.gpu.amount (--conf; "
+                                "README: GPUs), or leave --device to auto")
+    return "cpu"
+
+
+def with_device(config: Config, master: str, spark=None) -> Config:
+    """``config`` with ``train.device`` decided (:func:`device`)."""
+    return config.replace(train=replace(config.train, device=device(config.train, master, config.spark, spark)))
+
+
+def cuda_gpus() -> int:
+    """CUDA GPUs this process sees. A CPU build of torch (its version.py says ``cuda = None``) answers 0 without
+    being imported: the driver of a CPU run never imports torch (~1 s before the run starts)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return 0
+    try:
+        if re.search(r"^cuda\s*(:[^=]*)?=\s*None", (Path(spec.origin).parent / "version.py").read_text(), re.M):
+            return 0
+    except OSError:
+        pass
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def dtype(setting: str, kind: str, threads: int) -> str:
+    """``train.dtype`` for ``kind``: on the CPU bf16 where its matmuls measure fast (peak.compute_dtype); on CUDA
+    bf16, or fp16 (with a gradient scaler) where the driver sees a GPU without bf16. A driver without a GPU (a
+    cluster's) cannot look: it picks bf16, and a rank on a GPU without it says so in one line."""
+    if kind == "cuda":
+        if setting != "auto":
+            return setting
+        import torch
+
+        return "float16" if cuda_gpus() and not torch.cuda.is_bf16_supported() else "bfloat16"
+    if setting == "float16":
+        raise SparklmError("train.dtype float16 is for GPUs without bfloat16; the CPU computes in float32 or "
+                           "bfloat16", hint="set train.dtype to auto, bfloat16 or float32")
+    return compute_dtype(setting, threads)
+
+
 def optimizer(tc: TrainConfig, threads: int, *, pretrained: bool) -> str:
     """``train.optimizer``; auto is Muon where bf16 matmuls are fast, for a model trained from scratch. torch's Muon
     runs its Newton-Schulz iterations in bf16 (~35% of a step's FLOPs for the default model); on CPUs where bf16
@@ -46,6 +117,8 @@ def optimizer(tc: TrainConfig, threads: int, *, pretrained: bool) -> str:
         return tc.optimizer
     if pretrained:
         return "adamw"
+    if tc.device == "cuda":  # GPUs with bf16 tensor cores: Muon's bf16 iterations are cheap there
+        return "muon" if tc.dtype == "bfloat16" else "adamw"
     return "muon" if bf16_fast(threads) else "adamw"
 
 
@@ -84,11 +157,13 @@ def settings(config: Config, n_threads: int) -> Config:
     """``config`` with every automatic training setting decided for workers of ``n_threads`` torch threads (a
     config already decided comes back unchanged)."""
     tc = config.train
-    dtype = compute_dtype(tc.dtype, n_threads)
-    train = replace(tc, threads=n_threads, dtype=dtype, lr=peak_lr(config),
+    if tc.device == "auto":  # a worker driven directly (plan.local): this machine decides; the launcher's device()
+        tc = replace(tc, device="cuda" if cuda_gpus() else "cpu")
+    tc = replace(tc, dtype=dtype(tc.dtype, tc.device, n_threads))
+    train = replace(tc, threads=n_threads, lr=peak_lr(config),
                     optimizer=optimizer(tc, n_threads, pretrained=bool(config.model.init_from)),
                     rounds=rounds(tc.rounds, tc.strategy))
-    lora = replace(config.lora, base_dtype=lora_base_dtype(config.lora, dtype))
+    lora = replace(config.lora, base_dtype=lora_base_dtype(config.lora, train.dtype))
     return config.replace(train=train, lora=lora)
 
 
