@@ -145,8 +145,40 @@ def greedy(gpu_run: str, cpu_run: str, out: dict) -> None:
     greedy_ = Sampling(max_new_tokens=24, temperature=0.0)
     on_gpu = generate(load(f"{gpu_run}/model", device="cuda"), prompts, sampling=greedy_)
     on_cpu = generate(load(f"{gpu_run}/model", device="cpu"), prompts, sampling=greedy_)
-    same = [a.ids == b.ids for a, b in zip(on_gpu, on_cpu)]
+    same = [a.token_ids == b.token_ids for a, b in zip(on_gpu, on_cpu)]
     out["greedy"] = {"same": same, "ok": all(same), "sample": on_gpu[0].text}
+
+
+def check_scoring(work, ds, spec, args, out: dict) -> None:
+    """``sparklm eval``'s scoring of the CUDA-trained model, and a BERT classifier's and encoder's answers
+    (classify_dataframe, embed_dataframe per batch), on CUDA and on the CPU: the same figures within TF32's error."""
+    if not CUDA or "train_cuda" not in out:
+        return
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from sparklm.infer.encode import classify_texts, embed_texts, load_encoder
+    from sparklm.infer.evaluate import score
+    from sparklm.infer.generate import load, token_ids
+
+    model = f"{out['train_cuda']['run']}/model"
+    text = corpus(2_000, seed=7)
+    ids = token_ids(load(model, device="cpu"), text)[:512]
+    batch = [(ids[i:i + 128], 127) for i in range(0, len(ids) - 128, 128)]
+    nats = [score(load(model, device=d), batch)[0].item() for d in ("cuda", "cpu")]
+    bert = work / "bert"
+    torch.manual_seed(0)
+    BertForSequenceClassification(BertConfig(vocab_size=spec.vocab_size, hidden_size=64, num_hidden_layers=2,
+                                             num_attention_heads=2, intermediate_size=128, num_labels=3,
+                                             pad_token_id=spec.pad_id)).save_pretrained(str(bert))
+    spec.save(str(bert))
+    texts = text.split(". ")[:40]
+    probs = [classify_texts(load_encoder(str(bert), classify=True, device=d), texts)[0] for d in ("cuda", "cpu")]
+    vecs = [embed_texts(load_encoder(str(bert), classify=False, device=d), texts)[0] for d in ("cuda", "cpu")]
+    gaps = {"eval_nats_relative": abs(nats[0] - nats[1]) / nats[1],
+            "classify_probability": float(np.abs(probs[0] - probs[1]).max()),
+            "embedding": float(np.abs(vecs[0] - vecs[1]).max() / np.abs(vecs[1]).max())}
+    out["scoring"] = {**gaps, "ok": gaps["eval_nats_relative"] < 1e-2 and gaps["classify_probability"] < 1e-2
+                      and gaps["embedding"] < 1e-2}
 
 
 def check_inner_and_codec(work, ds, spec, args, out: dict) -> None:
@@ -257,8 +289,8 @@ def main() -> int:
         text = corpus(60_000 if args.smoke else 400_000)
         spec = tokenizer.train([text], TokenizerConfig(vocab_size=2048))
         ds = dataset(work / "data", spec, text, 64 if args.smoke else 256)
-        for name, check in (("training", check_training), ("inner steps + codec", check_inner_and_codec),
-                            ("lora", check_lora)):
+        for name, check in (("training", check_training), ("scoring", check_scoring),
+                            ("inner steps + codec", check_inner_and_codec), ("lora", check_lora)):
             t = time.time()
             try:
                 check(work, ds, spec, args, out)

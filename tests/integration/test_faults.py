@@ -199,6 +199,7 @@ def test_too_few_slots_is_one_line_before_submitting(spark, dataset, tmp_path):
     with pytest.raises(SparklmError, match="needs 3 free Spark task slots at once; this Spark has 2"):
         train(dataset, output=str(tmp_path / "r"), config=cfg(max_steps=2, workers=3), spark=spark)
     assert time.time() - t0 < 30
+    assert not (tmp_path / "r").exists()  # nothing written: the same --output works once there are slots
 
 
 # -- secrets ---------------------------------------------------------------------------------------

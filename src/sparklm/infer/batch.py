@@ -13,6 +13,7 @@ from ..config import StorageConfig
 from ..infra.cache import process_local
 from ..infra.errors import SparklmError
 from ..infra.fs import effective, write_bytes
+from ..spark.resources import task_device
 from .sampling import Sampling
 
 OUTPUT_SCHEMA = "id long, sample int, prompt string, text string, prompt_tokens int, new_tokens int, truncated boolean"
@@ -71,7 +72,9 @@ def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: st
 
         from .generate import generate, load
 
-        lm = process_local(("model", model_path, threads), lambda: load(model_path, threads=threads, storage=storage))
+        where = task_device()  # the GPU Spark handed this task, if any
+        lm = process_local(("model", model_path, threads, where),
+                           lambda: load(model_path, threads=threads, storage=storage, device=where))
         for rb in batches:
             prompts = rb.column(prompt_col).to_pylist()
             ids = rb.column(id_col).to_pylist() if id_col else [None] * rb.num_rows

@@ -23,6 +23,7 @@ from ..config import StorageConfig
 from ..infra.cache import process_local
 from ..infra.errors import SparklmError
 from ..infra.fs import effective
+from ..spark.resources import task_device
 from .batch import check_columns
 
 POOLINGS = ("mean", "cls", "last")
@@ -38,15 +39,17 @@ class Encoder:
     regression: bool = False  # the head's outputs are values (problem_type "regression"): no softmax, no label
 
 
-def load_encoder(path: str, *, classify: bool, threads: int = 0, storage: StorageConfig | None = None) -> Encoder:
+def load_encoder(path: str, *, classify: bool, threads: int = 0, storage: StorageConfig | None = None,
+                 device: str = "auto") -> Encoder:
     """An HF model directory (safetensors only: nothing is unpickled) as a classifier (its sequence-classification
-    head) or an encoder (the base model's hidden states); one line when it cannot be."""
+    head) or an encoder (the base model's hidden states), on ``device`` (generate.inference_device); one line when it
+    cannot be."""
     from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from ..infra.fs import verify_checksums
     from ..model.build import check_model_dir
-    from .generate import model_dir
+    from .generate import inference_device, model_dir
 
     hf_logging.disable_progress_bar()
     if threads:
@@ -65,6 +68,8 @@ def load_encoder(path: str, *, classify: bool, threads: int = 0, storage: Storag
     except Exception as e:
         raise SparklmError(f"cannot load {path} as a {'text classifier' if classify else 'text encoder'}: "
                            f"{' '.join(str(e).split())[:200]}") from None
+    if (where := inference_device(device)) != "cpu":
+        model = model.to(where)
     if tokenizer.pad_token_id is None:  # decoders often have none: batches pad with end-of-text, masked out
         tokenizer.pad_token = tokenizer.eos_token
     labels = None
@@ -116,7 +121,7 @@ def _batches(enc: Encoder, texts: list[str], batch_size: int):
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
         batch = enc.tokenizer([texts[i] for i in idx], padding=True, truncation=True, max_length=enc.max_length,
-                              return_tensors="pt")
+                              return_tensors="pt").to(enc.model.device)
         yield idx, batch, [lengths[i] > enc.max_length for i in idx]
 
 
@@ -129,7 +134,7 @@ def classify_texts(enc: Encoder, texts: list[str], *, batch_size: int = 32) -> t
     for idx, batch, cut in _batches(enc, texts, batch_size):
         logits = enc.model(**batch).logits.float()
         p = logits if enc.regression else torch.sigmoid(logits) if enc.sigmoid else torch.softmax(logits, dim=-1)
-        probs[idx] = p.numpy()
+        probs[idx] = p.cpu().numpy()
         for i, c in zip(idx, cut):
             truncated[i] = c
     return probs, truncated
@@ -148,7 +153,7 @@ def embed_texts(enc: Encoder, texts: list[str], *, pooling: str = "mean", normal
         v = pool(hidden, batch["attention_mask"], pooling)
         if normalize:
             v = torch.nn.functional.normalize(v, dim=-1)
-        out[idx] = v.float().numpy()
+        out[idx] = v.float().cpu().numpy()
         for i, c in zip(idx, cut):
             truncated[i] = c
     return out, truncated
@@ -185,7 +190,8 @@ def classify_dataframe(df, *, model: str, text_col: str = "text", label_col: str
         return cols
 
     return _answered(df, text_col, added, ("classifier", path, threads),
-                     lambda: load_encoder(path, classify=True, threads=threads, storage=storage), answer)
+                     lambda: load_encoder(path, classify=True, threads=threads, storage=storage,
+                                          device=task_device()), answer)
 
 
 def embed_dataframe(df, *, model: str, text_col: str = "text", output_col: str = "embedding", pooling: str = "mean",
@@ -211,7 +217,8 @@ def embed_dataframe(df, *, model: str, text_col: str = "text", output_col: str =
         return {output_col: pa.array(vecs.tolist(), pa.list_(pa.float32())), "truncated": pa.array(cut, pa.bool_())}
 
     return _answered(df, text_col, added, ("encoder", path, threads),
-                     lambda: load_encoder(path, classify=False, threads=threads, storage=storage), answer)
+                     lambda: load_encoder(path, classify=False, threads=threads, storage=storage,
+                                          device=task_device()), answer)
 
 
 def _answered(df, text_col: str, added: list, key: tuple, load, answer):
@@ -223,7 +230,7 @@ def _answered(df, text_col: str, added: list, key: tuple, load, answer):
     def run(batches):
         import pyarrow as pa
 
-        enc = process_local(key, load)
+        enc = process_local((*key, task_device()), load)  # per GPU: a reused worker may be handed another
         for rb in batches:
             texts = rb.column(text_col).to_pylist()
             todo = [i for i, t in enumerate(texts) if t is not None and t.strip()]

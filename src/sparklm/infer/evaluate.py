@@ -19,6 +19,7 @@ from ..infra.errors import SparklmError, spark_errors
 from ..infra.fs import effective
 from ..model import lm_head
 from ..model.figures import lm_figures
+from ..spark.resources import task_device
 
 
 def windows(n_tokens: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:
@@ -52,7 +53,8 @@ def score(lm, batch: list[tuple[list[int], int]]) -> torch.Tensor:
         mask[i, :len(ids)] = 1
         target_mask[i, len(ids) - scored:len(ids)] = True
     chunked = process_local(("chunked-head", id(lm.model)), lambda: lm_head.supports(lm.model))
-    return lm_head.score(lm.model, x, mask, target_mask[:, 1:], chunked=chunked)[:3]
+    dev = getattr(lm.model, "device", None) or torch.device("cpu")
+    return lm_head.score(lm.model, x.to(dev), mask.to(dev), target_mask[:, 1:].to(dev), chunked=chunked)[:3].cpu()
 
 
 def evaluate(model: str, inputs: list[str], *, config: Config | None = None, max_length: int = 0, stride: int = 0,
@@ -69,7 +71,7 @@ def evaluate(model: str, inputs: list[str], *, config: Config | None = None, max
     config = config.replace(data=dataclasses.replace(config.data, format="text"))
     storage = effective(config.storage)
     source = model_uri(model, storage)  # a local path or an object-store URL each executor copies once
-    lm = load(source, storage=storage)  # on the driver too: fail early on a bad model, and learn its context
+    lm = load(source, storage=storage, device="cpu")  # on the driver too: fail early on a bad model, and learn its context
     length = max_length or lm.context
     if length > lm.context:
         raise SparklmError(f"--max-length {length} exceeds the model's context of {lm.context} tokens")
@@ -83,7 +85,9 @@ def evaluate(model: str, inputs: list[str], *, config: Config | None = None, max
     env_threads = threads
 
     def run(part):
-        lm = process_local(("model", source, env_threads), lambda: load(source, threads=env_threads, storage=storage))
+        where = task_device()  # the GPU Spark handed this task, if any
+        lm = process_local(("model", source, env_threads, where),
+                           lambda: load(source, threads=env_threads, storage=storage, device=where))
         sums = torch.zeros(6, dtype=torch.float64)  # nats, tokens, correct, bytes, documents, dropped
         pending: list[tuple[list[int], int]] = []
         for _unit, _pos, status, text, _invalid, _digest in documents(list(part), data, storage):

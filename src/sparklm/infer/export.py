@@ -54,7 +54,7 @@ def export(model: str, output: str, *, quantize: str = "none", overwrite: bool =
     architectures = _architectures(model, storage)
     if architectures and not any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
         return _export_encoder(model, out, architectures, quantize=quantize, storage=storage)
-    lm = load(model, storage=storage)
+    lm = load(model, storage=storage, device="cpu")  # the graph is traced on the CPU
     with staged_dir(str(out), marker=MARKER) as tmp:
         _write_graph(LogitsGraph(lm.model).eval(), tmp, "logits", lm.context, quantize)
         lm.tokenizer.save_pretrained(str(tmp))
@@ -127,7 +127,7 @@ def _export_encoder(model: str, out: Path, architectures: list, *, quantize: str
     from .encode import load_encoder
 
     head = any(str(a).endswith("ForSequenceClassification") for a in architectures)
-    enc = load_encoder(model, classify=head, storage=storage)
+    enc = load_encoder(model, classify=head, storage=storage, device="cpu")
     output = "logits" if head else "last_hidden_state"
     with staged_dir(str(out), marker=MARKER) as tmp:
         _write_graph(EncoderGraph(enc.model, output).eval(), tmp, output, enc.max_length, quantize)
@@ -168,7 +168,7 @@ def export_hub(model: str, output: str, *, overwrite: bool = False, merge: bool 
     adapter = (source / ADAPTER_CONFIG).is_file()
     with staged_dir(str(out), marker=MARKER) as tmp:
         if adapter and merge:
-            lm = load(model, storage=storage)  # merged into its base
+            lm = load(model, storage=storage, device="cpu")  # merged into its base
             lm.model.config.use_cache = True
             lm.model.save_pretrained(str(tmp), safe_serialization=True)
         for f in sorted(source.iterdir()):

@@ -97,8 +97,8 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
         progress.info(mem.describe())
         plan = plans.make(config, train_rows=dataset.manifest["splits"]["train"]["sequences"],
                           seq_len=dataset.seq_len, mem=mem)
-        if resume:
-            plan.check_resumable(saved_plan, run_dir)
+        plan.check_resumable(saved_plan, run_dir)  # (a new run has no saved plan)
+        strategy.check(spark, plan)  # DDP: slots and GPUs for every rank, before anything is written
         # an unreachable tracker stops the run here, before its directory holds anything
         tracking = trackers.open_trackers(config, trackers.Context(
             command="train", run_dir=run_dir, storage=storage, params=flatten(config.to_saved()), resume=resume))

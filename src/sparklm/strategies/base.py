@@ -169,11 +169,9 @@ class Strategy(Protocol):
         imports overlap Spark's start; yields what ``Job.warm`` carries to them, and stops the unused ones."""
         ...
 
+    def check(self, spark, plan: RunPlan) -> None:
+        """One line, before anything of the run is written, if ``spark`` cannot run ``plan`` (DDP: task slots and
+        GPUs for every rank at once)."""
+        ...
+
     def run(self, spark, job: Job, sink: Sink) -> RunResult: ...
-
-
-def task_gpu(ctx) -> str | None:
-    """The GPU address Spark assigned the running task (spark.task.resource.gpu.amount), or None: one GPU per
-    task, as TorchDistributor places them; a task given several computes on the first."""
-    res = ctx.resources().get("gpu")
-    return res.addresses[0] if res is not None and res.addresses else None

@@ -35,10 +35,11 @@ from ..infra import progress
 from ..infra.errors import SparklmError, killed_note, known_cause, spark_errors
 from ..infra.fs import join, local_path, read_text, write_bytes
 from ..metrics.sinks import Channel, Sink
+from ..spark.resources import gpu_slots, task_gpu
 from ..spark.session import LEAN_ADDRESS_SPACE, process_limit
 from ..train import checkpoint
-from ..train.device import Device, gpu_slots
-from .base import Job, RankStart, RunResult, task_gpu
+from ..train.device import Device
+from .base import Job, RankStart, RunResult
 
 RESULT = "SPARKLM-RESULT "
 
@@ -78,6 +79,9 @@ class DDP:
                     proc.kill()
                 proc.wait()
             shutil.rmtree(where, ignore_errors=True)
+
+    def check(self, spark, plan) -> None:
+        check_slots(spark, plan.workers, plan.device)
 
     def run(self, spark, job: Job, sink: Sink) -> RunResult:
         job = job.planned()

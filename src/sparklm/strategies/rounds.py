@@ -47,6 +47,9 @@ class Rounds:
     def __init__(self, name: str):
         self.name = name
 
+    def check(self, spark, plan) -> None:
+        """Rounds need no slots at once: a worker's task waits for a free one like any Spark task."""
+
     def describe(self, config: Config) -> str:
         """(``config``: as the driver settled it, its codec chosen)"""
         n = config.train.workers
@@ -410,7 +413,7 @@ def _aggregate(spark, job: Job, bc, bu, spec: RoundSpec, workers: list[int], fau
         from pyspark import TaskContext
 
         from ..infra.errors import SparklmError
-        from .base import task_gpu
+        from ..spark.resources import task_gpu
         from .round_worker import run_worker
 
         attempt = TaskContext.get().attemptNumber()

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..infra.errors import SparklmError
+from ..spark.resources import gpu_slots
 from .peak import gpu_peak, matmul_peak
 
 if TYPE_CHECKING:
@@ -176,24 +177,6 @@ class Device:
 def select(kind: str, dtype: str) -> Device:
     """The device the driver decided (resolve.device, resolve.dtype): the CPU with gloo, or CUDA with NCCL."""
     return Device(kind=kind, dtype_name=dtype, backend="nccl" if kind == "cuda" else "gloo")
-
-
-def gpu_slots(spark) -> int:
-    """GPU workers Spark can run at once: per executor, spark.executor.resource.gpu.amount ÷
-    spark.task.resource.gpu.amount; in local mode (no resource scheduling) this machine's GPUs."""
-    sc = spark.sparkContext
-    conf = sc.getConf()
-    if re.match(r"local(\[|$)", sc.master):
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    task = float(conf.get("spark.task.resource.gpu.amount", "0") or 0)
-    per_executor = float(conf.get("spark.executor.resource.gpu.amount", "0") or 0)
-    if task <= 0 or per_executor <= 0:
-        return 0
-    # the driver is listed among the executors' infos, except in local mode (handled above)
-    executors = max(0, len(sc._jsc.sc().statusTracker().getExecutorInfos()) - 1)
-    return executors * int(per_executor // task + 1e-9)
 
 
 def rss_mb() -> float:

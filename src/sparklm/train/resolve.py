@@ -10,13 +10,11 @@ keeps it), and the ranks take them as given. Torch-free: the driver decides befo
 
 from __future__ import annotations
 
-import importlib.util
-import re
 from dataclasses import replace
-from pathlib import Path
 
 from ..config import Config, LoraConfig, SparkConfig, TrainConfig, flatten
 from ..infra.errors import SparklmError
+from ..spark.resources import cuda_gpus
 from .peak import bf16_fast, compute_dtype
 
 SCRATCH_LR, LORA_LR, FINETUNE_LR = 3e-3, 1e-3, 5e-5
@@ -74,22 +72,6 @@ def device_for(setting: str, master: str, task_gpus: float, local_gpus: int) -> 
 def with_device(config: Config, master: str, spark=None) -> Config:
     """``config`` with ``train.device`` decided (:func:`device`)."""
     return config.replace(train=replace(config.train, device=device(config.train, master, config.spark, spark)))
-
-
-def cuda_gpus() -> int:
-    """CUDA GPUs this process sees. A CPU build of torch (its version.py says ``cuda = None``) answers 0 without
-    being imported: the driver of a CPU run never imports torch (~1 s before the run starts)."""
-    spec = importlib.util.find_spec("torch")
-    if spec is None or spec.origin is None:
-        return 0
-    try:
-        if re.search(r"^cuda\s*(:[^=]*)?=\s*None", (Path(spec.origin).parent / "version.py").read_text(), re.M):
-            return 0
-    except OSError:
-        pass
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def dtype(setting: str, kind: str, threads: int) -> str:

@@ -1,0 +1,66 @@
+"""Spark's GPU resources: which GPU a task was handed and how many GPU tasks Spark can run at once.
+
+Spark schedules GPUs as a custom resource (``spark.executor.resource.gpu.amount``, ``spark.task.resource.gpu.amount``,
+a discovery script on each worker), as TorchDistributor and RAPIDS use it; local mode schedules none, so there a
+process takes the GPUs its machine has. Torch-free.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+
+def cuda_gpus() -> int:
+    """CUDA GPUs this process sees. A CPU build of torch (its version.py says ``cuda = None``) answers 0 without
+    being imported: the driver of a CPU run never imports torch (~1 s before the run starts)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return 0
+    try:
+        if re.search(r"^cuda\s*(:[^=]*)?=\s*None", (Path(spec.origin).parent / "version.py").read_text(), re.M):
+            return 0
+    except OSError:
+        pass
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def task_gpu(ctx=None) -> str | None:
+    """The GPU address Spark assigned the running task (``ctx``: its TaskContext; None: the current one), or None:
+    one GPU per task, as TorchDistributor places them; a task given several computes on the first."""
+    if ctx is None:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        if ctx is None:  # not in a Spark task (the driver, a test)
+            return None
+    res = ctx.resources().get("gpu")
+    return res.addresses[0] if res is not None and res.addresses else None
+
+
+def task_device(setting: str = "auto") -> str:
+    """Where an inference task computes: with ``setting`` auto, the GPU Spark assigned it ("cuda:N"), else auto
+    (the one torch sees, if any: local mode); an explicit setting as it is."""
+    if setting != "auto":
+        return setting
+    gpu = task_gpu()
+    return f"cuda:{gpu}" if gpu is not None and gpu.isdigit() else "auto"
+
+
+def gpu_slots(spark) -> int:
+    """GPU tasks Spark can run at once: per executor, spark.executor.resource.gpu.amount ÷
+    spark.task.resource.gpu.amount; in local mode (no resource scheduling) this machine's GPUs."""
+    sc = spark.sparkContext
+    conf = sc.getConf()
+    if re.match(r"local(\[|$)", sc.master):
+        return cuda_gpus()
+    task = float(conf.get("spark.task.resource.gpu.amount", "0") or 0)
+    per_executor = float(conf.get("spark.executor.resource.gpu.amount", "0") or 0)
+    if task <= 0 or per_executor <= 0:
+        return 0
+    # the driver is listed among the executors' infos, except in local mode (handled above)
+    executors = max(0, len(sc._jsc.sc().statusTracker().getExecutorInfos()) - 1)
+    return executors * int(per_executor // task + 1e-9)
