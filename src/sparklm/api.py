@@ -47,9 +47,9 @@ def _running(spark, *frames):
     for frame in frames:
         if is_dataframe(frame):
             return frame.sparkSession
-    from pyspark.sql import SparkSession
+    from .spark.session import active_session
 
-    return SparkSession.getActiveSession()
+    return active_session()
 
 
 def _session(config: Config, spark):

@@ -57,11 +57,11 @@ def test_a_dataframe_or_a_table_prepares_as_the_same_text_in_files(spark, tmp_pa
     # any partitioning, one document per sequence: the same set of sequences (the split is by content)
     one_each = {"data": {**SMALL["data"], "concat": False}, "tokenizer": {"vocab_size": 300}}
     a = sparklm.prepare(str(jsonl), output=str(tmp_path / "f2"), text_col="body", config=one_each, spark=spark)
-    df.repartition(3).createOrReplaceTempView("docs")
-    b = sparklm.prepare("docs", output=str(tmp_path / "t2"), text_col="body", config=one_each, spark=spark)
+    df.repartition(3).createOrReplaceTempView("api_docs")  # (not "docs": the repository has a docs/ folder, and a path wins)
+    b = sparklm.prepare("api_docs", output=str(tmp_path / "t2"), text_col="body", config=one_each, spark=spark)
     for split in ("train", "validation"):
         assert sorted(sequences(b, split)) == sorted(sequences(a, split))
-    assert b.manifest["inputs"] == ["table docs"]
+    assert b.manifest["inputs"] == ["table api_docs"]
 
     # an explicit validation DataFrame: its rows are the validation split, none of them in train
     held = spark.createDataFrame([(t,) for t in MULTILINGUAL[:4]], "body string")

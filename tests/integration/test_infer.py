@@ -113,7 +113,7 @@ def test_greedy_and_seeded_sampling():
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1),
                                  dict(min_p=-0.1), dict(min_p=1.5),
-                                 dict(max_new_tokens=0), dict(repetition_penalty=0), dict(num_samples=0)])
+                                 dict(max_new_tokens=-1), dict(repetition_penalty=0), dict(num_samples=0)])
 def test_invalid_sampling_settings_are_rejected(bad):
     with pytest.raises(SparklmError, match="invalid sampling setting"):
         Sampling(**bad)

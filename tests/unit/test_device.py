@@ -30,7 +30,7 @@ def test_the_device_follows_what_spark_hands_the_tasks(setting, master, task_gpu
 def test_cuda_where_there_is_none_is_one_line():
     with pytest.raises(SparklmError, match="this machine has no CUDA GPU") as e:
         resolve.device_for("cuda", "local[*]", 0, 0)
-    assert "README: GPUs" in e.value.hint
+    assert "docs/gpus.md" in e.value.hint
     with pytest.raises(SparklmError, match="hands its tasks no GPUs") as e:
         resolve.device_for("cuda", "k8s://https://api:443", 0, 0)
     assert "spark.task.resource.gpu.amount" in e.value.hint

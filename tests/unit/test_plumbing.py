@@ -392,3 +392,36 @@ def test_tensorboard_sink_keeps_one_history_across_a_rewind(tmp_path):
     assert loss == [(1, 11.0), (2, 12.0), (3, 13.0), (4, 24.0), (5, 25.0), (6, 26.0)]
     assert [(e.step, e.value) for e in events.Scalars("eval/val_bpb")] == [(3, 2.5)]
     assert "train/rank_peak_rss_mb" not in events.Tags()["scalars"]  # text, not a figure
+
+
+def test_an_error_reads_as_its_one_line_and_crosses_a_worker():
+    """Outside a Spark task a SparklmError's text is its message and hint (what a notebook shows); the driver finds
+    it again in a worker's failure: marked (a Spark task), among the causes (an in-process runner), or as the
+    traceback's last line (another worker process)."""
+    from sparklm.infra.errors import SparklmError, from_spark
+
+    e = SparklmError("no such run: x", hint="check the path")
+    assert str(e) == "no such run: x (hint: check the path)" and str(SparklmError("plain")) == "plain"
+    marked = RuntimeError("Traceback ... SPARKLM-ERROR<<bad input|fix it>> at ...")
+    assert (from_spark(marked).message, from_spark(marked).hint) == ("bad input", "fix it")
+    try:
+        try:
+            raise e
+        except SparklmError as inner:
+            raise RuntimeError("a runner failed") from inner
+    except RuntimeError as outer:
+        assert from_spark(outer).message == "no such run: x"
+    text = RuntimeError("Traceback (most recent call last):\n  File ...\nsparklm.infra.errors.SparklmError: "
+                        "a bad record in f.jsonl (hint: fix line 3)\n")
+    got = from_spark(text)
+    assert (got.message, got.hint) == ("a bad record in f.jsonl", "fix line 3")
+    assert from_spark(RuntimeError("something else")) is None
+
+
+def test_the_default_generation_length_fits_the_model():
+    from sparklm.infer.sampling import Sampling
+
+    assert Sampling().fitted(64).max_new_tokens == 32  # the default, half a small context
+    assert Sampling().fitted(2048).max_new_tokens == 64
+    assert Sampling(max_new_tokens=64).fitted(64).max_new_tokens == 64  # the user's choice: checked, not changed
+    assert Sampling().fitted(None).max_new_tokens == 64

@@ -65,7 +65,7 @@ def _start_failure(runner: str, e: Exception) -> SparklmError | None:
     if "validations errors" in text:  # Beam's own check of the options a runner requires
         missing = text.split(":", 1)[-1].strip()
         return SparklmError(f"the {runner} is missing pipeline options: {missing}",
-                            hint="give each with --pipeline-option KEY=VALUE (README: On Apache Beam)")
+                            hint="give each with --pipeline-option KEY=VALUE (docs/beam.md)")
     if "Unable to fetch remote" in text:  # a runner's binary or jar downloaded at start, and no internet
         return SparklmError(f"the {runner} could not be started: {text[:400]}",
                             hint=f"{_FETCH_HINTS.get(runner, 'allow the download')}, or use --runner DirectRunner")

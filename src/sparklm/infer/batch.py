@@ -14,6 +14,7 @@ from ..infra.cache import process_local
 from ..infra.errors import SparklmError
 from ..infra.fs import effective, write_bytes
 from ..spark.resources import task_device
+from ..spark.session import check_workers_python
 from .sampling import Sampling
 
 OUTPUT_SCHEMA = "id long, sample int, prompt string, text string, prompt_tokens int, new_tokens int, truncated boolean"
@@ -59,9 +60,11 @@ def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: st
              T.StructField("prompt_tokens", T.IntegerType()), T.StructField("new_tokens", T.IntegerType()),
              T.StructField("truncated", T.BooleanType())]
     check_columns(df, prompt_col, "prompt_col", added, "generate_dataframe")
+    check_workers_python(df.sparkSession)
     storage = effective(storage or StorageConfig())
     model_path = model_uri(model, storage)  # a missing model fails here, not in a task
     context = _context(model_path, storage)
+    sampling = sampling.fitted(context)  # a default fits the model; a value the user chose may not
     if context and sampling.max_new_tokens >= context:  # else every task would fail with it
         raise SparklmError(f"max_new_tokens {sampling.max_new_tokens} does not fit the model's context of {context} "
                            "tokens", hint=f"use at most {context - 1}")

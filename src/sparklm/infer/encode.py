@@ -24,6 +24,7 @@ from ..infra.cache import process_local
 from ..infra.errors import SparklmError
 from ..infra.fs import effective
 from ..spark.resources import task_device
+from ..spark.session import check_workers_python
 from .batch import check_columns
 
 POOLINGS = ("mean", "cls", "last")
@@ -226,6 +227,8 @@ def _answered(df, text_col: str, added: list, key: tuple, load, answer):
     (the encoder loaded once per Python worker), which returns a column per added field, a value per text; rows
     with a null or blank text get nulls."""
     from pyspark.sql import types as T
+
+    check_workers_python(df.sparkSession)
 
     def run(batches):
         import pyarrow as pa

@@ -123,7 +123,7 @@ def inference_device(setting: str, *, cpu_only: bool = False) -> str:
         raise SparklmError(f"device {setting!r}: use cpu, cuda, cuda:N or auto", hint="--device auto")
     if not torch.cuda.is_available():
         raise SparklmError(f"device {setting}: torch sees no CUDA GPU here",
-                           hint="install a CUDA build of torch (README: GPUs), or --device cpu")
+                           hint="install a CUDA build of torch (docs/gpus.md), or --device cpu")
     if cpu_only:
         raise SparklmError("--quantize int8 runs on the CPU only", hint="--device cpu, or --quantize none on a GPU")
     return setting
@@ -153,6 +153,7 @@ def generate(lm: LoadedModel, prompts: list[str], *, sampling: Sampling = Sampli
              batch_size: int = 8, show_top: int = 0, on_text: Callable[[int, str], None] | None = None,
              warn: bool = True) -> list[Generation]:
     """``sampling.num_samples`` continuations of every prompt; ``on_text(row, piece)`` streams text."""
+    sampling = sampling.fitted(lm.context)  # a default fits the model; a value the user chose may not
     keys = list(range(len(prompts))) if keys is None else list(keys)
     rows = []  # (key, sample, prompt, ids, truncated)
     for key, prompt in zip(keys, prompts):

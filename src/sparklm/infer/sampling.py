@@ -6,6 +6,7 @@ temperature, top-k, top-p, min-p), so a sparklm sample and an HF ``generate`` sa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -19,13 +20,17 @@ def _option(default, help: str, metavar: str):
     return field(default=default, metadata={"help": help, "metavar": metavar})
 
 
+DEFAULT_NEW_TOKENS = 64  # what max_new_tokens 0 means where the context allows
+
+
 @dataclass(frozen=True, kw_only=True)
 class Sampling:
     """How to pick tokens. ``temperature = 0`` is greedy (the filters then do nothing).
 
     Each field is a ``sparklm generate`` flag (``top_k`` → ``--top-k``), generated from this metadata."""
 
-    max_new_tokens: int = _option(64, "tokens to generate", "N")
+    # 0: the default, which must fit any model (fitted): 64, or half the context of a model with less than 128
+    max_new_tokens: int = _option(0, "tokens to generate; 0: 64, or half a smaller model's context", "N")
     # EOS is masked until this many tokens are generated (as in HF)
     min_new_tokens: int = _option(0, "no end-of-text before N tokens", "N")
     temperature: float = _option(0.8, "0 = greedy", "T")
@@ -40,8 +45,9 @@ class Sampling:
 
     def __post_init__(self):
         checks = [
-            (self.max_new_tokens >= 1, "max-new-tokens must be >= 1"),
-            (0 <= self.min_new_tokens <= self.max_new_tokens, "min-new-tokens must be between 0 and max-new-tokens"),
+            (self.max_new_tokens >= 0, "max-new-tokens must be >= 1 (0: the default)"),
+            (0 <= self.min_new_tokens and (self.min_new_tokens <= self.max_new_tokens or not self.max_new_tokens),
+             "min-new-tokens must be between 0 and max-new-tokens"),
             (self.temperature >= 0, "temperature must be >= 0 (0 = greedy)"),
             (self.top_k >= 0, "top-k must be >= 0 (0 = off)"),
             (0 < self.top_p <= 1, "top-p must be in (0, 1] (1 = off)"),
@@ -56,6 +62,15 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def fitted(self, context: int | None) -> Sampling:
+        """These settings for a model of ``context`` tokens: the default length (``max_new_tokens`` 0) becomes 64,
+        or half a smaller context, so that a default never fails; a length the user chose stays theirs (and is
+        refused in one line if it does not fit)."""
+        if self.max_new_tokens:
+            return self
+        n = min(DEFAULT_NEW_TOKENS, max(1, context // 2)) if context else DEFAULT_NEW_TOKENS
+        return dataclasses.replace(self, max_new_tokens=max(n, self.min_new_tokens))
 
 
 def repetition_penalty(logits: torch.Tensor, previous: torch.Tensor, penalty: float) -> torch.Tensor:

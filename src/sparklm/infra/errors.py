@@ -38,16 +38,42 @@ class SparklmError(Exception):
         return cls(what, hint=hint[:-1] if sep and hint.endswith(")") else None)
 
     def __str__(self) -> str:
-        # Marked so the text survives the trip through a Spark task failure.
-        return f"{_MARK}{self.message}|{self.hint or ''}{_END}"
+        # Inside a Spark task the text is marked, so that it survives the trip through the task's failure (the
+        # driver finds it again: from_spark); everywhere else it reads as the one line, message and hint.
+        if in_spark_task():
+            return f"{_MARK}{self.message}|{self.hint or ''}{_END}"
+        return self.message + (f" (hint: {self.hint})" if self.hint else "")
+
+
+def in_spark_task() -> bool:
+    """Whether this code runs inside a Spark task (a Python worker's TaskContext is set)."""
+    import sys
+
+    if "pyspark" not in sys.modules:
+        return False
+    from pyspark import TaskContext
+
+    return TaskContext.get() is not None
+
+
+_PLAIN = re.compile(r"(?:^|\n)\S*SparklmError: ([^\n]*)")
 
 
 def from_spark(exc: BaseException) -> SparklmError | None:
-    """Recover a :class:`SparklmError` raised in a Spark task from the driver-side exception."""
+    """Recover a :class:`SparklmError` raised in a worker from the driver-side exception: a Spark task's marked
+    text, the error itself among the exception's causes (an in-process runner), or its one line in a traceback's
+    text (a worker process that is not a Spark task: a Beam SDK harness)."""
     match = re.search(re.escape(_MARK) + r"(.*?)\|(.*?)" + re.escape(_END), str(exc), re.S)
-    if not match:
-        return None
-    return SparklmError(match.group(1), hint=match.group(2) or None)
+    if match:
+        return SparklmError(match.group(1), hint=match.group(2) or None)
+    seen, cause = set(), exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, SparklmError):
+            return SparklmError(cause.message, hint=cause.hint, exit_code=cause.exit_code)
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    plain = _PLAIN.findall(str(exc))
+    return SparklmError.from_line(plain[-1]) if plain else None
 
 
 # Failures that are not sparklm's fault but are foreseeable, recognised in an exception's or a log's text.

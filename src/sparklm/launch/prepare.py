@@ -55,7 +55,7 @@ def prepare(
     manifest names a DataFrame source (e.g. ``table db.docs``). With ``data.engine = "beam"`` both passes run as an
     Apache Beam pipeline on ``beam.runner`` instead (paths only; ``spark`` is not used).
     """
-    from ..spark.session import check_shared, get_session
+    from ..spark.session import check_shared, check_workers_python, get_session
 
     config = config or Config()
     config = config.replace(storage=effective(config.storage))
@@ -87,6 +87,7 @@ def prepare(
         progress.info(f"[dim]removed {name}, left by an earlier prepare that did not finish[/dim]")
     if frame:
         spark, spark_start = frames[0][0].sparkSession, 0.0
+        check_workers_python(spark)  # the user's session: its Python workers must import sparklm
         check_shared(spark, {"output": output})
         source = _frame_source(spark, frames, data)
         name = described or "dataframe"

@@ -26,7 +26,7 @@ def epochs_note(epochs: float, epoch_tokens: int) -> str | None:
         return None
     return (f"the budget covers ~{epochs:.0f} epochs of the {epoch_tokens:,} training tokens: the model will learn "
             f"them by heart and validation loss will stop falling; model/ keeps the best evaluation, and more "
-            f"text helps most (README: defaults that fit the data)")
+            f"text helps most (docs/train.md, defaults that fit the data)")
 
 
 @dataclass

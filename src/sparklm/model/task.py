@@ -228,8 +228,9 @@ class CausalLM:
             gc.do_sample = default.temperature > 0
             gc.temperature, gc.top_k, gc.top_p = default.temperature, default.top_k, default.top_p
             gc.min_p, gc.repetition_penalty = default.min_p, default.repetition_penalty
-            gc.max_new_tokens = default.max_new_tokens
         context = context_length(model.config)
+        if default is not None:
+            gc.max_new_tokens = default.fitted(context).max_new_tokens
         with staged_dir(uri, storage, marker=CHECKSUMS) as tmp:
             if lora.is_lora(model):
                 lora.save(model, tmp, base_name(self.base))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
 import sys
 from contextlib import contextmanager
 from importlib import resources
@@ -37,13 +39,13 @@ def get_session(config: SparkConfig | None = None, *, spark=None, jvm_log: str |
     config = config or SparkConfig()
     if spark is None:
         refuse_connect()
-    from pyspark.sql import SparkSession
 
     if spark is None:
-        spark = SparkSession.getActiveSession()
+        spark = active_session()
     if spark is not None:
         if is_connect(spark):
             raise SparklmError(CONNECT_MESSAGE, hint=CONNECT_HINT)
+        check_workers_python(spark)
         return spark
     java_home = os.environ["JAVA_HOME"] = find_java_home()
     preset = preset_conf()
@@ -91,6 +93,19 @@ def get_session(config: SparkConfig | None = None, *, spark=None, jvm_log: str |
     return spark
 
 
+def active_session():
+    """The session this process runs, if any: the active one, or one started in another thread (the active session
+    is per thread; a notebook kernel may run each cell in a thread of its own, while the SparkContext is one per
+    process)."""
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is None and SparkContext._active_spark_context is not None:
+        active = SparkSession.builder.getOrCreate()  # the running context's session: nothing new is started
+    return active
+
+
 def session_conf(defaults: dict[str, str], preset: dict[str, str], user: dict[str, str]) -> dict[str, str]:
     """The settings sparklm passes to a new session: its defaults where nothing set them already (``preset``:
     spark-submit's or spark-defaults.conf's), then the user's own sparklm settings on top. Java options are
@@ -109,9 +124,8 @@ def planned_master(config: SparkConfig | None = None, spark=None) -> str:
     if spark is not None:
         return spark.sparkContext.master
     if "pyspark" in sys.modules:  # a session can only be active where pyspark was imported
-        from pyspark.sql import SparkSession
 
-        active = SparkSession.getActiveSession()
+        active = active_session()
         if active is not None:
             return active.sparkContext.master
     config = config or SparkConfig()
@@ -122,9 +136,8 @@ def planned_conf(config: SparkConfig | None, key: str, spark=None) -> str | None
     """The value Spark setting ``key`` will have, known before the session starts (as :func:`planned_master`):
     ``spark``'s or the active session's, else sparklm's own setting over spark-submit's or spark-defaults.conf's."""
     if spark is None and "pyspark" in sys.modules:
-        from pyspark.sql import SparkSession
 
-        spark = SparkSession.getActiveSession()
+        spark = active_session()
     if spark is not None:
         return spark.sparkContext.getConf().get(key)
     return (config or SparkConfig()).conf.get(key) or preset_conf().get(key)
@@ -225,6 +238,42 @@ def refuse_connect() -> None:
     ``SPARK_CONNECT_MODE_ENABLED`` that Databricks sets): checked before pyspark.sql picks a client."""
     if os.environ.get("SPARK_REMOTE") or os.environ.get("SPARK_CONNECT_MODE_ENABLED"):
         raise SparklmError(CONNECT_MESSAGE, hint=CONNECT_HINT)
+
+
+_CHECKED: set[str] = set()  # applications whose Python workers were checked
+
+
+def check_workers_python(spark) -> None:
+    """A session sparklm did not start (a notebook's, spark-submit's) runs its Python workers with the interpreter
+    it chose (PYSPARK_PYTHON when it started, else ``python3`` from PATH), which may lack sparklm — a kernel
+    started by path has its environment's interpreter but not its ``bin/`` on PATH. In local mode the workers run
+    on this host, so where that interpreter cannot import sparklm they run this one instead; on a cluster, one
+    line before any job. Once per application."""
+    sc = spark.sparkContext
+    python = getattr(sc, "pythonExec", None) or "python3"
+    if sc.applicationId in _CHECKED or environment.is_shipped(python):
+        return
+    found = shutil.which(python) or python
+    # paths compared as they are: a virtual environment's python is a link to the base interpreter, which has
+    # the same real path and none of the environment's packages
+    if os.path.abspath(found) != os.path.abspath(sys.executable):
+        if sc.master.startswith("local"):  # local[N] and local-cluster: the workers run on this host
+            if not _imports_sparklm(found):
+                sc.pythonExec = sys.executable  # read by every Python function Spark ships from now on
+        elif not executors_have_sparklm(spark):
+            raise SparklmError(f"this Spark session's executors run {python}, which cannot import sparklm (or torch)",
+                               hint="start the session with spark.pyspark.python set to an interpreter that has "
+                                    "sparklm on every host, or let sparklm start it (spark.ship_env sends this "
+                                    "environment with the job)")
+    _CHECKED.add(sc.applicationId)
+
+
+def _imports_sparklm(python: str) -> bool:
+    try:
+        return subprocess.run([python, "-c", "import sparklm.version, torch"], capture_output=True,
+                              timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def executors_have_sparklm(spark) -> bool:

@@ -323,7 +323,7 @@ def check_slots(spark, workers: int, dev: Device, wait: float = 30.0) -> None:
         if gpus is not None and gpus < workers and (local or time.time() > deadline):
             raise SparklmError(f"--workers {workers} needs {workers} GPUs at once, one per rank; this Spark can "
                                f"hand out {gpus}", hint="lower --workers, or give Spark more GPUs (executors with "
-                               "spark.executor.resource.gpu.amount; README: GPUs)")
+                               "spark.executor.resource.gpu.amount; docs/gpus.md)")
         if local or time.time() > deadline:
             raise SparklmError(f"--workers {workers} needs {workers} free Spark task slots at once; this Spark "
                                f"has {slots}", hint="lower --workers, or give Spark more cores (local[N], more "

@@ -69,7 +69,7 @@ class Device:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
             raise SparklmError(f"a worker {where} has no CUDA GPU torch can use (train.device is cuda)",
-                               hint="install a CUDA build of torch on the executors (README: GPUs), or --device cpu")
+                               hint="install a CUDA build of torch on the executors (docs/gpus.md), or --device cpu")
         index = int(address) if address is not None and address.isdigit() else local_rank % count
         if index >= count:
             raise SparklmError(f"Spark assigned GPU {address} to a worker {where}, which sees {count} "

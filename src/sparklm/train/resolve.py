@@ -61,11 +61,11 @@ def device_for(setting: str, master: str, task_gpus: float, local_gpus: int) -> 
     if setting == "cuda":
         if local:
             raise SparklmError("--device cuda: this machine has no CUDA GPU that torch can use",
-                               hint="install a CUDA build of torch (README: GPUs) on a machine with a GPU, or leave "
+                               hint="install a CUDA build of torch (docs/gpus.md) on a machine with a GPU, or leave "
                                     "--device to auto")
         raise SparklmError(f"--device cuda: Spark on {master} hands its tasks no GPUs",
                            hint="set spark.executor.resource.gpu.amount and spark.task.resource.gpu.amount (--conf; "
-                                "README: GPUs), or leave --device to auto")
+                                "docs/gpus.md), or leave --device to auto")
     return "cpu"
 
 

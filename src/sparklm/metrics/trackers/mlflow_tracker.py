@@ -144,8 +144,8 @@ class MlflowTracker(Buffered):
         model = load_model(model_dir, storage=self.ctx.storage)
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_source(model_dir, self.ctx.storage)))
         pipe = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)
-        d = Sampling()
-        inference = {"max_new_tokens": max(1, min(d.max_new_tokens, (context_length(model.config) or 64) // 2)),
+        d = Sampling().fitted(context_length(model.config))
+        inference = {"max_new_tokens": d.max_new_tokens,
                      "do_sample": True, "temperature": d.temperature, "top_k": d.top_k}
         # spelled out, not inferred: MLflow's inference imports pyspark.sql.connect, which exits the process
         # when Spark Connect's packages are missing and __main__ has no file (pytest-xdist workers, some notebooks)
