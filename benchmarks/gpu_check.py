@@ -105,13 +105,14 @@ def nccl_group() -> collective.Group:
     return collective.Group(0, 1)
 
 
-def run_training(work: Path, ds, spec, raw: dict) -> dict:
-    """``train.core.train`` as a rank runs it; the per-step losses and the steady figures."""
+def run_training(work: Path, ds, spec, raw: dict, *, nccl: bool = False) -> dict:
+    """``train.core.train`` as a rank runs it (``nccl``: its collectives on an NCCL group, DDP-wrapped, as a rank
+    of a multi-GPU run; else a single worker's, as ``--workers 1`` runs); the per-step losses and steady figures."""
     config = from_dict(raw)
     plan = local(config, ds, threads=config.train.threads)
     run = Path(tempfile.mkdtemp(dir=work))
     sinks = Sinks([CsvSink(str(run / "metrics.csv"), metric_columns(LM_FIGURES), {"train", "eval"})])
-    comm = nccl_group() if plan.device.kind == "cuda" else None
+    comm = nccl_group() if nccl and plan.device.kind == "cuda" else None
     t0 = time.time()
     result = train(plan, ds, spec, str(run), rank=Rank(threads=plan.threads), sink=sinks, comm=comm)
     sinks.close()
@@ -129,7 +130,7 @@ def check_training(work, ds, spec, args, out: dict) -> None:
     out["train_cpu"] = cpu
     if not CUDA:
         return
-    gpu = run_training(work, ds, spec, settings(model, "cuda", "bfloat16", steps, 8))
+    gpu = run_training(work, ds, spec, settings(model, "cuda", "bfloat16", steps, 8), nccl=True)
     out["train_cuda"] = gpu
     worst = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(gpu["losses"], cpu["losses"]))
     out["train_agree"] = {"max_relative_loss_gap": worst, "ok": worst < 0.03 and len(gpu["losses"]) == len(cpu["losses"])}
