@@ -260,8 +260,9 @@ def check_speed(work, spec, args, out: dict) -> None:
     for compile_ in (False, True):
         cfg = from_dict(settings(shape, "cuda", "bfloat16", steps, batch, compile=compile_, optimizer="adamw"))
         torch.manual_seed(0)
-        model = make_task(cfg).build(cfg, spec, seq)
-        fpt = make_task(cfg).flops_per_token(model, seq)
+        task = make_task(cfg)
+        model = task.build(cfg, spec, seq)
+        fpt = task.flops_per_token(model, seq)
         torch.cuda.reset_peak_memory_stats()
         plain = plain_loop(model, spec.vocab_size, batch, seq, steps, compile_)
         del model

@@ -191,8 +191,8 @@ def classify_dataframe(df, *, model: str, text_col: str = "text", label_col: str
         return cols
 
     return _answered(df, text_col, added, ("classifier", path, threads),
-                     lambda: load_encoder(path, classify=True, threads=threads, storage=storage,
-                                          device=task_device()), answer)
+                     lambda where: load_encoder(path, classify=True, threads=threads, storage=storage, device=where),
+                     answer)
 
 
 def embed_dataframe(df, *, model: str, text_col: str = "text", output_col: str = "embedding", pooling: str = "mean",
@@ -218,14 +218,14 @@ def embed_dataframe(df, *, model: str, text_col: str = "text", output_col: str =
         return {output_col: pa.array(vecs.tolist(), pa.list_(pa.float32())), "truncated": pa.array(cut, pa.bool_())}
 
     return _answered(df, text_col, added, ("encoder", path, threads),
-                     lambda: load_encoder(path, classify=False, threads=threads, storage=storage,
-                                          device=task_device()), answer)
+                     lambda where: load_encoder(path, classify=False, threads=threads, storage=storage, device=where),
+                     answer)
 
 
 def _answered(df, text_col: str, added: list, key: tuple, load, answer):
     """``df`` with the ``added`` columns: in each Arrow batch the non-blank texts go to ``answer(encoder, texts)``
-    (the encoder loaded once per Python worker), which returns a column per added field, a value per text; rows
-    with a null or blank text get nulls."""
+    (the encoder, ``load(device)``, loaded once per Python worker and GPU), which returns a column per added field,
+    a value per text; rows with a null or blank text get nulls."""
     from pyspark.sql import types as T
 
     check_workers_python(df.sparkSession)
@@ -233,7 +233,8 @@ def _answered(df, text_col: str, added: list, key: tuple, load, answer):
     def run(batches):
         import pyarrow as pa
 
-        enc = process_local((*key, task_device()), load)  # per GPU: a reused worker may be handed another
+        where = task_device()  # per GPU: a Python worker Spark reuses may be handed another
+        enc = process_local((*key, where), lambda: load(where))
         for rb in batches:
             texts = rb.column(text_col).to_pylist()
             todo = [i for i, t in enumerate(texts) if t is not None and t.strip()]

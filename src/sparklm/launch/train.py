@@ -62,7 +62,8 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
     elif exists(join(run_dir, "config.json"), storage) or exists(join(run_dir, "checkpoints"), storage):
         raise SparklmError(f"run directory {run_dir} already holds a run",
                            hint="use --resume to continue it, or another --output")
-    config = (config or Config()).replace(storage=effective((config or Config()).storage))
+    config = config or Config()
+    config = config.replace(storage=effective(config.storage))
     storage = config.storage
     if not data:
         raise SparklmError("no prepared dataset given", hint="pass --data DIR (made by `sparklm prepare`)")
@@ -74,12 +75,11 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
     spec = load_tokenizer(dataset, storage)
     # Every "auto" decided here, once, for every rank and round worker (a resumed run's were decided before).
     asked = config
-    config = resolve.with_device(config, master, None if callable(spark) else spark)  # where Spark hands tasks GPUs
     config, note = plans.settle(config, threads=resolve.threads(config.train, master, config.spark,
                                                                 None if callable(spark) else spark),
                                 vocab=spec.vocab_size, context=dataset.seq_len,
                                 train_tokens=dataset.manifest["splits"]["train"]["tokens"], master=master,
-                                resume=resume)
+                                resume=resume, spark=None if callable(spark) else spark)
     if note:
         progress.info(note)
     # Processes the strategy starts now (local mode), so that their imports overlap Spark's start.

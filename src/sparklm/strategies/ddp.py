@@ -314,12 +314,14 @@ def check_slots(spark, workers: int, dev: Device, wait: float = 30.0) -> None:
     registering get ``wait`` seconds."""
     deadline = time.time() + wait
     local = re.match(r"local(\[|$)", spark.sparkContext.master) is not None  # (not local-cluster: it has executors)
+    # GPUs bound the ranks too where they compute on them, or where Spark hands each task some (it then holds a
+    # barrier stage until it can hand them all out)
+    uses_gpus = dev.kind == "cuda" or float(spark.sparkContext.getConf().get("spark.task.resource.gpu.amount", "0"))
     while True:
         slots = dev.slots(spark)
-        if slots >= workers:
+        gpus = gpu_slots(spark) if uses_gpus else None
+        if slots >= workers and (gpus is None or gpus >= workers):
             return
-        gpus = gpu_slots(spark) if dev.kind == "cuda" or spark.sparkContext.getConf().get(
-            "spark.task.resource.gpu.amount") else None
         if gpus is not None and gpus < workers and (local or time.time() > deadline):
             raise SparklmError(f"--workers {workers} needs {workers} GPUs at once, one per rank; this Spark can "
                                f"hand out {gpus}", hint="lower --workers, or give Spark more GPUs (executors with "

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..infra.errors import SparklmError
-from ..spark.resources import gpu_slots
 from .peak import gpu_peak, matmul_peak
 
 if TYPE_CHECKING:
@@ -41,21 +40,15 @@ class Device:
         return "cpu" if self.kind == "cpu" else f"cuda:{self.index or 0}"
 
     def slots(self, spark) -> int:
-        """How many workers Spark can run at once (the driver asks before a barrier stage): task slots — cores
-        (local[N]: N) ÷ spark.task.cpus — and, on CUDA or where Spark hands tasks GPUs, no more than its GPUs
-        allow (:func:`gpu_slots`)."""
+        """How many task slots Spark has at once (the driver asks before a barrier stage): cores (local[N]: N) ÷
+        spark.task.cpus. The GPUs that may bound them are :func:`spark.resources.gpu_slots`'s."""
         sc = spark.sparkContext
-        conf = sc.getConf()
-        cpus = int(conf.get("spark.task.cpus", "1"))
+        cpus = int(sc.getConf().get("spark.task.cpus", "1"))
         m = re.match(r"local(?:\[(\*|\d+)(?:,\s*\d+)?\])?$", sc.master)
         if m:
             n = 1 if m.group(1) is None else (os.cpu_count() or 1) if m.group(1) == "*" else int(m.group(1))
-            cores = n // cpus
-        else:
-            cores = sc.defaultParallelism // cpus
-        if self.kind == "cpu" and not float(conf.get("spark.task.resource.gpu.amount", "0") or 0):
-            return cores
-        return min(cores, gpu_slots(spark))
+            return n // cpus
+        return sc.defaultParallelism // cpus
 
     def placed(self, address: str | None, local_rank: int) -> Device:
         """This device as one rank computes on it: on CUDA the GPU Spark assigned the task (``address``, from

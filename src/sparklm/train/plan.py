@@ -71,11 +71,12 @@ class RunPlan:
 
 
 def settle(config: Config, *, threads: int, vocab: int, context: int, train_tokens: int, master: str,
-           resume: bool) -> tuple[Config, str | None]:
-    """``config`` with every automatic setting decided for workers of ``threads`` torch threads and, for a new run,
-    a fresh model fitted to its time budget (a resumed run builds the model its checkpoints hold); and a line saying
-    what the fit changed (None: nothing). Before Spark starts."""
-    config = resolve.settings(config, threads)
+           resume: bool, spark=None) -> tuple[Config, str | None]:
+    """``config`` with every automatic setting decided — the device for ``master`` (and ``spark``, a running
+    session), then the rest for workers of ``threads`` torch threads — and, for a new run, a fresh model fitted to
+    its time budget (a resumed run builds the model its checkpoints hold); and a line saying what the fit changed
+    (None: nothing). Before Spark starts."""
+    config = resolve.settings(resolve.with_device(config, master, spark), threads)
     if resume:
         return config, None
     return budget.apply(config, vocab=vocab, context=context, train_tokens=train_tokens, master=master)
