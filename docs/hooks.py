@@ -14,7 +14,8 @@ from mkdocs.structure.files import File
 ROOT = Path(__file__).resolve().parents[1]
 
 # repository documents shown as pages: (file, page, links they make to other repository files → pages)
-DOCUMENTS = {"BENCHMARKS.md": "benchmarks.md", "RELIABILITY.md": "faults.md", "CHANGELOG.md": "changelog.md"}
+DOCUMENTS = {"BENCHMARKS.md": "benchmarks.md", "RELIABILITY.md": "faults.md", "SECURITY.md": "security.md",
+             "CHANGELOG.md": "changelog.md"}
 
 
 def on_files(files, config):

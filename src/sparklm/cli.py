@@ -241,6 +241,11 @@ def _config(args: argparse.Namespace):
     overrides += _pairs(args.conf, "--conf", "spark.conf", "spark.executor.memory=4g")
     overrides += _pairs(getattr(args, "pipeline_options", []), "--pipeline-option", "beam.options",
                         "direct_num_workers=2")
+    typed = redact.literal_secrets(overrides)  # --set and --conf values (a --config file is not on the command line)
+    if typed:
+        raise SparklmError(f"{typed[0]} is given on the command line, where every user of this host reads it (ps)",
+                           hint="export it in an environment variable NAME and write the value as '${env:NAME}', or "
+                                "set it in a --config file only you can read")
     flags = {key: getattr(args, key) for key, _, _ in fields_with_flags() if getattr(args, key, None) is not None}
     if getattr(args, "prepare_task", None):  # prepare's --task is data.task (train's and run's is model.task)
         flags["data.task"] = args.prepare_task

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -401,6 +402,21 @@ class Config:
 
     def replace(self, **sections: Any) -> Config:
         return dataclasses.replace(self, **sections)
+
+
+def expand(value: str, where: str) -> str:
+    """``value`` with an ``${env:NAME}`` reference (how a secret is given without writing it anywhere) replaced by that
+    environment variable, read here, where it is used, and remembered as a secret; any other value as it is."""
+    from .infra import redact
+
+    m = redact.ENV_REF.match(value) if isinstance(value, str) else None
+    if not m:
+        return value
+    if m.group(1) not in os.environ:
+        raise SparklmError(f"{where} is {value}, and the environment variable {m.group(1)} is not set",
+                           hint=f"export {m.group(1)} before running sparklm")
+    redact.remember(os.environ[m.group(1)])
+    return os.environ[m.group(1)]
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),

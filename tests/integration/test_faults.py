@@ -207,19 +207,37 @@ def test_too_few_slots_is_one_line_before_submitting(spark, dataset, tmp_path):
 
 @pytest.mark.slow
 def test_secrets_reach_neither_disk_nor_console(tmp_path):
+    """Secrets given the three ways (a config file, an environment variable named on the command line, AWS's own
+    variables), among them the Azure key the old rule missed, are in no file, no line and no command line; a resumed
+    run reads the variable again."""
     secret = "SuperSecretValue-8c1f"
     (tmp_path / "in.txt").write_text(make_text(200))
+    (tmp_path / "secret.toml").write_text(f'[spark.conf]\n"spark.my.password" = "{secret}2"\n'
+                                          f'"spark.hadoop.fs.azure.account.key.acct.dfs.core.windows.net" = "{secret}4"\n')
     run = tmp_path / "run"
+    env = {"AWS_SECRET_ACCESS_KEY": secret + "3", "SPARKLM_S3_SECRET": secret}
     r = cli("run", str(tmp_path / "in.txt"), "-o", str(run), "--max-steps", "2", "--seq-len", "32", "--vocab-size",
-            "300", "--conf", f"spark.hadoop.fs.s3a.secret.key={secret}", "--conf", f"spark.my.password={secret}2",
-            *TINY_FLAGS, env={"AWS_SECRET_ACCESS_KEY": secret + "3"})
+            "300", "--config", str(tmp_path / "secret.toml"),
+            "--conf", "spark.hadoop.fs.s3a.secret.key=${env:SPARKLM_S3_SECRET}", *TINY_FLAGS, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert secret not in r.stdout + r.stderr
+    saved = json.loads((run / "config.json").read_text())["config"]["spark"]["conf"]
+    assert saved["spark.my.password"] == "***" and saved["spark.hadoop.fs.s3a.secret.key"] == "${env:SPARKLM_S3_SECRET}"
+    assert saved["spark.hadoop.fs.azure.account.key.acct.dfs.core.windows.net"] == "***"
+    meta = json.loads((run / "config.json").read_text())  # a writer of the run directory points the upload elsewhere
+    meta["config"]["tracking"]["mlflow_uri"] = "http://127.0.0.1:9/elsewhere"
+    (run / "config.json").write_text(json.dumps(meta))
+    r2 = cli("train", "-o", str(run), "--resume", "--max-steps", "3", env=env)  # without the file: said, not ***
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert "spark.my.password" in r2.stderr and "give them again" in r2.stderr
+    assert "tracking.mlflow_uri" in r2.stderr and "does not take from the run directory" in r2.stderr
+    resumed = json.loads((run / "config.json").read_text())["config"]["spark"]["conf"]
+    assert "spark.my.password" not in resumed and resumed["spark.hadoop.fs.s3a.secret.key"].startswith("${env:")
+    assert secret not in r.stdout + r.stderr + r2.stdout + r2.stderr
     for f in run.rglob("*"):
         if f.is_file():
             assert secret.encode() not in f.read_bytes(), f
-    saved = json.loads((run / "config.json").read_text())["config"]["spark"]["conf"]
-    assert saved["spark.hadoop.fs.s3a.secret.key"] == "***" and saved["spark.my.password"] == "***"
+    typed = cli("train", "-o", str(tmp_path / "r2"), "--conf", f"spark.hadoop.fs.s3a.secret.key={secret}")
+    assert typed.returncode != 0 and "given on the command line" in typed.stderr and secret not in typed.stderr
 
 
 # -- damaged inputs: one line, or the previous intact checkpoint -------------------------------------

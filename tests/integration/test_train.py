@@ -300,3 +300,25 @@ def test_epochs_csv_sums_each_pass_and_train_rows_carry_the_training_accuracy(sp
     assert [e["step"] for e in epochs] == [w.step for w in want]
     assert [e["loss"] for e in epochs] == pytest.approx([w.loss for w in want], rel=1e-5)
     assert epochs[-1]["loss"] < epochs[0]["loss"] and all(e["epoch_s"] > 0 and e["tokens_per_s"] > 0 for e in epochs)
+
+
+def test_two_ranks_with_dropout_resume_bitwise_from_the_rng_states_they_gathered(spark, dataset, tmp_path):
+    """A DDP checkpoint holds every rank's RNG state, gathered as tensors (nothing unpickled between ranks): with
+    dropout drawing from it, two ranks resumed from the checkpoint end bitwise where the uninterrupted run ended."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    conf = cfg(max_steps=6, checkpoint_every=3, samples=0, workers=2)
+    conf = conf.replace(model=dataclasses.replace(conf.model, dropout=0.2))
+    full = tmp_path / "full"
+    train(dataset, output=str(full), config=conf, spark=spark)
+    rng = load_file(str(full / "checkpoints" / "step-0000003" / "rng.safetensors"))
+    assert set(rng) == {"torch.0", "torch.1"} and not torch.equal(rng["torch.0"], rng["torch.1"])
+    stopped = tmp_path / "stopped"
+    stopped_copy(full, stopped, after=3, last=6)
+    train(None, output=str(stopped), resume=True, spark=spark)
+    a, b = weights(full), weights(stopped)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert figures(stopped) == figures(full)

@@ -1,12 +1,14 @@
 """One writer per run directory, on a local path: a second writer is refused naming the holder; a dead holder's
-lock is taken over (at once on its own host, after the lease elsewhere). The S3 case: integration/test_s3.py."""
+lock is taken over (at once on its own host, after the lease elsewhere). The S3 case: integration/test_runlock_s3.py."""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -55,3 +57,151 @@ def test_the_holder_keeps_its_lock_fresh(tmp_path):
         assert json.loads((tmp_path / LOCK).read_text())["heartbeat"] > first
         with pytest.raises(SparklmError):  # and so it is never taken for dead while it runs
             RunLock(str(tmp_path), lease=0.4).acquire()
+
+
+# -- the review's findings (issue 56, item 4): each reproduced, then fixed ------------------------------------------
+
+
+def _racing(locks: list[RunLock], slow: RunLock) -> list[str]:
+    """Both locks take a dead holder's lock at once: each reads it (the barrier: both have read it before either
+    goes on), then ``slow`` pauses before acting on what it read. What each got: "held" or the refusal."""
+    barrier = threading.Barrier(len(locks))
+    for lock in locks:
+        read, first = lock.store.read, [True]
+
+        def paused(read=read, first=first, lock=lock):
+            seen = read()
+            if first[0]:
+                first[0] = False
+                barrier.wait(timeout=5)
+                if lock is slow:
+                    time.sleep(0.3)  # a slower process: the other has taken the lock over meanwhile
+            return seen
+
+        lock.store.read = paused
+    got: dict[int, str] = {}
+
+    def take(i: int) -> None:
+        try:
+            locks[i].acquire()
+            got[i] = "held"
+        except SparklmError as e:
+            got[i] = str(e)
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(len(locks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    return [got[i] for i in range(len(locks))]
+
+
+def _exited_pid() -> int:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    return gone.pid
+
+
+def test_two_takers_of_a_dead_holders_lock_one_wins(tmp_path):
+    """Takeover was read → delete → create: the slower taker deleted the winner's new lock and both held it."""
+    _holder(tmp_path, pid=_exited_pid())
+    fast, slow = RunLock(str(tmp_path)), RunLock(str(tmp_path))
+    try:
+        got = _racing([fast, slow], slow)
+        assert got[0] == "held", got
+        assert got[1].startswith(f"run directory {tmp_path} is in use by another sparklm run (host "), got
+        assert json.loads((tmp_path / LOCK).read_text())["token"] == fast.me["token"]
+    finally:
+        fast.release()
+        slow.release()
+    assert not (tmp_path / LOCK).exists()
+
+
+def _taken_over(path) -> None:
+    """Another run takes the lock over (as after a lease run out), replacing the file whole."""
+    other = path.with_name("other")
+    other.write_text(json.dumps({"host": "elsewhere", "pid": 7, "token": "theirs", "started": "now",
+                                 "heartbeat": time.time()}))
+    other.replace(path)
+
+
+def _until(condition, timeout: float = 10) -> None:
+    deadline = time.time() + timeout
+    while not condition() and time.time() < deadline:
+        time.sleep(0.02)
+    assert condition()
+
+
+def test_a_holder_whose_lock_was_taken_over_stops_and_leaves_it(tmp_path):
+    """Heartbeats were unconditional writes: a holder whose lock another run had taken over wrote it back, then
+    deleted it at its end. Now its heartbeat finds the lock not its own: it stops beating, says so, and its end is
+    one line (the run stops) that leaves the other's lock alone."""
+    called = []
+    lock = RunLock(str(tmp_path), lease=0.4)
+    lock.on_lost = lambda: called.append(1)
+    with pytest.raises(SparklmError, match=rf"lost the lock on run directory {tmp_path}: another sparklm run "
+                                           r"\(host elsewhere, pid 7, .*\) took it over"):
+        with lock:
+            _taken_over(tmp_path / LOCK)
+            time.sleep(0.35)  # three heartbeats' time
+            assert json.loads((tmp_path / LOCK).read_text())["token"] == "theirs"
+            _until(lambda: lock.lost)  # (a busy machine may delay the beat)
+            assert called == [1]
+            with pytest.raises(SparklmError, match="lost the lock"):
+                lock.check()  # what a caller polls (before a checkpoint)
+    assert json.loads((tmp_path / LOCK).read_text())["token"] == "theirs"
+
+
+def test_a_reused_pid_does_not_keep_a_dead_holders_lock(tmp_path):
+    """On its own host a holder counted alive while any process had its pid: a pid reused after a crash kept the
+    lock forever. The lock records when its process started; another process with that pid is not the holder."""
+    _holder(tmp_path, pid=os.getpid(), pid_start="a process that started at another time")
+    with RunLock(str(tmp_path)) as lock:
+        assert json.loads((tmp_path / LOCK).read_text())["token"] == lock.me["token"]
+        assert lock.me["pid_start"]  # and this process's own start is recorded
+        with pytest.raises(SparklmError, match=rf"pid {os.getpid()}"):  # the same pid and start: alive
+            RunLock(str(tmp_path)).acquire()
+
+
+@pytest.mark.parametrize("uri", ["gs://bucket/run", "abfs://container@account.dfs.core.windows.net/run",
+                                 "hdfs://namenode/run", "unknown://x/run"])
+def test_a_scheme_other_than_s3_is_never_sent_to_boto3(uri, tmp_path, monkeypatch, capsys):
+    """Every non-local URI went to boto3: gs://bucket/run became an S3 bucket named "bucket". Where sparklm has no
+    conditional write for the scheme, the lock is one held on this host, and one line says so."""
+    import tempfile
+
+    import boto3
+
+    def no_s3(*a, **k):
+        raise AssertionError(f"boto3 used for {uri}")
+
+    monkeypatch.setattr(boto3, "client", no_s3)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with RunLock(uri):
+        with pytest.raises(SparklmError, match=rf"run directory {uri} is in use by another sparklm run"):
+            RunLock(uri).acquire()
+    err = capsys.readouterr()
+    said = [line for line in (err.out + err.err).splitlines() if "local to this host" in line]
+    assert len(said) == 2 and uri in said[0], err  # one line per lock
+
+
+def test_a_second_prepare_to_one_output_is_refused_before_it_touches_the_firsts_staging(tmp_path, config):
+    """prepare took no lock, and a second prepare removed the first one's staging as a stale leftover. Now the
+    second is one line naming the first, and the staging stays."""
+    from sparklm.launch.prepare import prepare
+
+    (tmp_path / "in.txt").write_text("some text\n")
+    out = tmp_path / "data"
+    staging = tmp_path / ".data.sparklm-tmp-0123456789ab"
+    staging.mkdir()
+    os.utime(staging, (time.time() - 60, time.time() - 60))  # the first began a minute ago
+
+    def no_spark():
+        raise AssertionError("the second prepare went on to start Spark")
+
+    with RunLock(str(out), kind="dataset"):  # what the first prepare holds while it writes
+        with pytest.raises(SparklmError, match=rf"output {out} is being written by another sparklm prepare \(host "
+                                               rf"{socket.gethostname()}, pid {os.getpid()}"):
+            prepare([str(tmp_path / "in.txt")], output=str(out), config=config, spark=no_spark)
+        assert staging.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".data.sparklm-tmp-0123456789ab", "in.txt"]

@@ -22,7 +22,7 @@ import uuid
 from contextlib import contextmanager, nullcontext
 from functools import partial
 
-from ..config import Config
+from ..config import Config, expand
 from ..infra import progress
 from ..infra.cache import log_file, process_local
 from ..infra.errors import SparklmError, spark_errors
@@ -96,7 +96,7 @@ def workers(config: Config) -> int:
 def pipeline_args(config: Config) -> list[str]:
     """The runner and options as Beam's command-line flags; the DirectRunner runs one process per worker (its default,
     one thread in this process, would hold Python's lock through the cleaning)."""
-    options = dict(config.beam.options)
+    options = {k: expand(v, f"beam.options.{k}") for k, v in config.beam.options.items()}
     if config.beam.runner == "DirectRunner":
         options.setdefault("direct_running_mode", "multi_processing")
         options.setdefault("direct_num_workers", str(workers(config)))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from ..infra.errors import SparklmError, spark_errors
-from ..infra.fs import check_replaceable, staging_path, swap_in
+from ..infra.fs import check_replaceable, listing, staging_path, swap_in
 
 MARKER = "_sparklm_predict.json"  # "_": Spark and pyarrow readers of the directory skip it
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -86,7 +86,7 @@ def predict(spark, model: str, inputs: list[str], output: str, *, text_col: str 
     info = {"model": model, "inputs": inputs, "format": fmt,
             "task": "embed" if embed else "regression" if values else "classify",
             "text_col": text_col, **counts, "seconds": round(time.time() - started, 3)}
-    (staging / MARKER).write_text(json.dumps(info, indent=2))
+    (staging / MARKER).write_text(json.dumps({**info, "files": listing(staging)}, indent=2))
     swap_in(pafs.LocalFileSystem(), str(staging), str(out), marker=MARKER)  # the old one stays whole till then
     return {**info, "path": str(out)}
 

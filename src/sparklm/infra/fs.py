@@ -10,6 +10,7 @@ import dataclasses
 import fnmatch
 import os
 import posixpath
+import re
 import shutil
 import tempfile
 import uuid
@@ -206,6 +207,8 @@ def local_copy(uri: str, storage: StorageConfig | None = None) -> Path:
     if not infos:
         raise SparklmError(f"{uri} not found (no files there)", hint=storage_hint(uri))
     listing = sorted((i.path[len(path):].lstrip("/"), i.size, i.mtime_ns or 0) for i in infos)
+    for rel, _, _ in listing:
+        inside(Path("."), rel, what=f"{uri}: an object")  # before anything is written
     key = hashlib.sha256(json.dumps([uri, listing]).encode()).hexdigest()[:20]
     target = cache_dir("remote", key)
     if target.is_dir():
@@ -213,7 +216,7 @@ def local_copy(uri: str, storage: StorageConfig | None = None) -> Path:
     try:
         with staged_once(target) as stage:
             for rel, _, _ in listing:
-                dest = stage / rel
+                dest = inside(stage, rel, what=f"{uri}: an object")
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 with fs.open_input_stream(f"{path}/{rel}") as src, open(dest, "wb") as out:
                     shutil.copyfileobj(src, out, 8 << 20)
@@ -259,13 +262,31 @@ def staging_path(path: str) -> str:
 
 def check_replaceable(out: Path, overwrite: bool, *, marker: str, kind: str) -> None:
     """One line unless the local directory ``out`` is new, empty, or (with ``overwrite``) an earlier ``kind`` of
-    sparklm's, which its ``marker`` file says: --overwrite never replaces what sparklm did not write."""
+    sparklm's: its ``marker`` file lists the files it wrote (:func:`listing`) and the directory holds nothing else.
+    --overwrite never replaces what sparklm did not write, even beside a marker copied into a user's directory."""
     if out.exists() and (out.is_file() or any(out.iterdir())):
         if not overwrite:
             raise SparklmError(f"{out} already exists", hint="pass --overwrite or another --output")
         if not (out / marker).is_file():
             raise SparklmError(f"refusing to --overwrite {out}: it is neither {kind} (no {marker}) nor empty",
                                hint="choose another --output")
+        import json
+
+        try:
+            written = set(json.loads((out / marker).read_text()).get("files", ()))
+        except (OSError, ValueError, AttributeError, TypeError):
+            written = set()
+        if not written and (out / CHECKSUMS).is_file():  # an import lists its files in its checksums
+            written = set(json.loads((out / CHECKSUMS).read_text()))
+        foreign = [n for n in listing(out) if n not in written and n not in (marker, CHECKSUMS)]
+        if foreign:
+            raise SparklmError(f"refusing to --overwrite {out}: it holds {foreign[0]}, which sparklm did not write there",
+                               hint="move your own files out of it, or choose another --output")
+
+
+def listing(directory: Path) -> list[str]:
+    """The files under a local directory, as relative POSIX names (what a marker records of a directory it owns)."""
+    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file() or p.is_symlink())
 
 
 def swap_in(filesystem: pafs.FileSystem, staging: str, target: str, *, marker: str) -> None:
@@ -355,10 +376,25 @@ def verify_checksums(directory: Path) -> None:
     except (OSError, ValueError):
         raise SparklmError(f"{listing} is unreadable", hint="export the model again") from None
     for name, want in sums.items():
-        path = directory / name
+        path = inside(directory, name, what=f"{listing}: an entry")
         if not path.is_file() or file_sha256(path) != want:
             raise SparklmError(f"{path} is damaged: it does not match the SHA-256 recorded when it was written",
                                hint="restore it from a copy or export the model again")
+
+
+def inside(root: Path, name: str, *, what: str = "a name") -> Path:
+    """``root / name`` for a name read from elsewhere (an object store's listing, a checksum file, a run's list of
+    files), refused in one line unless it stays inside ``root``: no absolute path, no ``..``, no empty part, no NUL.
+
+    Object names are free text — ``a/../../x`` is a valid S3 key — and every place that turns one into a local
+    path goes through here, so a listing cannot write or read outside the directory it is meant for.
+    """
+    parts = str(name).replace("\\", "/").split("/")
+    if (not name or "\0" in name or str(name).startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", str(name))
+            or any(p in ("", ".", "..") for p in parts)):
+        raise SparklmError(f"{what} is named {name!r}, a path that leaves its directory",
+                           hint="rename or remove it: names must be relative paths without '..'")
+    return root.joinpath(*parts)
 
 
 def join(uri: str, *parts: str) -> str:

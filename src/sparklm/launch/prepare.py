@@ -31,6 +31,7 @@ from ..data.spark_engine import SparkSource
 from ..infra import progress
 from ..infra.errors import SparklmError, spark_errors
 from ..infra.fs import effective, remove_stale, resolve, staging_path, swap_in, uri_like
+from ..infra.runlock import RunLock
 from ..metrics import trackers
 from ..version import __version__
 
@@ -55,6 +56,14 @@ def prepare(
     manifest names a DataFrame source (e.g. ``table db.docs``). With ``data.engine = "beam"`` both passes run as an
     Apache Beam pipeline on ``beam.runner`` instead (paths only; ``spark`` is not used).
     """
+    # one prepare per output: another's staging is not a stale leftover to remove
+    with RunLock(output, effective((config or Config()).storage), kind="dataset"):
+        return _prepare(inputs, output=output, config=config, validation_inputs=validation_inputs,
+                        overwrite=overwrite, spark=spark, described=described)
+
+
+def _prepare(inputs, *, output: str, config: Config | None, validation_inputs, overwrite: bool, spark,
+             described: str | None) -> PreparedDataset:
     from ..spark.session import check_shared, check_workers_python, get_session
 
     config = config or Config()

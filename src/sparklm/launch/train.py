@@ -14,10 +14,10 @@ import time
 import uuid
 from typing import Any
 
-from ..config import Config, diff, flatten, from_dict, merge
+from ..config import Config, TrackingConfig, diff, flatten, from_dict, merge
 from ..data.manifest import PreparedDataset, load_prepared, load_tokenizer
 from ..data.tokenizer import TokenizerSpec
-from ..infra import progress
+from ..infra import progress, redact
 from ..infra.errors import SparklmError
 from ..infra.fs import effective, exists, is_remote, join, read_text, write_text
 from ..infra.runlock import RunLock
@@ -46,17 +46,17 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
     collects what the user set) or else the settings where ``config`` differs from the defaults applied on top.
     """
     storage = effective((config or Config()).storage)
-    with RunLock(output, storage):  # one writer per run directory
+    with RunLock(output, storage) as lock:  # one writer per run directory
         return _train(data, output=output, config=config, resume=resume, spark=spark, changes=changes,
-                      storage=storage)
+                      storage=storage, lock=lock)
 
 
-def _train(data: str | None, *, output: str, config: Config | None, resume: bool, spark, changes, storage) -> dict:
+def _train(data: str | None, *, output: str, config: Config | None, resume: bool, spark, changes, storage,
+           lock: RunLock) -> dict:
     from ..spark.session import check_shared, get_session, planned_master
     from ..strategies import Job, get
 
-    run_dir = output
-    saved_plan = None
+    run_dir, saved_plan = output, None
     if resume:
         config, data, saved_plan = _resumed(run_dir, config, changes, data, storage)
     elif exists(join(run_dir, "config.json"), storage) or exists(join(run_dir, "checkpoints"), storage):
@@ -84,13 +84,11 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
         progress.info(note)
     # Processes the strategy starts now (local mode), so that their imports overlap Spark's start.
     with strategy.prestart(config, master) as warm:
-        _check_init_from(config, spec, dataset.seq_len)
-        shapes = memory.model_shapes(config, spec, dataset.seq_len)  # and LoRA's targets checked, before Spark
-        if dataset.manifest["splits"]["train"]["sequences"] == 0:
-            raise SparklmError(f"{data} has no training sequences", hint="prepare more text or a shorter --seq-len")
-        t_spark = time.time()
+        shapes = _checked_shapes(config, spec, dataset, data)
+        ours, t_spark = spark is None or callable(spark), time.time()  # a session of sparklm's: this run's jobs only
         spark = spark() if callable(spark) else get_session(config.spark, spark=spark)
         spark_start = time.time() - t_spark
+        lock.on_lost = spark.sparkContext.cancelAllJobs if ours else None  # taken over: stop; the lock's exit says why
         check_shared(spark, {"run directory": run_dir, "dataset": data})
         # Before anything is written: a job that cannot fit stops here, and the same --output can be used again.
         mem = memory.plan_for(config, shapes, dataset.seq_len, spark)
@@ -133,6 +131,16 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
     return summary
 
 
+def _checked_shapes(config: Config, spec: TokenizerSpec, dataset: PreparedDataset, data: str):
+    """The model's shapes for the memory plan, once the pretrained model, LoRA's targets and the data are checked
+    (before Spark starts)."""
+    _check_init_from(config, spec, dataset.seq_len)
+    shapes = memory.model_shapes(config, spec, dataset.seq_len)
+    if dataset.manifest["splits"]["train"]["sequences"] == 0:
+        raise SparklmError(f"{data} has no training sequences", hint="prepare more text or a shorter --seq-len")
+    return shapes
+
+
 def _sinks(run_dir: str, figures: FigureSet, storage, tracking: list, resume: bool) -> EpochRows:
     """Where the run's rows go: metrics.csv, epochs.csv, run_info.json, the console and the trackers; epoch rows
     are made in front of them (a resumed run's from metrics.csv's rows on)."""
@@ -170,13 +178,30 @@ def _resumed(run_dir: str, config: Config | None, changes: dict[str, Any] | None
         raise SparklmError(f"cannot resume: {saved} not found", hint="pass the run directory of an earlier run")
     try:
         meta = json.loads(read_text(saved, storage))
-        base = from_dict(meta["config"])
+        base = from_dict(redact.unmasked(meta["config"]))  # a masked secret is given again or left to Spark
     except (ValueError, KeyError, TypeError) as e:
         raise SparklmError(f"cannot resume: {saved} is not a sparklm run configuration ({type(e).__name__})",
                            hint="restore it from a copy, or start a new run with another --output") from None
-    config = resume_config(base, changes if changes is not None else diff(config) if config is not None else {})
+    changes = changes if changes is not None else diff(config) if config is not None else {}
+    masked = sorted(set(flatten(meta["config"]).get("spark.conf", {})) - set(base.spark.conf)
+                    - set(changes.get("spark", {}).get("conf", {})))
+    if masked:
+        progress.warn(f"{saved} holds {', '.join(masked)} masked (secrets are never written); this resumed run goes "
+                      "without them: give them again (--config, or --conf KEY='${env:NAME}') if it needs them")
+    config = resume_config(_untracked(base, changes, saved), changes)
     _check_resumable(run_dir, config)
     return config, data or meta["data"], meta.get("plan")
+
+
+def _untracked(saved: Config, changes: dict[str, Any], where: str) -> Config:
+    """The saved settings without their tracking destinations: whoever can write a run directory could otherwise
+    send the resumed run's parameters and model to a server of theirs. A resumed run logs where it is told now."""
+    dropped = [k for k, v in flatten(saved.to_dict()["tracking"]).items()
+               if v and v != flatten(Config().to_dict()["tracking"]).get(k) and k not in changes.get("tracking", {})]
+    if dropped:
+        progress.warn(f"{where} names tracking settings ({', '.join(f'tracking.{k}' for k in dropped)}) that a resumed "
+                      "run does not take from the run directory; give them again to log there")
+    return saved.replace(tracking=TrackingConfig())
 
 
 def _report(summary: dict, config: Config, figures: FigureSet) -> None:

@@ -59,8 +59,8 @@ def plot_confusion(run_dir: str, kept: dict, storage: StorageConfig | None = Non
     size = min(12, 4.5 + 0.5 * k)
     fig, ax = plt.subplots(figsize=(size, size * 0.85), dpi=120)
     im = ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
-    ax.set_xticks(range(k), [str(x)[:16] for x in labels], rotation=45, ha="right")
-    ax.set_yticks(range(k), [str(x)[:16] for x in labels])
+    ax.set_xticks(range(k), [str(x)[:16] for x in labels], rotation=45, ha="right", parse_math=False)
+    ax.set_yticks(range(k), [str(x)[:16] for x in labels], parse_math=False)  # a label is text, never TeX
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     if k <= 20:

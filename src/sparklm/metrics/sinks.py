@@ -10,6 +10,7 @@ no shared disk is assumed.
 from __future__ import annotations
 
 import csv
+import hmac
 import io
 import json
 import secrets
@@ -256,8 +257,12 @@ class Channel:
 
     It binds to the driver's address (``host``), which the ranks can reach (Spark's executors already
     talk to the driver there); a random token authenticates the sender, so nothing else on the network
-    can inject rows.
+    can inject rows. A stranger can make the driver neither read nor wait much: a client's first
+    ``len(token) + 1`` bytes must be the token and a newline, sent within ``hello_timeout`` seconds.
     """
+
+    hello_timeout = 10.0  # seconds a client has to send the token (a rank sends it as it connects)
+    close_grace = 30.0  # seconds close() waits for the ranks' readers, all together, before it cuts them
 
     def __init__(self, sink: Sink, host: str = "127.0.0.1"):
         self.sink, self.token = sink, secrets.token_hex(16)
@@ -267,6 +272,7 @@ class Channel:
         self._stop = threading.Event()
         self.error: Exception | None = None  # the first failure of a sink (e.g. disk full), raised by the caller
         self._threads: list[threading.Thread] = []
+        self._conns: dict[socket.socket, bool] = {}  # the open connections: whether each has sent the token
         self._lock = threading.Lock()
         self._accept = threading.Thread(target=self._serve, daemon=True)
         self._accept.start()
@@ -282,33 +288,56 @@ class Channel:
             self._start_reading(conn)
 
     def _start_reading(self, conn: socket.socket) -> None:
-        conn.settimeout(None)
+        self._conns[conn] = False
+        self._threads = [t for t in self._threads if t.is_alive()]  # strangers' ended readers are not kept
         t = threading.Thread(target=self._read, args=(conn,), daemon=True)
         t.start()
         self._threads.append(t)
 
     def _read(self, conn: socket.socket) -> None:
-        with conn, conn.makefile("r", encoding="utf-8") as lines:
-            if lines.readline().strip() != self.token:
-                return
-            for line in lines:
-                try:
-                    raw = json.loads(line)
-                    if raw.get("kind") == FLUSH:
-                        conn.sendall(self._flush())
-                        continue
-                    row = raw["step"] if raw.get("kind") == REWIND else rows.from_dict(raw)
-                except (ValueError, TypeError, KeyError, AttributeError):
+        try:
+            with conn:
+                if self._welcome(conn):
+                    with conn.makefile("r", encoding="utf-8") as lines:
+                        self._take(conn, lines)
+        except OSError:  # silent too long, or cut by close(); a rank that is gone: the launcher reports why
+            pass
+        finally:
+            self._conns.pop(conn, None)
+
+    def _welcome(self, conn: socket.socket) -> bool:
+        """Whether the client's first line is the token: never more than its length is read before the check."""
+        want = f"{self.token}\n".encode()
+        got, deadline = b"", time.monotonic() + self.hello_timeout
+        while len(got) < len(want):
+            conn.settimeout(max(deadline - time.monotonic(), 1e-3))  # TimeoutError once the time is up
+            chunk = conn.recv(len(want) - len(got))
+            if not chunk:
+                return False
+            got += chunk
+        if not hmac.compare_digest(got, want):
+            return False
+        conn.settimeout(None)
+        self._conns[conn] = True
+        return True
+
+    def _take(self, conn: socket.socket, lines) -> None:
+        for line in lines:
+            try:
+                raw = json.loads(line)
+                if raw.get("kind") == FLUSH:
+                    conn.sendall(self._flush())
                     continue
-                except OSError:  # the rank is gone: the launcher reports why
-                    return
-                with self._lock:
-                    if self.error is not None:
-                        continue
-                    try:
-                        self.sink.rewind(row) if isinstance(row, int) else self.sink.write(row)
-                    except Exception as e:  # never a traceback from this thread: the launcher reports it
-                        self.error = e
+                row = raw["step"] if raw.get("kind") == REWIND else rows.from_dict(raw)
+            except (ValueError, TypeError, KeyError, AttributeError):
+                continue
+            with self._lock:
+                if self.error is not None:
+                    continue
+                try:
+                    self.sink.rewind(row) if isinstance(row, int) else self.sink.write(row)
+                except Exception as e:  # never a traceback from this thread: the launcher reports it
+                    self.error = e
 
     def _flush(self) -> bytes:
         """A rank asked before a checkpoint: are its rows so far durable? (the answer it waits for)"""
@@ -321,7 +350,8 @@ class Channel:
             return FLUSHED if self.error is None else NOT_FLUSHED
 
     def close(self) -> None:
-        """Stop listening, after every connected rank has closed its end (its rows are all in)."""
+        """Stop listening, once every connected rank has closed its end (its rows are all in), or after
+        ``close_grace`` seconds in all; a connection that never sent the token is cut at once."""
         self._stop.set()
         self._accept.join()
         # A rank that connected while the loop above was between two accepts waits in the backlog: take it too
@@ -334,8 +364,22 @@ class Channel:
                 break
             self._start_reading(conn)
         self.server.close()
+        self._join(time.monotonic() + 0.5)  # a rank accepted just now has its token waiting: a moment to read it
+        self._cut(strangers_only=True)
+        self._join(time.monotonic() + self.close_grace)
+        self._cut(strangers_only=False)  # a rank's end still open (its executor vanished): no row comes any more
+
+    def _join(self, until: float) -> None:
         for t in self._threads:
-            t.join(timeout=30)
+            t.join(max(until - time.monotonic(), 0.0))
+
+    def _cut(self, strangers_only: bool) -> None:
+        for conn, member in self._conns.copy().items():
+            if not (member and strangers_only):
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)  # its reader's recv returns: the thread ends
+                except OSError:
+                    pass
 
 
 def _not_recorded(why: str):

@@ -55,7 +55,9 @@ def convert(gguf_path: str, output: str, *, overwrite: bool = False) -> dict:
     local = fs.local_path(output)
     if local is not None and local.exists() and not local.is_dir():
         raise SparklmError(f"{output} is a file, not a directory", hint="pass a directory as --output")
-    if fs.exists(output):
+    if local is not None:
+        fs.check_replaceable(local, overwrite, marker=MARKER, kind="a sparklm import")
+    elif fs.exists(output):
         names = fs.list_names(output)
         if names and not overwrite:
             raise SparklmError(f"{output} already exists and is not empty",

@@ -46,37 +46,56 @@ LD_LIBRARY_PATH="$here/../lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$here/
 """
 
 
-# Run by an executor as its Python. It unpacks the archive once per host and user, into $SPARKLM_ENV_DIR or
-# the temp dir, where later applications' executors find it (an executor's own directory goes with its
-# application). Several Python workers may start at once: the first to make the lock directory unpacks
-# (the mark written last), the others wait; a lock left by a killed unpack is taken over after 15 minutes.
-# Environments unused for a week are removed.
+# Run by an executor as its Python. It unpacks the archive once per host and user, where later applications'
+# executors find it (an executor's own directory goes with its application). On a shared host the place must be
+# the user's alone: under a world-writable temp dir another user could create it first and plant an interpreter
+# there (run as this user) or hold its lock for ever. So everything lives in one directory per user,
+# $SPARKLM_ENV_DIR or the temp dir + /sparklm-<uid>, used only when it is a real directory (not a link) owned by
+# this user and closed to others (mode 700), else ~/.cache/sparklm/env under the same checks; neither: one line.
+# The mark an unpack writes last holds the archive's SHA-256, so a directory that holds anything else is unpacked
+# again. Several Python workers may start at once: the first to make the lock directory unpacks, the others wait;
+# a lock left by a killed unpack is taken over after 15 minutes. Environments unused for a week are removed.
 _SHIP = """#!/bin/sh
 # sparklm's shipped Python environment (spark.ship_env): unpack it once on this host, run its interpreter
 archive="$(pwd)/%(archive)s"
-base="${SPARKLM_ENV_DIR:-${TMPDIR:-/tmp}}"
-env="$base/%(name)s-$(id -u)"
-if [ ! -f "$env/.unpacked" ]; then
-  mkdir -p "$base"
+want="%(sha256)s"
+uid=$(id -u)
+private() {  # a directory of this user's alone, made if missing
+  [ -L "$1" ] && return 1
+  mkdir -p "$(dirname "$1")" 2>/dev/null; mkdir -m 700 "$1" 2>/dev/null
+  [ -d "$1" ] && [ ! -L "$1" ] && [ -O "$1" ] && chmod 700 "$1" 2>/dev/null
+}
+home="${SPARKLM_ENV_DIR:-${TMPDIR:-/tmp}}/sparklm-$uid"
+if ! private "$home"; then
+  home="${HOME:-/nonexistent}/.cache/sparklm/env"
+  if ! private "$home"; then
+    echo "sparklm: no directory of this user's own to unpack the Python environment into (another user owns $home); set SPARKLM_ENV_DIR to one" >&2
+    exit 1
+  fi
+fi
+env="$home/%(name)s"
+if [ "$(cat "$env/.unpacked" 2>/dev/null)" != "$want" ]; then
   if mkdir -m 700 "$env.lock" 2>/dev/null; then
-    rm -rf "$env" && mkdir -m 700 "$env" && tar -xzf "$archive" -C "$env" && : > "$env/.unpacked"
+    rm -rf "$env" && mkdir -m 700 "$env" && tar -xzf "$archive" -C "$env" \\
+      && [ "$(sha256sum < "$archive" | cut -d' ' -f1)" = "$want" ] \\
+      && printf %%s "$want" > "$env/.unpacked"
     rmdir "$env.lock"
-    if [ ! -f "$env/.unpacked" ]; then
-      echo "sparklm: could not unpack $archive into $env (disk full? set SPARKLM_ENV_DIR)" >&2
+    if [ "$(cat "$env/.unpacked" 2>/dev/null)" != "$want" ]; then
+      echo "sparklm: could not unpack $archive into $env (disk full, or the archive differs from the one packed; set SPARKLM_ENV_DIR)" >&2
       exit 1
     fi
   else
-    while [ ! -f "$env/.unpacked" ] && [ -d "$env.lock" ]; do
+    while [ "$(cat "$env/.unpacked" 2>/dev/null)" != "$want" ] && [ -d "$env.lock" ]; do
       if [ -n "$(find "$env.lock" -maxdepth 0 -mmin +15 2>/dev/null)" ]; then
         rmdir "$env.lock" 2>/dev/null
       fi
       sleep 1
     done
-    [ -f "$env/.unpacked" ] || exec "$0" "$@"
+    [ "$(cat "$env/.unpacked" 2>/dev/null)" = "$want" ] || exec "$0" "$@"
   fi
 fi
 touch "$env/.unpacked" 2>/dev/null
-for old in "$base"/sparklm-env-*-"$(id -u)"; do
+for old in "$home"/sparklm-env-*; do
   if [ "$old" != "$env" ] && [ -n "$(find "$old/.unpacked" -mtime +7 2>/dev/null)" ]; then
     rm -rf "$old"
   fi
@@ -85,19 +104,26 @@ exec "$env/bin/python" "$@"
 """
 
 
+def launcher(name: str, archive_name: str, sha256: str) -> str:
+    """The launcher script executors run as their Python, for the archive ``archive_name`` (in their working
+    directory) whose SHA-256 is ``sha256``."""
+    return _SHIP % {"name": name, "archive": archive_name, "sha256": sha256}
+
+
 def ship(*, log=None) -> tuple[list[Path], str]:
     """What to send with the job (``spark.files``) and the Python executors then run (``PYSPARK_PYTHON``,
     relative to their working directory, where Spark puts the files)."""
     packed, _ = archive(log=log)
     name = packed.name.removesuffix(_SUFFIX)
-    launcher = packed.with_name(f"{name}.sh")
-    if not launcher.is_file():
-        from ..infra.fs import staged_file  # pyarrow's import, only when something is written
+    # .launch, not the .sh of earlier versions, whose launcher trusted a directory anyone could create first
+    script = packed.with_name(f"{name}.launch")
+    if not script.is_file():
+        from ..infra.fs import file_sha256, staged_file  # pyarrow's import, only when something is written
 
-        with staged_file(launcher) as tmp:
-            tmp.write_text(_SHIP % {"name": name, "archive": packed.name})
+        with staged_file(script) as tmp:
+            tmp.write_text(launcher(name, packed.name, file_sha256(packed)))
             tmp.chmod(0o755)
-    return [packed, launcher], f"./{launcher.name}"
+    return [packed, script], f"./{script.name}"
 
 
 def is_shipped(python: str) -> bool:
@@ -123,6 +149,7 @@ def archive(*, log=None) -> tuple[Path, bool]:
 
         # compresslevel 1: 3x faster than 6, 10% larger here
         with staged_file(target) as tmp, tarfile.open(tmp, "w:gz", compresslevel=1) as tar:
+            tmp.chmod(0o600)  # the user's environment and sources: readable by no other user of the host
             for source, name in _members(layout):
                 tar.add(source, arcname=name, recursive=False)
             script = (_LAUNCHER % layout["binary"]).encode()
@@ -134,7 +161,8 @@ def archive(*, log=None) -> tuple[Path, bool]:
                         key=lambda p: p.stat().st_mtime)
         for old in others[:-1]:
             old.unlink(missing_ok=True)
-            old.with_name(f"{old.name.removesuffix(_SUFFIX)}.sh").unlink(missing_ok=True)
+            for suffix in (".sh", ".launch"):
+                old.with_name(f"{old.name.removesuffix(_SUFFIX)}{suffix}").unlink(missing_ok=True)
     except OSError as e:
         raise SparklmError(f"cannot pack the Python environment into {target}: {e}",
                            hint="free disk space in ~/.cache, or install sparklm on the cluster's hosts and set "
@@ -177,7 +205,7 @@ def _editable(site: list[Path]) -> dict:
                 if path.is_dir() and not path.is_relative_to(directory):
                     pths.add(pth)
                     for child in sorted(path.iterdir()):
-                        if child.name not in _SKIP_DIRS and not child.name.startswith("."):
+                        if importable(child):
                             roots[child.name] = child
         for finder in sorted(directory.glob("__editable___*_finder.py")):
             for node in ast.parse(finder.read_text()).body:
@@ -185,6 +213,17 @@ def _editable(site: list[Path]) -> dict:
                     for name, path in ast.literal_eval(node.value).items():
                         roots[name] = Path(path)
     return {"editable": roots, "editable_pth": pths}
+
+
+def importable(path: Path) -> bool:
+    """Whether ``path``, a child of a directory on ``sys.path``, is something ``import`` finds: a package (a directory
+    with ``__init__.py``) or a module. A flat-layout project's root is on the path as a whole, with its tests, data,
+    runs and perhaps credentials beside the package: only what Python imports goes into the archive."""
+    if path.name in _SKIP_DIRS or path.name.startswith(".") or path.is_symlink():
+        return False
+    if path.is_dir():
+        return (path / "__init__.py").is_file() and path.name.isidentifier()
+    return path.suffix in (".py", ".so", ".pyd") and path.name.split(".")[0].isidentifier() and path.name != "setup.py"
 
 
 def _fingerprint(layout: dict) -> str:

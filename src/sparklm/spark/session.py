@@ -10,7 +10,7 @@ import sys
 from contextlib import contextmanager
 from importlib import resources
 
-from ..config import SparkConfig
+from ..config import SparkConfig, expand
 from ..infra import progress, redact
 from ..infra.cache import log_file
 from ..infra.errors import SparklmError, spark_errors
@@ -81,8 +81,8 @@ def get_session(config: SparkConfig | None = None, *, spark=None, jvm_log: str |
     }
     if master.startswith("local") and not user_python:  # the workers run this environment: see sparklm.spark.daemon
         defaults["spark.python.daemon.module"] = "sparklm.spark.daemon"
-    confs = session_conf(defaults, preset, {**config.conf, **({"spark.app.name": config.app_name} if config.app_name
-                                                                else {})})
+    user = {k: expand(v, f"spark.conf {k}") for k, v in config.conf.items()}  # ${env:NAME} read here only
+    confs = session_conf(defaults, preset, {**user, **({"spark.app.name": config.app_name} if config.app_name else {})})
     ship = config.ship_env == "on" and not master.startswith("local")
     spark = _start(master, confs, pending, config, jvm_log, ship)
     if (config.ship_env == "auto" and not master.startswith("local") and not user_python

@@ -134,6 +134,8 @@ def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> RunResult:
     log_dir = str(local_run / "logs") if local_run is not None else os.path.join(tempfile.gettempdir(), "sparklm-logs",
                                                                                   job.uid)
     job_json = job.to_json()
+    # where rank 0 serves the ranks' store (ddp_rank.join_group): loopback when every rank runs on this host
+    loopback = spark.sparkContext.master.startswith("local")
 
     def task(_):
         from pyspark import BarrierTaskContext
@@ -143,7 +145,7 @@ def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> RunResult:
         # Start the rank first: it imports torch and transformers (~3 s) while the ranks find each other.
         proc, log_path = _start_rank(log_dir, rank, threads, job.warm[rank] if len(job.warm) > rank else "")
         try:
-            host = ctx.getTaskInfos()[rank].address.rsplit(":", 1)[0] or "127.0.0.1"
+            host = "127.0.0.1" if loopback else ctx.getTaskInfos()[rank].address.rsplit(":", 1)[0] or "127.0.0.1"
             if workers > 1:
                 port = _free_port(host) if rank == 0 else 0
                 peers = [json.loads(m) for m in ctx.allGather(json.dumps({"host": host, "port": port}))]
@@ -238,7 +240,7 @@ class WarmRank:
             sock.connect(path)
             sock.sendall(json.dumps({"log": log_path}).encode() + b"\n")
             lines = sock.makefile("rb")
-            first = lines.readline()
+            first = lines.readline(64)  # "SPARKLM-WARM-PID N": no more is read before it is checked
             sock.settimeout(None)
         except OSError:
             sock.close()

@@ -32,11 +32,8 @@ def main() -> None:
     plan = job.plan  # what runs, decided on the driver: a rank reads it and decides nothing
     try:
         if rank.world > 1:  # the ranks find each other: their collectives from here on
-            import torch.distributed as dist
-
-            os.environ.update(MASTER_ADDR=start.master_addr, MASTER_PORT=str(start.master_port))
-            dist.init_process_group(plan.device.backend, rank=rank.rank, world_size=rank.world,
-                                    timeout=timedelta(seconds=plan.config.train.ddp.collective_timeout))
+            join_group(plan.device.backend, rank.rank, rank.world, start.master_addr, start.master_port,
+                       timedelta(seconds=plan.config.train.ddp.collective_timeout))
         comm = collective.of(rank.rank, rank.world)
         dataset = load_prepared(job.data, plan.config.storage)
         spec = load_tokenizer(dataset, plan.config.storage)
@@ -67,6 +64,28 @@ def main() -> None:
     os._exit(0)
 
 
+def join_group(backend: str, rank: int, world: int, addr: str, port: int, timeout: timedelta) -> None:
+    """Join the ranks' process group, whose store rank 0 serves on ``addr:port``.
+
+    torch's own rendezvous (MASTER_ADDR) listens on every interface, whatever the address; rank 0 binds the store's
+    socket itself instead: to ``addr``, which is 127.0.0.1 in local mode and its executor's address on a cluster.
+    With a loopback store every rank is on this host, so gloo's and NCCL's own sockets stay on loopback too (unless
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise); elsewhere gloo binds the address of the host's name.
+    """
+    import ipaddress
+
+    import torch.distributed as dist
+
+    if ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback:
+        loopback = "lo0" if sys.platform == "darwin" else "lo"
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    # the listening socket goes to the store (detach: torch owns and closes it)
+    fd = socket.create_server((addr, port)).detach() if rank == 0 else None
+    store = dist.TCPStore(addr, port, world, rank == 0, timeout, master_listen_fd=fd)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
 def _serve_once(fd: int) -> None:
     """Wait on the listening socket ``fd`` for the one Spark task that takes this process, then fork the rank for
     it. The child returns, with the task's connection as stdin and stdout and the task's log as stderr, to run as
@@ -79,7 +98,7 @@ def _serve_once(fd: int) -> None:
     header = b""
     while not header.endswith(b"\n"):  # byte by byte: what follows is the rank's own stdin
         byte = conn.recv(1)
-        if not byte:
+        if not byte or len(header) > 4096:  # (a path in JSON: a longer header is no task's)
             os._exit(0)  # the task went away before asking
         header += byte
     log = os.open(json.loads(header)["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

@@ -9,7 +9,7 @@ ranks there are, so no code path forks on ``world > 1``.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -33,8 +33,9 @@ class Single:
         """Every rank's ``t`` (one value each), concatenated in rank order."""
         return t
 
-    def gather_objects(self, obj: Any) -> list[Any]:
-        return [obj]
+    def gather_tensors(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's 1-D ``t`` (lengths may differ), in rank order."""
+        return [t]
 
     def barrier(self) -> None:
         pass
@@ -77,12 +78,20 @@ class Group(Single):
         dist.all_gather(parts, t)
         return torch.cat(parts)
 
-    def gather_objects(self, obj):
+    def gather_tensors(self, t):
+        """Tensors only, never all_gather_object: a peer's bytes are never unpickled (a pickle runs code)."""
+        import torch
         import torch.distributed as dist
 
-        out: list = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
+        # NCCL gathers on the GPU; a CPU tensor (the RNG state) goes there and back
+        wire = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else t.device
+        flat = t.reshape(-1).to(wire)
+        sizes = self.gather(torch.tensor([flat.numel()], device=wire)).tolist()
+        padded = torch.zeros(max(sizes), dtype=flat.dtype, device=wire)
+        padded[:flat.numel()] = flat
+        parts = [torch.empty_like(padded) for _ in range(self.world)]
+        dist.all_gather(parts, padded)
+        return [p[:n].to(t.device, copy=True) for p, n in zip(parts, sizes)]  # each its own storage
 
     def barrier(self) -> None:
         import torch.distributed as dist

@@ -248,7 +248,7 @@ class Trainer:
     def save(self, run_dir: str, best: Best | None = None, best_weights: dict | None = None) -> None:
         """A checkpoint of the weights, optimizer state, every rank's RNG and the best evaluation (written by rank 0;
         a collective)."""
-        states = self.comm.gather_objects(self.device.rng_state())
+        states = self.comm.gather_tensors(self.device.rng_state())
         if self.rank.rank == 0:
             best = best or Best(key=self.task.figure_set.loss)
             opt, groups = checkpoint.optimizer_tensors(self.optimizer)

@@ -18,7 +18,7 @@ from pathlib import Path
 from ...config import TrackingConfig
 from ...infra import progress
 from ...infra.errors import SparklmError
-from ...infra.fs import exists, join, read_bytes
+from ...infra.fs import exists, inside, join, read_bytes
 from ..rows import Row
 from . import Buffered, Context, numbers, short, summary_figures
 
@@ -124,7 +124,9 @@ class MlflowTracker(Buffered):
             for name in self.ctx.files():
                 uri = join(self.ctx.run_dir, name)
                 if exists(uri, self.ctx.storage):
-                    (Path(tmp) / name).write_bytes(read_bytes(uri, self.ctx.storage))
+                    dest = inside(Path(tmp), name, what="a run file")
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    dest.write_bytes(read_bytes(uri, self.ctx.storage))
             self.client.log_artifacts(self.run_id, tmp)
 
     def _log_model(self, model_dir: str) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from ...config import TrackingConfig
 from ...infra import progress
 from ...infra.errors import SparklmError
-from ...infra.fs import exists, join, local_path, read_bytes, upload_tree
+from ...infra.fs import exists, inside, join, local_path, read_bytes, upload_tree
 from ..rows import Row
 from . import Buffered, Context, numbers, summary_figures
 
@@ -89,7 +89,7 @@ class WandbTracker(Buffered):
                 continue
             path = local_path(uri)
             if path is None:  # an object-store run: a local copy in the temporary directory
-                path = self.local / "files" / name
+                path = inside(self.local / "files", name, what="a run file")
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(read_bytes(uri, self.ctx.storage))
             art.add_file(str(path), name=name)
