@@ -247,8 +247,12 @@ def test_output_is_replaced_only_when_asked_and_only_an_import(tiny, tmp_path):
     (precious / "notes.txt").write_text("keep me")
     with pytest.raises(SparklmError) as e:
         gguf_import.convert(str(path), str(precious), overwrite=True)
-    assert "not a sparklm import" in _one_line(e)
+    assert "neither a sparklm import" in _one_line(e)
     assert (precious / "notes.txt").read_text() == "keep me"
+    (out / "notes.txt").write_text("added to an import by its user")  # an import of ours, and a file of theirs
+    with pytest.raises(SparklmError) as e:
+        gguf_import.convert(str(path), str(out), overwrite=True)
+    assert "holds notes.txt, which sparklm did not write" in _one_line(e)
     empty = tmp_path / "empty"
     empty.mkdir()
     assert gguf_import.convert(str(path), str(empty))["path"] == str(empty)
