@@ -302,7 +302,7 @@ TINY = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32},
                   # turns fp32 rounding differences of the summed gradients into larger ones
                   "optimizer": "adamw"}}
 ROUNDS_KEYS = {"sync_every", "outer_lr", "outer_momentum", "inner_state", "codec", "density", "bits", "residual_decay",
-              "downlink"}
+              "downlink", "average_over"}
 
 
 def cfg(**train):

@@ -250,14 +250,19 @@ class RoundsConfig:
                 "workers' exact average), fp32 (lossless), bf16, int8/int4/int2 (per-block scales; int2: -1, 0, +1), "
                 "topk (each chunk's largest values, quantized to rounds.bits); a lossy codec keeps what it drops "
                 "per worker (error feedback) and adds it to the next round's delta", flag="--codec")
-    downlink: Literal["auto", "codec", "exact"] = _f(
+    downlink: Literal["auto", "codec", "exact", "forward"] = _f(
         "auto", "a lossy codec: what the driver sends the workers after its outer step: codec (the step encoded with "
                 "the same codec, the driver keeping what it did not send for the next step; every worker applies "
                 "exactly what the driver applies), exact (the weights that changed, in float32, or the whole weights "
-                "when that is smaller), or auto: codec for int8/int4/int2/bf16, exact for topk (re-sparsifying the "
-                "sum of the workers' Top-k measured worse; BENCHMARKS.md)")
-    density: float = _f(0.01, "topk: the share of each chunk of 256 values a worker sends", min=0.0001, max=1.0)
-    bits: int = _f(2, "topk: bits per value sent (2-8; 32: float32)", min=2, max=32)
+                "when that is smaller), forward (topk: the workers' own payloads, from which every side takes the same "
+                "plain SGD step, as SparseLoCo's all-gather; needs outer_momentum 0), or auto: codec for "
+                "int8/int4/int2/bf16, exact for topk (BENCHMARKS.md)")
+    average_over: Literal["senders", "all"] = _f(
+        "senders", "topk: each value of the workers' average divided by the weights of the workers that sent it "
+                   "(SparseLoCo), or by all the workers' (all: a value one worker of R sent moves 1/R as far)")
+    density: float = _f(0.01, "topk: the share of each 64×64 tile of a matrix a worker sends", min=0.0001, max=1.0)
+    bits: int = _f(2, "topk: bits per value sent (its sign and a magnitude bin of the tensor's codebook; 1-8; 32: "
+                      "float32)", min=1, max=32)
     residual_decay: float = _f(1.0, "error feedback: the share of a worker's unsent remainder carried into its next "
                                     "delta (1: all; SparseLoCo decays it, e.g. 0.95, and takes no outer momentum)",
                                min=0.0, max=1.0)

@@ -175,6 +175,35 @@ def test_sparse_diloco_sends_little_both_ways_and_resumes_bitwise(spark, dataset
     assert figures(stopped, "rounds.csv")[-2:] == figures(full, "rounds.csv")[-2:]
 
 
+def test_sparseloco_forwards_the_workers_payloads_and_every_side_holds_the_same_weights(spark, dataset, tmp_path):
+    """SparseLoCo's downlink: the driver forwards the workers' own Top-k payloads and every side takes the same plain
+    SGD step from them — the exported model (worker 0's weights) is bit for bit the driver's checkpoint, the
+    downlink is the uplink's payloads (no fp32 weights), and a resumed run ends bitwise where the whole one did."""
+    from safetensors.torch import load_file
+
+    full = tmp_path / "full"
+    conf = cfg(max_steps=8, checkpoint_every=4, eval_every=4, samples=0, strategy="diloco", sync_every=2, workers=2,
+               codec="topk", density=0.05, bits=2, outer_momentum=0.0, outer_lr=1.0, residual_decay=0.95,
+               downlink="forward")
+    s = train(dataset, output=str(full), config=conf, spark=spark)
+    rows = rounds(full)
+    dense = 4 * s["trainable_params"]
+    up = [int(r["returned_bytes"]) for r in rows]
+    assert all(u < 2 * dense / 10 for u in up), up
+    for prev, r in zip(up, rows[1:]):  # each of the 2 workers reads the bundle of the round before: its payloads
+        assert 2 * prev <= int(r["broadcast_bytes"]) <= 2 * (prev + 1024), (r["broadcast_bytes"], prev)
+    ckpt = sorted((full / "checkpoints").glob("step-*"))[-1]
+    assert ckpt.name == "step-0000008"
+    driver, exported = load_file(str(ckpt / "model.safetensors")), load_file(str(full / "model" / "model.safetensors"))
+    assert all(torch.equal(exported[n], driver[n]) for n in driver if n in exported)
+    assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
+    stopped = tmp_path / "stopped"
+    stopped_copy(full, stopped, after=4, last=8)
+    train(None, output=str(stopped), config=conf, resume=True, spark=spark)
+    a, b = weights(full), weights(stopped)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("downlink", ["codec", "exact"])
 def test_a_dense_lossy_codec_keeps_the_outer_momentum_and_learns(spark, dataset, tmp_path, downlink):
     """int8 deltas under outer momentum, which moves every weight: the driver's step goes back int8-encoded (the

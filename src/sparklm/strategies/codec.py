@@ -7,10 +7,13 @@ Codecs (``train.rounds.codec``):
 - ``int8`` / ``int4`` / ``int2``: each block of ``BLOCK`` values scaled by its largest magnitude and rounded to 8
   or 4 bits (two values per byte), or to -1, 0 or +1 times that magnitude in 2 bits (four per byte: the values
   above half the block's largest; error feedback carries the rest until they are), the scale kept in bfloat16;
-- ``topk``: chunk-wise Top-k (SparseLoCo, Sarfi et al. 2025): the flattened array cut into chunks of ``chunk``
-  values, the ``density``·chunk largest magnitudes of each kept with their position in the chunk (one byte when a
-  chunk holds at most 256 values), and those values rounded to ``bits`` bits around a per-chunk bfloat16 scale
-  (uniform symmetric levels, 2 bits: ±0.5 and ±1.5 times the scale); ``bits = 32`` keeps them in float32.
+- ``topk``: SparseLoCo's sparse deltas (Sarfi et al. 2025), tensor by tensor: a matrix (any tensor of 2+
+  dimensions, as rows × last dimension) cut into tiles of ``chunk``×``chunk`` values (the matrix's own size where it
+  is smaller), the ``density``·tile largest magnitudes of each tile kept with their position in the tile (12 bits
+  in a 64×64 tile), and each value sent as its sign and the mean of its magnitude's bin, in one codebook per tensor
+  (2^``bits`` levels: the kept magnitudes cut in equal-count bins; ``bits = 32`` keeps them in float32). Vectors (norms,
+  biases: a few hundred values each) go whole in float32. :func:`sent_mask` says which values a payload carries, so
+  an average over workers can count, per value, only those that sent it (:func:`sparse_mean`).
 
 Every encoding is deterministic (the same array gives the same bytes: a retried task sends what its first
 attempt would have), and decoding is exact for what was encoded: ``decode(encode(x))`` is the value a lossy
@@ -21,7 +24,7 @@ is a safetensors file (numpy), its metadata naming the codec and each array's sh
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,21 +38,22 @@ class Codec:
     name: str = "fp32"
     density: float = 0.01  # topk: the share of each chunk's values kept
     bits: int = 2  # topk: bits per kept value (2-8, or 32 for float32)
-    chunk: int = 256  # topk: values per chunk (≤ 256: a position fits in one byte)
+    chunk: int = 64  # topk: the side of a tile (64: 4,096 values, a position in 12 bits)
 
     def __post_init__(self) -> None:
         if self.name not in CODECS:
             raise ValueError(f"unknown codec {self.name!r}; one of {', '.join(CODECS)}")
-        if not 0 < self.density <= 1 or not (2 <= self.bits <= 8 or self.bits == 32) or not 1 <= self.chunk <= 65536:
+        if not 0 < self.density <= 1 or not (1 <= self.bits <= 8 or self.bits == 32) or not 1 <= self.chunk <= 256:
             raise ValueError(f"bad codec settings: density {self.density}, bits {self.bits}, chunk {self.chunk}")
 
     @property
     def lossless(self) -> bool:
         return self.name == "fp32"
 
-    def kept(self) -> int:
-        """topk: values kept per chunk."""
-        return max(1, min(self.chunk, round(self.density * self.chunk)))
+    def kept(self, size: int | None = None) -> int:
+        """topk: values kept per tile of ``size`` values (a full tile by default)."""
+        size = self.chunk * self.chunk if size is None else size
+        return max(1, min(size, round(self.density * size)))
 
     def encode(self, arrays: Mapping[str, np.ndarray]) -> bytes:
         """The arrays, concatenated in name order into one vector (no per-tensor framing: a LoRA adapter has
@@ -62,10 +66,15 @@ class Codec:
                 raise ValueError(f"non-finite value in {n!r} (NaN or infinity): the training diverged; "
                                  "lower the learning rate or set train.grad_clip")
         shapes = {n: list(np.shape(arrays[n])) for n in names}
-        flat = np.concatenate([np.ascontiguousarray(arrays[n], np.float32).reshape(-1) for n in names]) if names \
-            else np.zeros(0, np.float32)
         meta = {"codec": json.dumps({"name": self.name, "density": self.density, "bits": self.bits,
                                      "chunk": self.chunk, "shapes": shapes})}
+        if self.name == "topk":  # tensor by tensor: tiles follow each matrix's rows and columns
+            parts = {}
+            for n in names:
+                parts.update({f"{n}/{k}": v for k, v in self._enc_tensor(np.asarray(arrays[n], np.float32)).items()})
+            return save(parts, metadata=meta)
+        flat = np.concatenate([np.ascontiguousarray(arrays[n], np.float32).reshape(-1) for n in names]) if names \
+            else np.zeros(0, np.float32)
         return save(getattr(self, f"_enc_{self.name}")(flat), metadata=meta)
 
     # -- the codecs: flat float32 → named arrays, and back ----------------------------------------------------
@@ -106,57 +115,143 @@ class Codec:
         q = unpack_bits(parts["q"], 2, padded).astype(np.float32) - 1
         return _dequantize_blocks(q, parts["s"], n)
 
-    def _enc_topk(self, x: np.ndarray) -> dict:
-        c, k = self.chunk, self.kept()
-        chunks = -(-len(x) // c)
-        m = np.zeros(chunks * c, np.float32)
-        m[:len(x)] = x
-        m = m.reshape(chunks, c)
-        # the k largest magnitudes of each chunk, in position order (a stable sort: ties go to the earlier position)
-        order = np.argsort(-np.abs(m), axis=1, kind="stable")[:, :k]
-        idx = np.sort(order, axis=1)
-        vals = np.take_along_axis(m, idx, axis=1)
-        parts = {"i": idx.astype(np.uint8 if c <= 256 else np.uint16)}
-        if self.bits == 32:
-            parts["v"] = vals
-            return parts
-        levels = 2 ** self.bits
-        half = (levels - 1) / 2  # codes 0..L-1 stand for (code - half) * scale
-        scale = scale_bf16(np.abs(vals).max(axis=1) / half)
-        safe = np.where(scale > 0, from_bf16(scale), 1.0)[:, None]
-        codes = np.clip(np.rint(vals / safe + half), 0, levels - 1).astype(np.uint8)
-        parts["s"] = scale
-        parts["q"] = pack_bits(codes.reshape(-1), self.bits)
-        return parts
+    def tiles(self, shape: tuple[int, ...] | list[int]) -> tuple[int, int, int, int]:
+        """topk: (rows, columns) of a tensor seen as a matrix, and of its tiles."""
+        cols = int(shape[-1])
+        rows = int(np.prod(shape[:-1]))
+        return rows, cols, min(self.chunk, rows), min(self.chunk, cols)
 
-    def _dec_topk(self, parts: dict, n: int) -> np.ndarray:
-        c = self.chunk
-        idx = parts["i"].astype(np.int64)
-        chunks, k = idx.shape
+    def _enc_tensor(self, x: np.ndarray) -> dict:
+        if x.ndim < 2 or x.size == 0:
+            return {"d": x.reshape(-1)}  # a vector goes whole: its values are few and all matter
+        rows, cols, tr, tc = self.tiles(x.shape)
+        t = _to_tiles(x.reshape(rows, cols), tr, tc)  # (tiles, tr·tc)
+        k = self.kept(tr * tc)
+        # the k largest magnitudes of each tile, in position order (a stable sort: ties go to the earlier position)
+        idx = np.sort(np.argsort(-np.abs(t), axis=1, kind="stable")[:, :k], axis=1)
+        vals = np.take_along_axis(t, idx, axis=1).reshape(-1)
+        parts = {"i": pack_bits(idx.reshape(-1), _position_bits(tr * tc))}
+        if self.bits == 32:
+            return {**parts, "v": vals}
+        book, codes = _codebook(vals, 2 ** self.bits)
+        return {**parts, "c": book, "q": pack_bits(codes, self.bits)}
+
+    def _dec_tensor(self, parts: dict, shape: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(the values a tensor's parts carry, which of them were sent)."""
+        if "d" in parts:
+            return parts["d"].reshape(shape).copy(), np.ones(shape, bool)
+        rows, cols, tr, tc = self.tiles(shape)
+        count = -(-rows // tr) * -(-cols // tc)
+        k = self.kept(tr * tc)
+        idx = unpack_bits(parts["i"], _position_bits(tr * tc), count * k).astype(np.int64).reshape(count, k)
         if "v" in parts:
             vals = parts["v"]
         else:
-            levels = 2 ** self.bits
-            codes = unpack_bits(parts["q"], self.bits, chunks * k).reshape(chunks, k).astype(np.float32)
-            vals = (codes - (levels - 1) / 2) * from_bf16(parts["s"])[:, None]
-        out = np.zeros((chunks, c), np.float32)
-        np.put_along_axis(out, idx, vals, axis=1)
-        return out.reshape(-1)[:n]
+            vals = _from_codebook(parts["c"], unpack_bits(parts["q"], self.bits, count * k))
+        out = np.zeros((count, tr * tc), np.float32)
+        sent = np.zeros((count, tr * tc), bool)
+        np.put_along_axis(out, idx, vals.reshape(count, k), axis=1)
+        np.put_along_axis(sent, idx, True, axis=1)
+        return (_from_tiles(out, rows, cols, tr, tc).reshape(shape),
+                _from_tiles(sent, rows, cols, tr, tc).reshape(shape))
+
+
+def _to_tiles(m: np.ndarray, tr: int, tc: int) -> np.ndarray:
+    """A matrix, zero-padded to whole tiles, as one row per tile (tiles in row-major order)."""
+    rows, cols = m.shape
+    pr, pc = -(-rows // tr) * tr, -(-cols // tc) * tc
+    padded = np.zeros((pr, pc), m.dtype)
+    padded[:rows, :cols] = m
+    return padded.reshape(pr // tr, tr, pc // tc, tc).transpose(0, 2, 1, 3).reshape(-1, tr * tc)
+
+
+def _from_tiles(t: np.ndarray, rows: int, cols: int, tr: int, tc: int) -> np.ndarray:
+    pr, pc = -(-rows // tr) * tr, -(-cols // tc) * tc
+    return t.reshape(pr // tr, pc // tc, tr, tc).transpose(0, 2, 1, 3).reshape(pr, pc)[:rows, :cols]
+
+
+def _position_bits(size: int) -> int:
+    return max(1, int(size - 1).bit_length())
+
+
+def _codebook(vals: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """``levels`` values standing for ``vals``: a sign bit and a magnitude bin. The magnitudes, sorted, are cut in
+    ``levels / 2`` equal-count bins, each standing for its bin's mean (SparseLoCo's bin means: the levels follow the
+    values' own spread). Returns (the bins' magnitudes, float32; each value's code: bin·2 + negative)."""
+    bins = max(1, levels // 2)
+    mags = np.abs(vals)
+    order = np.argsort(mags, kind="stable")
+    which = np.empty(len(vals), np.uint8)
+    book = np.zeros(bins, np.float32)
+    for j, members in enumerate(np.array_split(order, bins)):
+        which[members] = j
+        if len(members):
+            book[j] = mags[members].astype(np.float64).mean()
+    return book, (which * 2 + (vals < 0)).astype(np.uint8)
+
+
+def _from_codebook(book: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    return np.where(codes % 2 == 1, -book[codes // 2], book[codes // 2]).astype(np.float32)
 
 
 def decode(payload: bytes) -> dict[str, np.ndarray]:
     """The arrays an :meth:`Codec.encode` payload carries, as the codec delivers them (float32)."""
+
+    return _decoded(payload)[0]
+
+
+def sent_mask(payload: bytes) -> dict[str, np.ndarray] | None:
+    """Which values a :meth:`Codec.encode` payload carries (bool arrays), or None when it carries them all."""
+    return _decoded(payload)[1]
+
+
+def _decoded(payload: bytes) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
     from safetensors.numpy import load
 
     meta = json.loads(_metadata(payload)["codec"])
     codec = Codec(name=meta["name"], density=meta["density"], bits=meta["bits"], chunk=meta["chunk"])
+    if codec.name == "topk":
+        parts = load(payload)
+        values, masks = {}, {}
+        for name, shape in meta["shapes"].items():
+            mine = {k.rpartition("/")[2]: v for k, v in parts.items() if k.rpartition("/")[0] == name}
+            values[name], masks[name] = codec._dec_tensor(mine, shape)
+        return values, masks
     sizes = {name: int(np.prod(shape)) if shape else 1 for name, shape in meta["shapes"].items()}
     flat = getattr(codec, f"_dec_{codec.name}")(load(payload), sum(sizes.values()))
     out, at = {}, 0
     for name, shape in meta["shapes"].items():  # name order, as encoded
         out[name] = flat[at:at + sizes[name]].reshape(shape).copy()
         at += sizes[name]
-    return out
+    return out, None
+
+
+def sparse_mean(payloads: Sequence[bytes], weights: Sequence[float], *, senders: bool = True
+                ) -> dict[str, np.ndarray]:
+    """The workers' average of their encoded deltas (each already multiplied by its weight, the tokens it trained),
+    in float32, in the order given. ``senders``: each value divided by the weights of the workers that sent it
+    (SparseLoCo: at 1-3% density almost no value is sent by two workers, and dividing by all of them would shrink
+    every update R-fold); else by the total weight."""
+    total: dict[str, np.ndarray] = {}
+    count: dict[str, np.ndarray] = {}
+    for payload, w in zip(payloads, weights, strict=True):
+        values, masks = _decoded(payload)
+        for n, v in values.items():
+            got = np.float32(w) * (masks[n] if masks is not None and senders else np.ones(v.shape, bool))
+            total[n] = v.astype(np.float32) if n not in total else total[n] + v
+            count[n] = got.astype(np.float32) if n not in count else count[n] + got
+    return {n: np.divide(total[n], count[n], out=np.zeros_like(total[n]), where=count[n] > 0) for n in total}
+
+
+def encode_forward(payloads: Sequence[bytes], weights: Sequence[float], *, lr: float, senders: bool) -> bytes:
+    """The downlink that forwards the workers' own payloads (SparseLoCo's all-gather): every side computes the same
+    outer step from them with :func:`apply_update` (plain SGD: ``θ − lr·mean``), so the weights stay bit-identical on
+    the driver and every worker with no second encoding and nothing kept back."""
+    from safetensors.numpy import save
+
+    arrays = {f"p{i:05d}": np.frombuffer(p, np.uint8) for i, p in enumerate(payloads)}
+    meta = {"forward": json.dumps({"weights": [float(w) for w in weights], "lr": lr, "senders": senders})}
+    return save(arrays, metadata=meta)
 
 
 def _metadata(payload: bytes) -> dict:
@@ -216,18 +311,20 @@ def unpack_nibbles(b: np.ndarray, n: int) -> np.ndarray:
 
 
 def pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
-    """Codes of ``bits`` bits each (< 2**bits), packed little-endian into bytes."""
+    """Codes of ``bits`` bits each (< 2**bits, up to 16 bits), packed little-endian into bytes."""
     if bits == 8:
         return codes.astype(np.uint8)
-    planes = ((codes[:, None] >> np.arange(bits, dtype=np.uint8)) & 1).astype(np.uint8).reshape(-1)
+    wide = np.uint16 if bits > 8 else np.uint8
+    planes = ((codes.astype(wide)[:, None] >> np.arange(bits, dtype=wide)) & 1).astype(np.uint8).reshape(-1)
     return np.packbits(planes, bitorder="little")
 
 
 def unpack_bits(b: np.ndarray, bits: int, n: int) -> np.ndarray:
     if bits == 8:
         return b[:n].astype(np.uint8)
-    planes = np.unpackbits(b, bitorder="little")[:n * bits].reshape(n, bits)
-    return (planes << np.arange(bits, dtype=np.uint8)).sum(axis=1).astype(np.uint8)
+    wide = np.uint16 if bits > 8 else np.uint8
+    planes = np.unpackbits(b, bitorder="little")[:n * bits].reshape(n, bits).astype(wide)
+    return (planes << np.arange(bits, dtype=wide)).sum(axis=1).astype(wide)
 
 
 # -- the driver's update to the workers: the weights that changed, exactly ----------------------------------------
@@ -281,6 +378,10 @@ def apply_update(old: Mapping[str, np.ndarray], payload: bytes) -> dict[str, np.
     if "codec" in meta:
         step = decode(payload)
         return {n: np.add(np.asarray(old[n], np.float32), step[n]) for n in step}
+    if "forward" in meta:
+        info, parts = json.loads(meta["forward"]), load(payload)
+        mean = sparse_mean([parts[k].tobytes() for k in sorted(parts)], info["weights"], senders=info["senders"])
+        return {n: np.asarray(old[n], np.float32) - np.float32(info["lr"]) * mean[n] for n in mean}
     shapes = json.loads(meta["update"])["shapes"]
     parts = load(payload)
     out = {}

@@ -33,7 +33,7 @@ from ..metrics.sinks import CsvSink, Sink, Sinks
 from ..train import checkpoint, loop
 from ..train.schedule import Schedule
 from .base import BEST, Job, Partial, RoundSpec, RunResult, WorkerResult
-from .codec import Codec, apply_update, decode, digest, encode_update
+from .codec import Codec, apply_update, decode, digest, encode_forward, encode_update, sparse_mean
 
 # A testing aid: "round=R,worker=W[,attempts=K][,at=start|end|crash]" fails that task's first K attempts
 # (default 1) at its start, after its work (default end), or by killing its Python worker after its work.
@@ -247,11 +247,23 @@ class RoundsUnit:
             self.worker_facts = next((r.facts for r in done_ if r.facts), None)
         evaluation = self.evaluation(partial) if evaluate else None
         warnings = self._dropped(partial, done_)
-        avg = {n: torch.from_numpy(a) / sum(r.weight for r in done_) for n, a in summed(partial).items()}
+        rc = self.tc.rounds
         before = self.exact if self.exact is not None else self.params
-        new_params, self.momentum = outer.outer_step(before, avg, self.momentum, lr=self.lr, mu=self.mu)
+        if rc.downlink == "forward":  # every side takes the same step from the workers' own payloads
+            ordered = sorted(zip(partial.results, partial.packed), key=lambda rp: rp[0].worker)
+            self.update = (begin, encode_forward([p for _, p in ordered], [r.weight for r, _ in ordered],
+                                                 lr=self.lr, senders=rc.average_over == "senders"))
+            held = {n: t.numpy() for n, t in self.params.items()}
+            new_params = {n: torch.from_numpy(a) for n, a in apply_update(held, self.update[1]).items()}
+            avg = {n: (before[n] - new_params[n]) / self.lr for n in before} if self.lr else dict(before)
+        else:
+            avg = self.average(partial)
+            new_params, self.momentum = outer.outer_step(before, avg, self.momentum, lr=self.lr, mu=self.mu)
         update_norm = outer.norm({n: new_params[n] - before[n] for n in before})
-        self.publish(new_params, begin)
+        if rc.downlink == "forward":
+            self.params, self.exact = new_params, None
+        else:
+            self.publish(new_params, begin)
         aggregate_s = time.time() - t_agg + max(round_s - broadcast_s - max(r.task_s for r in done_), 0.0)
         self.step, self.rnd = end, self.rnd + 1
         self.tokens_seen += steps * self.plan.tokens_per_step
@@ -291,6 +303,18 @@ class RoundsUnit:
                             lr=sum(r.lr for r in done) / len(done), grad_norm=sum(r.grad_norm for r in done) / len(done),
                             rss_mb=max(r.rss_mb for r in done), peaks=peaks, seconds=wall, trained=round_tokens,
                             evaluation=evaluation, rows=(row,), warnings=warnings)
+
+    def average(self, partial: Partial) -> dict:
+        """The workers' deltas averaged by tokens: a topk codec's value by value over the workers that sent it
+        (``average_over = senders``), everything else over all the workers that returned one."""
+        import torch
+
+        if self.codec.name == "topk" and partial.sum is None:
+            ordered = sorted(zip(partial.results, partial.packed), key=lambda rp: rp[0].worker)
+            mean = sparse_mean([p for _, p in ordered], [r.weight for r, _ in ordered],
+                               senders=self.tc.rounds.average_over == "senders")
+            return {n: torch.from_numpy(a) for n, a in mean.items()}
+        return {n: torch.from_numpy(a) / sum(r.weight for r in partial.results) for n, a in summed(partial).items()}
 
     def evaluate(self) -> loop.Evaluation:
         partial, *_ = self.launch(0, do_eval=True, persist="", finish=False)

@@ -132,6 +132,10 @@ def rounds(rc, strategy: str):
     measured worse)."""
     codec = rc.codec if rc.codec != "auto" else "int4" if strategy == "diloco" else "fp32"
     downlink = rc.downlink if rc.downlink != "auto" else "exact" if codec == "topk" else "codec"
+    if downlink == "forward" and (codec != "topk" or (strategy == "diloco" and rc.outer_momentum > 0)):
+        raise SparklmError("train.rounds.downlink = forward takes the workers' topk payloads and one plain SGD step "
+                           f"from them (codec {codec}, outer momentum {rc.outer_momentum})",
+                           hint="set train.rounds.codec = topk and train.rounds.outer_momentum = 0, or another downlink")
     return replace(rc, codec=codec, downlink=downlink)
 
 

@@ -1,0 +1,115 @@
+"""Benchmark: sparse DiLoCo as SparseLoCo does it, against dense DiLoCo at the same H and DDP, over enough rounds
+for error feedback to settle (issue 57).
+
+    .venv/bin/python benchmarks/sparseloco.py --corpus tinyshakespeare --steps 2048 --sync-every 16
+    .venv/bin/python benchmarks/sparseloco.py --corpus wikitext2 --steps 2048 --sync-every 16
+    .venv/bin/python benchmarks/sparseloco.py --table-only
+
+Every contender is one `sparklm train` (a fresh process, Spark local[2], 2 workers × 1 thread) of a ~1M-parameter
+Llama (2 layers, width 128, BPE 4096 as strategies.py prepares it) for the same steps and tokens. Contenders:
+DDP with two seeds (its own noise), dense DiLoCo at the same H (int4 both ways, outer momentum 0.5: the default
+codec), and sparse DiLoCo as SparseLoCo: Top-k per 64×64 tile, sign and 2-bit magnitude codebook per tensor,
+error feedback β, outer SGD lr 1 without momentum, the workers' payloads forwarded (every side takes the same
+step) and each value averaged over the workers that sent it — at β 0.95 and 0.8, and once with the old divisor
+(all workers). Reported: final validation bits/byte, bytes each way as the workers read and sent them, and the
+ratio to DDP's fp32 ring all-reduce. Results go to WORK/sparseloco-CORPUS.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from strategies import ROOT, prepared  # noqa: E402 - the same prepared corpora as the strategies benchmark
+
+MODEL = ["--set", "model.n_layer=2", "--set", "model.n_embd=128", "--set", "model.n_head=4",
+         "--set", "train.batch_size=2"]
+
+
+def sparse(h: int, density: float, beta: float, over: str = "senders") -> list[str]:
+    return ["--strategy", "diloco", "--sync-every", str(h), "--codec", "topk",
+            "--set", f"train.rounds.density={density}", "--set", "train.rounds.bits=2",
+            "--set", "train.rounds.outer_momentum=0.0", "--set", "train.rounds.outer_lr=1.0",
+            "--set", f"train.rounds.residual_decay={beta}", "--set", 'train.rounds.downlink="forward"',
+            "--set", f'train.rounds.average_over="{over}"']
+
+
+def contenders(h: int, density: float) -> dict[str, list[str]]:
+    return {
+        "ddp": [],
+        "ddp-seed1": ["--set", "train.seed=1"],
+        f"dense-int4-H{h}": ["--strategy", "diloco", "--sync-every", str(h)],
+        f"sparse-H{h}-b0.95": sparse(h, density, 0.95),
+        f"sparse-H{h}-b0.8": sparse(h, density, 0.8),
+        f"sparse-H{h}-b0.95-old-divisor": sparse(h, density, 0.95, "all"),
+    }
+
+
+def run(name: str, flags: list[str], data: Path, work: Path, steps: int, corpus: str) -> dict:
+    out = work / f"sparseloco-{corpus}" / name
+    subprocess.run(["rm", "-rf", str(out)], check=True)
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "sparklm", "train", "--data", str(data), "-o", str(out),
+                        "--workers", "2", "--max-steps", str(steps), "--master", "local[2]", "--threads", "1",
+                        "--set", "spark.ui=false", "--set", "train.eval_every=0", "--set", "train.samples=0",
+                        "--set", "train.checkpoint_every=0", *MODEL, *flags], capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"{name} failed:\n{r.stderr[-3000:]}")
+    s = json.loads((out / "summary.json").read_text())
+    res = {"name": name, "wall_s": time.time() - t0, "val_bpb": s["final"]["val_bpb"], "steps": s["steps"],
+           "params": s["params"], "trainable": s.get("trainable_params") or s["params"],
+           "bytes": s["bytes_communicated"], "out_bytes": s.get("bytes_broadcast"),
+           "back_bytes": s.get("bytes_returned"), "rounds": s.get("rounds")}
+    print(f"{name}: {res['val_bpb']:.4f} bits/byte, {res['bytes'] / 1e6:,.2f} MB, wall {res['wall_s']:.0f} s",
+          flush=True)
+    return res
+
+
+def table(results: dict) -> str:
+    """Each contender against DDP (seed 0) and the dense DiLoCo of the same H."""
+    ddp = results.get("ddp")
+    dense = next((r for n, r in results.items() if n.startswith("dense")), None)
+    lines = ["| contender | val bits/byte | vs DDP | vs dense DiLoCo | bytes out | bytes back | less than DDP | "
+             "bits/param/step | rounds | wall |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        vs = f"{r['val_bpb'] / ddp['val_bpb'] - 1:+.2%}" if ddp else ""
+        vd = f"{r['val_bpb'] / dense['val_bpb'] - 1:+.2%}" if dense and r is not dense and "ddp" not in name else ""
+        less = f"{ddp['bytes'] / r['bytes']:,.0f}×" if ddp and r["bytes"] and r is not ddp else "1×"
+        each = (f"{r['out_bytes'] / 1e6:,.2f} MB | {r['back_bytes'] / 1e6:,.2f} MB" if r.get("out_bytes") is not None
+                else "— | —")
+        bits = 8 * r["bytes"] / (r["trainable"] * r["steps"] * 2)
+        lines.append(f"| {name} | {r['val_bpb']:.4f} | {vs} | {vd} | {each} | {less} | {bits:.4f} | "
+                     f"{r['rounds'] or ''} | {r['wall_s']:.0f} s |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=2048)
+    ap.add_argument("--sync-every", type=int, default=16)
+    ap.add_argument("--density", type=float, default=1 / 64, help="share of each 64×64 tile sent")
+    ap.add_argument("--corpus", choices=("tinyshakespeare", "wikitext2"), default="tinyshakespeare")
+    ap.add_argument("--only", nargs="*", help="these contenders only")
+    ap.add_argument("--work", default=str(ROOT / ".bench"))
+    ap.add_argument("--table-only", action="store_true")
+    args = ap.parse_args()
+    work = Path(args.work)
+    saved = work / f"sparseloco-{args.corpus}.json"
+    results = json.loads(saved.read_text()) if saved.is_file() else {}
+    if not args.table_only:
+        data = prepared(work, args.corpus)
+        for name, flags in contenders(args.sync_every, args.density).items():
+            if args.only and name not in args.only:
+                continue
+            results[name] = run(name, flags, data, work, args.steps, args.corpus)
+            saved.write_text(json.dumps(results, indent=2))
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
