@@ -48,6 +48,13 @@ def test_prepare_from_and_to_s3(spark, s3_server, config):
 
 
 def test_unreachable_or_missing_object_store_is_one_line(spark, s3_server, config, monkeypatch):
+    import boto3
+
+    with pytest.raises(SparklmError, match="bucket nobucket-here not found"):  # the output's, at its lock
+        prepare(["s3://corpus/a.txt"], output="s3://nobucket-here/x", config=config, spark=spark)
+    s3 = boto3.client("s3", endpoint_url=s3_server)
+    if "corpus" not in [b["Name"] for b in s3.list_buckets()["Buckets"]]:
+        s3.create_bucket(Bucket="corpus")
     with pytest.raises(SparklmError, match="input not found: s3://corpus/nothing-here"):
         prepare(["s3://corpus/nothing-here"], output="s3://corpus/x", config=config, spark=spark)
     from sparklm.config import StorageConfig

@@ -333,6 +333,9 @@ class _S3:
         try:
             put = self.client.put_object(Bucket=self.bucket, Key=self.key, Body=text.encode(), IfNoneMatch="*")
         except ClientError as e:
+            if e.response.get("Error", {}).get("Code") == "NoSuchBucket":  # not a lock someone holds: no bucket
+                raise SparklmError(f"bucket {self.bucket} not found (for {self.name})",
+                                   hint="create the bucket, or check the output path and --endpoint-url") from None
             if _refused(e):
                 return False
             raise SparklmError(f"cannot create the run's lock {self.name}: {e}") from None

@@ -68,10 +68,12 @@ class Codec:
         shapes = {n: list(np.shape(arrays[n])) for n in names}
         meta = {"codec": json.dumps({"name": self.name, "density": self.density, "bits": self.bits,
                                      "chunk": self.chunk, "shapes": shapes})}
-        if self.name == "topk":  # tensor by tensor: tiles follow each matrix's rows and columns
-            parts = {}
-            for n in names:
-                parts.update({f"{n}/{k}": v for k, v in self._enc_tensor(np.asarray(arrays[n], np.float32)).items()})
+        if self.name == "topk":  # tensor by tensor (tiles follow each matrix's rows and columns), in four arrays:
+            # a LoRA adapter has hundreds of small tensors, and a safetensors entry each would outweigh their values
+            pieces = [self._enc_tensor(np.asarray(arrays[n], np.float32)) for n in names]
+            parts = {k: np.concatenate([p[k] for p in pieces if k in p] or [np.zeros(0, dt)])
+                     for k, dt in (("d", np.float32), ("i", np.uint8), ("c", np.float32), ("q", np.uint8),
+                                   ("v", np.float32))}
             return save(parts, metadata=meta)
         flat = np.concatenate([np.ascontiguousarray(arrays[n], np.float32).reshape(-1) for n in names]) if names \
             else np.zeros(0, np.float32)
@@ -120,6 +122,18 @@ class Codec:
         cols = int(shape[-1])
         rows = int(np.prod(shape[:-1]))
         return rows, cols, min(self.chunk, rows), min(self.chunk, cols)
+
+    def part_sizes(self, shape: list[int]) -> dict[str, int]:
+        """topk: how many entries of each array a tensor of ``shape`` takes (what :meth:`_enc_tensor` writes)."""
+        size = int(np.prod(shape)) if shape else 1
+        if len(shape) < 2 or size == 0:
+            return {"d": size}
+        rows, cols, tr, tc = self.tiles(shape)
+        n = -(-rows // tr) * -(-cols // tc) * self.kept(tr * tc)
+        out = {"i": -(-n * _position_bits(tr * tc) // 8)}
+        if self.bits == 32:
+            return {**out, "v": n}
+        return {**out, "c": max(1, 2 ** self.bits // 2), "q": n if self.bits == 8 else -(-n * self.bits // 8)}
 
     def _enc_tensor(self, x: np.ndarray) -> dict:
         if x.ndim < 2 or x.size == 0:
@@ -211,10 +225,13 @@ def _decoded(payload: bytes) -> tuple[dict[str, np.ndarray], dict[str, np.ndarra
     meta = json.loads(_metadata(payload)["codec"])
     codec = Codec(name=meta["name"], density=meta["density"], bits=meta["bits"], chunk=meta["chunk"])
     if codec.name == "topk":
-        parts = load(payload)
+        parts, at = load(payload), dict.fromkeys("dicqv", 0)
         values, masks = {}, {}
-        for name, shape in meta["shapes"].items():
-            mine = {k.rpartition("/")[2]: v for k, v in parts.items() if k.rpartition("/")[0] == name}
+        for name, shape in meta["shapes"].items():  # each tensor's share of the four arrays, from its shape
+            mine = {}
+            for k, size in codec.part_sizes(shape).items():
+                mine[k] = parts[k][at[k]:at[k] + size]
+                at[k] += size
             values[name], masks[name] = codec._dec_tensor(mine, shape)
         return values, masks
     sizes = {name: int(np.prod(shape)) if shape else 1 for name, shape in meta["shapes"].items()}
