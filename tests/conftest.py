@@ -263,6 +263,20 @@ def stopped_copy(full: Path, stopped: Path, *, after: int, last: int) -> None:
     shutil.rmtree(stopped / "model")
 
 
+def resumes_bitwise(full: Path, stopped: Path, *, after: int, last: int, spark, config=None) -> None:
+    """``full`` stopped after its step-``after`` checkpoint (:func:`stopped_copy`) and resumed into ``stopped`` ends
+    with bit for bit the same newest checkpoint weights."""
+    import torch
+
+    from sparklm.launch.train import train
+
+    stopped_copy(full, stopped, after=after, last=last)
+    train(None, output=str(stopped), config=config, resume=True, spark=spark)
+    a, b = weights(full), weights(stopped)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 def figures(run, name: str = "metrics.csv") -> list[tuple]:
     """What a run's metrics.csv (or rounds.csv) says step by step, without timings: equal for a resumed run and an
     uninterrupted one (each step once)."""

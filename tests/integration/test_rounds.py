@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from conftest import cfg, figures, stopped_copy, weights
+from conftest import cfg, figures, resumes_bitwise, stopped_copy, weights
 from sparklm.launch.train import train
 from sparklm.metrics.sinks import read_metrics
 
@@ -197,11 +197,7 @@ def test_sparseloco_forwards_the_workers_payloads_and_every_side_holds_the_same_
     driver, exported = load_file(str(ckpt / "model.safetensors")), load_file(str(full / "model" / "model.safetensors"))
     assert all(torch.equal(exported[n], driver[n]) for n in driver if n in exported)
     assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
-    stopped = tmp_path / "stopped"
-    stopped_copy(full, stopped, after=4, last=8)
-    train(None, output=str(stopped), config=conf, resume=True, spark=spark)
-    a, b = weights(full), weights(stopped)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    resumes_bitwise(full, tmp_path / "stopped", after=4, last=8, spark=spark, config=conf)
 
 
 @pytest.mark.parametrize("downlink", ["codec", "exact"])

@@ -9,6 +9,7 @@ and the core's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -196,8 +197,9 @@ def _resumed(run_dir: str, config: Config | None, changes: dict[str, Any] | None
 def _untracked(saved: Config, changes: dict[str, Any], where: str) -> Config:
     """The saved settings without their tracking destinations: whoever can write a run directory could otherwise
     send the resumed run's parameters and model to a server of theirs. A resumed run logs where it is told now."""
-    dropped = [k for k, v in flatten(saved.to_dict()["tracking"]).items()
-               if v and v != flatten(Config().to_dict()["tracking"]).get(k) and k not in changes.get("tracking", {})]
+    default = dataclasses.asdict(TrackingConfig())
+    dropped = [k for k, v in dataclasses.asdict(saved.tracking).items()
+               if v and v != default[k] and k not in changes.get("tracking", {})]
     if dropped:
         progress.warn(f"{where} names tracking settings ({', '.join(f'tracking.{k}' for k in dropped)}) that a resumed "
                       "run does not take from the run directory; give them again to log there")

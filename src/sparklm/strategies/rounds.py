@@ -250,9 +250,8 @@ class RoundsUnit:
         rc = self.tc.rounds
         before = self.exact if self.exact is not None else self.params
         if rc.downlink == "forward":  # every side takes the same step from the workers' own payloads
-            ordered = sorted(zip(partial.results, partial.packed), key=lambda rp: rp[0].worker)
-            self.update = (begin, encode_forward([p for _, p in ordered], [r.weight for r, _ in ordered],
-                                                 lr=self.lr, senders=rc.average_over == "senders"))
+            self.update = (begin, encode_forward(*by_worker(partial), lr=self.lr,
+                                                 senders=rc.average_over == "senders"))
             held = {n: t.numpy() for n, t in self.params.items()}
             new_params = {n: torch.from_numpy(a) for n, a in apply_update(held, self.update[1]).items()}
             avg = {n: (before[n] - new_params[n]) / self.lr for n in before} if self.lr else dict(before)
@@ -310,9 +309,7 @@ class RoundsUnit:
         import torch
 
         if self.codec.name == "topk" and partial.sum is None:
-            ordered = sorted(zip(partial.results, partial.packed), key=lambda rp: rp[0].worker)
-            mean = sparse_mean([p for _, p in ordered], [r.weight for r, _ in ordered],
-                               senders=self.tc.rounds.average_over == "senders")
+            mean = sparse_mean(*by_worker(partial), senders=self.tc.rounds.average_over == "senders")
             return {n: torch.from_numpy(a) for n, a in mean.items()}
         return {n: torch.from_numpy(a) / sum(r.weight for r in partial.results) for n, a in summed(partial).items()}
 
@@ -506,6 +503,13 @@ def merge(a: Partial | None, b: Partial | None) -> Partial | None:
         total = weighted_sum([(a.sum, 1.0), (b.sum, 1.0)])
     # encoded deltas travel encoded up the tree (the smaller message) and are decoded by summed() at the driver
     return Partial(sum=total, packed=a.packed + b.packed, results=a.results + b.results, errors=a.errors + b.errors)
+
+
+def by_worker(partial: Partial) -> tuple[list[bytes], list[float]]:
+    """A round's encoded deltas and their workers' weights, in worker order (the tree aggregation's order varies;
+    float sums over them must not)."""
+    ordered = sorted(zip(partial.results, partial.packed), key=lambda rp: rp[0].worker)
+    return [p for _, p in ordered], [r.weight for r, _ in ordered]
 
 
 def summed(partial: Partial) -> dict:
