@@ -278,10 +278,111 @@ def check_speed(work, spec, args, out: dict) -> None:
     out["speed"] = {"gpu": torch.cuda.get_device_name(0), "peak_flops": peak, "batch": batch, "seq": seq, **rows}
 
 
+def check_generation(work, spec, args, out: dict) -> None:
+    """Greedy decoding speed on the GPU: ``sparklm generate``'s loop against HF ``model.generate`` on the same model
+    (SmolLM2-135M's shape, random weights, bf16), the same prompts, every row generating exactly ``new`` tokens."""
+    if not CUDA:
+        return
+    from sparklm.infer.generate import generate, load
+    from sparklm.infer.sampling import Sampling
+    from sparklm.tasks import make as make_task
+
+    new = 16 if args.smoke else 128
+    cfg = from_dict(settings(TINY if args.smoke else SMOL, "cuda", "bfloat16", 1, 1))
+    torch.manual_seed(0)
+    model = make_task(cfg).build(cfg, spec, 1024).to(torch.bfloat16)
+    model.save_pretrained(str(work / "gen"))
+    spec.save(str(work / "gen"))
+    del model
+    lm = load(str(work / "gen"), device="cuda")
+    lm.tokenizer.padding_side = "left"  # HF generate's batches, as sparklm pads its own
+    words = corpus(4_000, seed=3).split()
+    rows = {}
+    for batch in (1, 32):
+        prompts = [" ".join(words[i * 9:i * 9 + 6 + i % 5]) for i in range(batch)]
+        greedy_ = Sampling(max_new_tokens=new, min_new_tokens=new, temperature=0.0)
+        enc = lm.tokenizer(prompts, return_tensors="pt", padding=True).to("cuda")
+        hf_kw = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False, "pad_token_id": spec.pad_id}
+        times: dict[str, list[float]] = {"sparklm": [], "hf": []}
+        for rep in range(4):  # the first of each is a warm-up
+            for name in ("sparklm", "hf"):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                if name == "sparklm":
+                    generate(lm, prompts, sampling=greedy_, batch_size=batch)
+                else:
+                    lm.model.generate(**enc, **hf_kw)
+                torch.cuda.synchronize()
+                if rep:
+                    times[name].append(time.perf_counter() - t0)
+        tps = {k: batch * new / float(np.median(v)) for k, v in times.items()}
+        rows[f"batch{batch}"] = {"sparklm_tokens_per_s": tps["sparklm"], "hf_tokens_per_s": tps["hf"],
+                                 "ratio": tps["sparklm"] / tps["hf"]}
+    out["generation"] = {"dtype": str(next(lm.model.parameters()).dtype), "new_tokens": new, **rows}
+
+
+def check_shakespeare(work, spec_unused, args, out: dict) -> None:
+    """Tiny Shakespeare on the GPU within a time budget (``--shakespeare FILE --budget S``): the validation
+    bits/byte reached, for the bar nanoGPT's ``train_shakespeare_char`` sets (2.11 bits/byte on an H200)."""
+    if not args.shakespeare:
+        return
+    text = Path(args.shakespeare).read_text(encoding="utf-8")
+    spec = tokenizer.train([text], TokenizerConfig(vocab_size=1024))
+    seq = 256
+    ds = dataset(work / "shakespeare", spec, text, seq)
+    cut = len(spec.tokenizer().encode(text, add_special_tokens=False).ids) // seq * seq
+    ids = spec.tokenizer().encode(text, add_special_tokens=False).ids[:cut]
+    val_ids = ids[int(len(ids) // seq * 0.9) * seq:]
+    val_bytes = len(spec.tokenizer().decode(val_ids).encode("utf-8"))
+    model = {"arch": "llama", "n_layer": 6, "n_embd": 384, "n_head": 6}
+    kind = "cuda" if CUDA else "cpu"
+    raw = settings(model, kind, "bfloat16" if CUDA else "float32", 0, 64, time_budget=args.budget,
+                   compile=CUDA and not args.eager, lr=3e-3, warmup_steps=50, log_every=5)
+    raw["train"]["eval_batches"] = 1_000
+    config = from_dict(raw)
+    plan = local(config, ds, threads=config.train.threads)
+    run = Path(tempfile.mkdtemp(dir=work))
+    sinks = Sinks([CsvSink(str(run / "metrics.csv"), metric_columns(LM_FIGURES), {"train", "eval"})])
+    t0 = time.time()
+    train(plan, ds, spec, str(run), rank=Rank(threads=plan.threads), sink=sinks)
+    sinks.close()
+    wall = time.time() - t0
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"shakespeare_metrics{'_eager' if args.eager else ''}.csv").write_bytes((run / "metrics.csv").read_bytes())
+    evals = [r for r in read_metrics(run / "metrics.csv") if r["kind"] == "eval"]
+    nats = evals[-1]["val_loss"]
+    bpb = nats * len(val_ids) / val_bytes / np.log(2)
+    out["shakespeare"] = {"device": kind, "budget_s": args.budget, "wall_s": wall, "val_loss": nats,
+                          "bits_per_byte": float(bpb), "steps": evals[-1].get("step"), "vocab": spec.vocab_size}
+
+
+def save(out: dict, where: str) -> None:
+    """Every figure so far (written after each check, so a run stopped at its time limit keeps what it measured)."""
+    Path(where).mkdir(parents=True, exist_ok=True)
+    (Path(where) / "gpu_check.json").write_text(json.dumps(out, indent=2, default=str))
+
+
+def timed(name: str, check, out: dict, where: str) -> None:
+    t = time.time()
+    try:
+        check()
+    except Exception as e:  # a failed check is reported with the rest
+        import traceback
+
+        traceback.print_exc()
+        out[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    print(f"{name}: {time.time() - t:.1f}s", flush=True)
+    save(out, where)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, a few steps: every path runs")
+    ap.add_argument("--shakespeare", default="", help="Tiny Shakespeare's text: train on it for --budget seconds")
+    ap.add_argument("--only", default="", help="run these checks alone (comma-separated names)")
+    ap.add_argument("--eager", action="store_true", help="the Tiny Shakespeare run without torch.compile")
+    ap.add_argument("--budget", type=float, default=38.0, help="seconds for the Tiny Shakespeare run")
     args = ap.parse_args()
     t0 = time.time()
     out: dict = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0) if CUDA
@@ -291,23 +392,19 @@ def main() -> int:
         text = corpus(60_000 if args.smoke else 400_000)
         spec = tokenizer.train([text], TokenizerConfig(vocab_size=2048))
         ds = dataset(work / "data", spec, text, 64 if args.smoke else 256)
-        for name, check in (("training", check_training), ("scoring", check_scoring),
-                            ("inner steps + codec", check_inner_and_codec), ("lora", check_lora)):
-            t = time.time()
-            try:
-                check(work, ds, spec, args, out)
-            except Exception as e:  # a failed check is reported with the rest
-                out[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-            print(f"{name}: {time.time() - t:.1f}s", flush=True)
-        t = time.time()
-        try:
-            check_speed(work, spec, args, out)
-        except Exception as e:
-            out["speed"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        print(f"speed: {time.time() - t:.1f}s", flush=True)
+        checks = (("training", check_training), ("scoring", check_scoring),
+                  ("inner steps + codec", check_inner_and_codec), ("lora", check_lora))
+        only = set(filter(None, args.only.split(",")))
+        checks = tuple(c for c in checks if not only or c[0] in only)
+        for name, check in checks:
+            timed(name, lambda c=check: c(work, ds, spec, args, out), out, args.out)
+        for name, check in (("generation", check_generation), ("speed", check_speed),
+                            ("shakespeare", check_shakespeare)):
+            if only and name not in only:
+                continue
+            timed(name, lambda c=check: c(work, spec, args, out), out, args.out)
     out["seconds"] = time.time() - t0
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "gpu_check.json").write_text(json.dumps(out, indent=2, default=str))
+    save(out, args.out)
     failed = [k for k, v in out.items() if isinstance(v, dict) and v.get("ok") is False]
     for k, v in out.items():
         if isinstance(v, dict):

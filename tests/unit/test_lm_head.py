@@ -153,3 +153,21 @@ def test_training_accuracy_counts_equal_the_evaluations_and_the_unchunked_ones(c
     plain = torch.zeros(2)
     CausalLM().loss(model, Batch(input_ids=ids, attention_mask=mask, labels=labels), tally=plain)
     assert plain.tolist() == [correct, counted]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu_check.py)")
+@pytest.mark.parametrize("chunked", [True, False])
+def test_score_sums_stay_on_the_models_device_and_equal_the_cpus(chunked):
+    # A training evaluation on CUDA once added these sums (made on the CPU) into a CUDA total; the device's
+    # byte-length table is on the GPU, `sparklm eval`'s on the CPU: both must work.
+    model = tiny("llama", False).eval()
+    ids, mask, labels = batch(5)
+    valid = labels[:, 1:] != IGNORE
+    lengths = torch.arange(V, dtype=torch.float64)
+    want = lm_head.score(model, ids, mask, valid, lengths, chunked=chunked)
+    gpu = model.cuda()
+    for table in (lengths, lengths.cuda()):
+        got = lm_head.score(gpu, ids.cuda(), mask.cuda(), valid.cuda(), table, chunked=chunked)
+        assert got.device.type == "cuda"
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-3)

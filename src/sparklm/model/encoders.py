@@ -317,12 +317,15 @@ class MaskedLM(EncoderTask):
 
     def _masked(self, net: torch.nn.Module, batch: EncoderBatch, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
         m: Masking = base_model(net).sparklm_masking
-        ids = batch.input_ids
+        # Drawn on the CPU from its RNG (which checkpoints keep), then moved: the same masks on either device.
+        ids = batch.input_ids.cpu()
         special = m.special[ids]
-        maskable = (batch.attention_mask != 0) & ~special
+        maskable = (batch.attention_mask.cpu() != 0) & ~special
         starts = masking.word_starts(ids, m.starts, special) if self.whole_word else None
-        return masking.mask_tokens(ids, maskable, mask_id=m.mask_id, replacements=m.replacements,
-                                   probability=self.probability, word_starts=starts, generator=generator)
+        inputs, labels = masking.mask_tokens(ids, maskable, mask_id=m.mask_id, replacements=m.replacements,
+                                             probability=self.probability, word_starts=starts, generator=generator)
+        where = batch.input_ids.device
+        return inputs.to(where, non_blocking=True), labels.to(where, non_blocking=True)
 
     def loss(self, net: torch.nn.Module, batch: EncoderBatch, total: int | None = None,
              tally: torch.Tensor | None = None) -> torch.Tensor:
@@ -347,10 +350,9 @@ class MaskedLM(EncoderTask):
         logits = forward(model, EncoderBatch(inputs, batch.attention_mask, None, batch.token_type_ids)).logits
         keep = labels != masking.IGNORE
         out = logits[keep].float()
-        return torch.stack([F.cross_entropy(out, labels[keep], reduction="sum").double() if keep.any()
-                            else torch.zeros((), dtype=torch.float64),
-                            keep.sum().double(), (out.argmax(-1) == labels[keep]).sum().double(),
-                            torch.zeros((), dtype=torch.float64)])
+        zero = torch.zeros((), dtype=torch.float64, device=out.device)
+        return torch.stack([F.cross_entropy(out, labels[keep], reduction="sum").double() if keep.any() else zero,
+                            keep.sum().double(), (out.argmax(-1) == labels[keep]).sum().double(), zero])
 
     def figures(self, sums: list[float]) -> dict:
         """Loss per masked token, perplexity, masked accuracy and count (a causal LM's figures from the same sums;
