@@ -216,7 +216,8 @@ def start_standalone(work: Path) -> tuple[list[subprocess.Popen], str, int]:
             [str(home / "bin" / "spark-class"), "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
              "--cores", "1", "--memory", "3g", "--webui-port", str(free_port()), "--work-dir", str(work / f"w{i}"),
              url],
-            env=env, stdout=open(work / f"worker{i}.log", "wb"), stderr=subprocess.STDOUT))
+            env=env, stdout=open(work / f"worker{i}.log", "wb"), stderr=subprocess.STDOUT,
+            start_new_session=True))  # a host to take away whole (kill_tree)
     try:
         wait_for_workers(ui, 2, procs, f"standalone cluster (logs in {work})")
     except BaseException:  # pytest.fail or Ctrl-C: leave no JVM behind
@@ -238,6 +239,29 @@ def wait_for_workers(ui: int, n: int, procs: list[subprocess.Popen], what: str) 
         if time.time() > deadline or any(p.poll() is not None for p in procs):
             pytest.fail(f"{what} did not start")
         time.sleep(1)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it (a standalone worker: its executor, Python workers and ranks), as
+    a host that goes away takes them all."""
+    import signal
+
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    todo, found = [pid], []
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    for p in found:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def stop_processes(procs: list[subprocess.Popen]) -> None:

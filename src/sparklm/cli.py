@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -192,10 +193,18 @@ def _config_flags(group, sections: tuple[str, ...] = (), keys: tuple[str, ...] =
                                default=None, help=help_text)
             continue
         allowed = choices(tp, f.metadata)
-        kind = str if allowed else tp
+        kind = str if allowed else _workers if key == "train.workers" else tp
         metavar = None if allowed else {int: "N", float: "X"}.get(tp, key.rsplit(".", 1)[1].upper())
         optional = {"nargs": "?", "const": f.metadata["const"]} if "const" in f.metadata else {}  # --mlflow [URI]
         group.add_argument(flag, dest=key, type=kind, choices=allowed, metavar=metavar, help=help_text, **optional)
+
+
+def _workers(text: str) -> int | tuple[int, int]:
+    """``--workers N``, or ``MIN:MAX`` for an elastic run (train.workers_min, train.workers)."""
+    m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", text)
+    if m is None or int(m.group(1)) < 1 or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+        raise argparse.ArgumentTypeError(f"'{text}': write a number of workers N, or MIN:MAX with 1 <= MIN <= MAX")
+    return int(m.group(1)) if m.group(2) is None else (int(m.group(1)), int(m.group(2)))
 
 
 def _add_predict(sub) -> None:
@@ -247,6 +256,8 @@ def _config(args: argparse.Namespace):
                            hint="export it in an environment variable NAME and write the value as '${env:NAME}', or "
                                 "set it in a --config file only you can read")
     flags = {key: getattr(args, key) for key, _, _ in fields_with_flags() if getattr(args, key, None) is not None}
+    if isinstance(flags.get("train.workers"), tuple):  # --workers MIN:MAX
+        flags["train.workers_min"], flags["train.workers"] = flags["train.workers"]
     if getattr(args, "prepare_task", None):  # prepare's --task is data.task (train's and run's is model.task)
         flags["data.task"] = args.prepare_task
     if "tokenizer.path" in flags and "tokenizer.vocab_size" in flags:

@@ -296,7 +296,11 @@ def chunk_size(vocab: int, chunk: int = 0) -> int:
 class TrainConfig:
     """The training loop and its distribution."""
 
-    workers: int = _f(1, "Spark tasks training at once (DDP ranks, or the tasks of a round)", min=1, flag="--workers")
+    workers: int = _f(1, "Spark tasks training at once (DDP ranks, or the tasks of a round); --workers MIN:MAX sets "
+                         "workers_min too", min=1, flag="--workers")
+    workers_min: int = _f(0, "elastic: the fewest workers the run goes on with (0: exactly train.workers). DDP starts "
+                             "and restarts on the slots there are, between the two, keeping the global batch by "
+                             "changing the micro-batch and accumulation", min=0)
     threads: int = _f(0, "torch threads per worker; 0: the machine's cores divided by workers (local mode), "
                          "spark.task.cpus on a cluster", min=0, flag="--threads")
     strategy: str = _f(

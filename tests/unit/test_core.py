@@ -123,6 +123,42 @@ def test_stream_started_at_a_position_is_the_tail_of_the_stream_from_zero(parque
         assert np.array_equal(next(one)[0], np.concatenate([r0[i], r1[i]]))
 
 
+def test_an_elastic_resize_keeps_the_global_batch_and_each_steps_rows(parquet_rows):
+    """DDP resized at a restart (plan.resized): the same rows per optimizer step, split into micro-batches no larger
+    than the plan's, and each step reads the same global rows whatever the world — none repeated, none skipped."""
+    from sparklm.train.plan import elastic_world, make, resized
+
+    groups, seq = parquet_rows
+    config = from_dict({"train": {"workers": 4, "workers_min": 1, "batch_size": 3, "grad_accum": 1, "max_steps": 9,
+                                  "threads": 1, "device": "cpu", "dtype": "float32"}})
+    full = make(config, train_rows=111, seq_len=seq)
+    assert full.steps.rows_per_step == 12
+    shapes = {w: (p.config.train.batch_size, p.config.train.grad_accum) if (p := resized(full, w)) else None
+              for w in range(1, 6)}
+    assert shapes == {1: (3, 4), 2: (3, 2), 3: (2, 2), 4: (3, 1), 5: None}
+    assert all(resized(full, w).steps == full.steps for w in (1, 2, 3, 4))
+    assert [elastic_world(full, n) for n in (1, 2, 3, 4, 8)] == [1, 2, 3, 4, 4]
+    assert elastic_world(_with_min(full, 2), 1) is None  # fewer slots than train.workers_min
+
+    def step_rows(world: int, start_step: int, steps: int) -> list[list[bytes]]:
+        b, accum = resized(full, world).config.train.batch_size, resized(full, world).config.train.grad_accum
+        streams = [iter(TokenStream(groups, seq_len=seq, batch_size=b, rank=r, world=world, seed=3, window=2,
+                                    start=start_step * 12)) for r in range(world)]
+        return [sorted(row.tobytes() for it in streams for _ in range(accum) for row in next(it)[0])
+                for _ in range(steps)]
+
+    reference = step_rows(4, 0, 14)  # past one epoch (111 rows)
+    for world, at in ((1, 0), (2, 5), (3, 9), (1, 11)):
+        assert step_rows(world, at, 14 - at) == reference[at:], (world, at)
+
+
+def _with_min(plan, n: int):
+    import dataclasses
+
+    return dataclasses.replace(plan, config=plan.config.replace(
+        train=dataclasses.replace(plan.config.train, workers_min=n)))
+
+
 # -- checkpoints round-trip ---------------------------------------------------------------------------
 
 

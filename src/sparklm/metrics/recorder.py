@@ -168,15 +168,16 @@ class Recorder:
 
     def train(self, *, step: int, tokens: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float,
               ms_per_step: float, rss_mb: float, peaks: list[float | None], elapsed: float,
-              acc: float = float("nan")) -> rows.Train:
-        """A train row (the same fields from every strategy); ``peaks``: each worker's peak memory at this row."""
+              acc: float = float("nan"), workers: int = 0) -> rows.Train:
+        """A train row (the same fields from every strategy); ``peaks``: each worker's peak memory at this row;
+        ``workers``: those that trained it (0: the run's)."""
         self.note_peaks(peaks)
         f = self.facts
         row = rows.Train(step=step, epoch=tokens / self.epoch_tokens, tokens=tokens, loss=loss, acc=acc, lr=lr,
                          grad_norm=grad_norm, tokens_per_s=tokens_per_s, ms_per_step=ms_per_step,
                          mfu=tokens_per_s * (f.flops_per_token or 0.0) / ((f.peak_flops or 1.0) * self.workers),
                          rss_mb=rss_mb, peak_rss_mb=max(p for p in peaks if p is not None),
-                         rank_peak_rss_mb=rank_mb(peaks), elapsed=elapsed)
+                         rank_peak_rss_mb=rank_mb(peaks), elapsed=elapsed, workers=workers or self.workers)
         self.write(row)
         return row
 

@@ -56,6 +56,7 @@ class Train(Row):
     rank_peak_rss_mb: str  # each worker's peak, "812/790" (sinks.rank_mb)
     elapsed: float
     acc: float = float("nan")  # next-token accuracy on the training batches: the logged step's (DDP), the round's
+    workers: int = 0  # the workers that trained it (an elastic run's world size over time; 0: not recorded)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from . import rows
 from .rows import Row
 
 TRAIN_COLUMNS = ["kind", "step", "epoch", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "ms_per_step", "mfu",
-                 "rss_mb", "peak_rss_mb", "rank_peak_rss_mb", "elapsed", "acc"]
+                 "rss_mb", "peak_rss_mb", "rank_peak_rss_mb", "elapsed", "acc", "workers"]
 
 
 def metric_columns(figures: FigureSet) -> list[str]:

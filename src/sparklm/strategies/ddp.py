@@ -81,14 +81,16 @@ class DDP:
             shutil.rmtree(where, ignore_errors=True)
 
     def check(self, spark, plan) -> None:
-        check_slots(spark, plan.workers, plan.device)
+        tc = plan.config.train
+        check_slots(spark, min(tc.workers_min or tc.workers, tc.workers), plan.device)
 
     def run(self, spark, job: Job, sink: Sink) -> RunResult:
         job = job.planned()
-        check_slots(spark, job.workers, job.plan.device)
+        full = job.plan  # an elastic run's plan at its most workers: every attempt is sized from it
+        job = sized(spark, job, full, START_WAIT)
         channel = Channel(sink, _driver_host(spark))
         restarts = job.config.train.ddp.max_restarts
-        before = None  # the last restart's (cause, checkpoint step)
+        before = None  # the last restart's (cause, checkpoint step, ranks)
         try:
             for attempt in range(restarts + 1):
                 try:
@@ -96,6 +98,9 @@ class DDP:
                     break
                 except Exception as e:
                     lost = lost_cause(e)
+                    if lost is None and full.config.train.workers_min and SHORT in str(e):
+                        # an elastic run sized itself before Spark had counted an executor's loss
+                        lost = "Spark has fewer task slots than ranks now"
                     if lost is None:
                         raise
                     fatal = _fatal_cause(job)  # a peer's loss may be the echo of a rank's own error
@@ -106,25 +111,58 @@ class DDP:
                                            "checkpoint)", hint="see the ranks' logs; raise train.ddp.max_restarts, or "
                                            "continue later with --resume") from None
                     step = _restart_step(job)
-                    if before == (lost, step):  # the same loss again before any new checkpoint: a restart cannot help
+                    was = job.workers
+                    job = dataclasses.replace(sized(spark, job, full, RESTART_WAIT), resume=True)
+                    if before == (lost, step, job.workers):  # the same loss again before any new checkpoint
                         raise SparklmError(f"{lost}, again before the checkpoint after step {step}",
                                            hint="see the ranks' logs; a rank that runs out of memory at the same step "
                                                 "needs more memory or a smaller batch") from None
-                    before = (lost, step)
+                    before = (lost, step, job.workers)
+                    ranks = f" on {job.workers} ranks (was {was})" if job.workers != was else ""
                     progress.warn(f"{lost}; restarting the ranks from "
-                                  f"{f'the checkpoint of step {step}' if step else 'the start'} "
+                                  f"{f'the checkpoint of step {step}' if step else 'the start'}{ranks} "
                                   f"(restart {attempt + 1} of {restarts})")
                     sink.rewind(step)  # the steps after the checkpoint run again: their rows come again
-                    job = dataclasses.replace(job, resume=True)
         finally:
             channel.close()
         if channel.error is not None:
             raise channel.error
-        # gloo has no counters: a ring all-reduce of the fp32 gradients per step sends 2·(N−1)/N of them
-        # from each of the N ranks
-        # (only the trainable ones: with LoRA, the adapters')
+        # gloo has no counters: a ring all-reduce of the fp32 gradients per step sends 2·(N−1)/N of them from each
+        # of the N ranks (only the trainable ones: with LoRA, the adapters'; an elastic run: at its last size)
         traffic = int(r.steps * 2 * (job.workers - 1) * 4 * (r.trainable_params or r.params or 0))
         return dataclasses.replace(r, bytes_communicated=traffic)
+
+
+SHORT = "free Spark task slots at once"  # a barrier stage that Spark cannot run: too few slots
+START_WAIT, RESTART_WAIT = 30.0, 10.0  # seconds an elastic run waits for its most ranks' slots (executors joining)
+
+
+def sized(spark, job: Job, full, wait: float) -> Job:
+    """``job`` on as many ranks as Spark can run at once: ``full`` (the plan at ``train.workers``) for a run of fixed
+    size, which needs every slot (one line if they are not there); an elastic run (``train.workers_min``) waits up to
+    ``wait`` seconds (none in local mode) for the slots of its most ranks, then takes the most it can run, keeping
+    the global batch (plan.resized)."""
+    from ..train.plan import elastic_world, resized
+
+    tc = full.config.train
+    if not tc.workers_min or tc.workers_min >= tc.workers:
+        check_slots(spark, tc.workers, full.device)
+        return dataclasses.replace(job, config=full.config, workers=full.workers, plan=full)
+    check_slots(spark, tc.workers_min, full.device)  # the fewest, or one line (a cluster: after executors register)
+    deadline = time.time() + (0.0 if re.match(r"local(\[|$)", spark.sparkContext.master) else wait)
+    while True:
+        world = elastic_world(full, available(spark, full.device))
+        if world == tc.workers or time.time() >= deadline:
+            break
+        time.sleep(1.0)
+    if world is None:
+        raise SparklmError(f"no number of ranks between train.workers_min {tc.workers_min} and train.workers "
+                           f"{tc.workers} that this Spark can run splits the global batch of "
+                           f"{full.steps.rows_per_step} rows evenly",
+                           hint="choose a global batch (batch_size x grad_accum x workers) that the ranks you "
+                                "expect divide, e.g. a power of two")
+    plan = resized(full, world)
+    return dataclasses.replace(job, config=plan.config, workers=world, plan=plan)
 
 
 def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> RunResult:
@@ -169,7 +207,7 @@ def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> RunResult:
         raise
     except Exception as e:
         if "requires more slots than the total number" in str(e) or "BARRIER_SLOTS" in str(e).upper():
-            raise SparklmError(f"--workers {workers} needs {workers} free Spark task slots at once",
+            raise SparklmError(f"--workers {workers} needs {workers} {SHORT}",
                                hint="lower --workers, or give the cluster more cores (local[N], executors)") from None
         raise
     gpus = [results[r][0] for r in range(workers)]
@@ -310,15 +348,25 @@ def _finish_rank(proc: subprocess.Popen | WarmRank, start: RankStart, log_path: 
     raise SparklmError(f"{LOST} {start.rank} on {socket.gethostname()} {how} ({why})", hint=f"see {log_path}")
 
 
+def available(spark, dev: Device) -> int:
+    """Ranks this Spark can run at once now: its task slots, and its GPUs where the ranks use them."""
+    slots = dev.slots(spark)
+    return min(slots, gpu_slots(spark)) if _uses_gpus(spark, dev) else slots
+
+
+def _uses_gpus(spark, dev: Device) -> bool:
+    # GPUs bound the ranks where they compute on them, or where Spark hands each task some (it then holds a
+    # barrier stage until it can hand them all out)
+    return dev.kind == "cuda" or float(spark.sparkContext.getConf().get("spark.task.resource.gpu.amount", "0")) > 0
+
+
 def check_slots(spark, workers: int, dev: Device, wait: float = 30.0) -> None:
     """DDP needs ``workers`` task slots at once: say so in one line before submitting, instead of letting the
     barrier stage wait (Spark retries its slot check for minutes). On a cluster, executors that are still
     registering get ``wait`` seconds."""
     deadline = time.time() + wait
     local = re.match(r"local(\[|$)", spark.sparkContext.master) is not None  # (not local-cluster: it has executors)
-    # GPUs bound the ranks too where they compute on them, or where Spark hands each task some (it then holds a
-    # barrier stage until it can hand them all out)
-    uses_gpus = dev.kind == "cuda" or float(spark.sparkContext.getConf().get("spark.task.resource.gpu.amount", "0"))
+    uses_gpus = _uses_gpus(spark, dev)
     while True:
         slots = dev.slots(spark)
         gpus = gpu_slots(spark) if uses_gpus else None

@@ -177,16 +177,17 @@ def save_run(directory: str, run: RunState, files: dict[str, dict[str, torch.Ten
                 adopt=adopt)
 
 
-def restore_run(directory: str, *, world: int, names: tuple[str, ...], storage: StorageConfig | None = None,
+def restore_run(directory: str, *, world: int | None, names: tuple[str, ...], storage: StorageConfig | None = None,
                 warn=None, verify: str = "") -> tuple[str, RunState, dict[str, dict[str, torch.Tensor]]] | None:
     """The newest readable checkpoint of a run: (its path, its state, its tensor files ``names``, {} where absent),
-    or None when there is none. One written by another number of workers is refused; files whose names start with
+    or None when there is none. One written by another number of workers is refused (``world`` None: an elastic
+    run, which takes any: its global batch is checked by the plan); files whose names start with
     ``verify`` are checked against their SHA-256 too (the rounds workers' inner states, read later by them)."""
     own = set(RunState.__dataclass_fields__) - {"extra"}
 
     def load(path: str):
         raw = read_state(path, storage)
-        if raw.get("world") != world:
+        if world is not None and raw.get("world") != world:
             raise SparklmError(f"checkpoint {path} was written by {raw.get('world')} workers, not {world}",
                                hint="resume with the same --workers")
         if verify:

@@ -266,14 +266,18 @@ class Trainer:
     def restore(self, run_dir: str, warn: Callable[[str], None] | None = None) -> loop.Restored | None:
         """Continue from the newest readable checkpoint, if there is one (weights, optimizer, position, RNG);
         a damaged newest one is skipped with ``warn``. Returns what the run loop restores of it."""
-        found = checkpoint.restore_run(join(run_dir, "checkpoints"), world=self.rank.world, warn=warn,
+        tc = self.tc
+        elastic = tc.workers_min > 0  # an elastic run resumes on any number of ranks (the plan kept the global batch)
+        found = checkpoint.restore_run(join(run_dir, "checkpoints"), world=None if elastic else self.rank.world, warn=warn,
                                        names=("model", "optimizer", "rng", "best"), storage=self.config.storage)
         if found is None:
             return None
         path, run, files = found
         self.load_checkpoint_weights(files["model"], path)
         checkpoint.load_optimizer(self.optimizer, files["optimizer"], run.extra["param_groups"])
-        self.device.set_rng_state(files["rng"][f"torch.{self.rank.rank}"])
+        rng = files["rng"].get(f"torch.{self.rank.rank}")
+        if rng is not None:  # a rank an elastic run did not have at the checkpoint draws from its seed
+            self.device.set_rng_state(rng)
         self.state = TrainState(step=run.step, position=run.position, tokens_seen=run.tokens_seen, elapsed=run.elapsed)
         return loop.Restored(loop.Position(run.step, run.tokens_seen, run.elapsed), run.best, files["best"])
 

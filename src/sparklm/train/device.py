@@ -48,7 +48,11 @@ class Device:
         if m:
             n = 1 if m.group(1) is None else (os.cpu_count() or 1) if m.group(1) == "*" else int(m.group(1))
             return n // cpus
-        return sc.defaultParallelism // cpus
+        try:  # what Spark's own barrier check counts (live executors' cores ÷ task cpus, and their resources)
+            jsc = sc._jsc.sc()
+            return int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
+        except Exception:  # (a Spark without it) defaultParallelism, which is never below 2 on a cluster
+            return sc.defaultParallelism // cpus
 
     def placed(self, address: str | None, local_rank: int) -> Device:
         """This device as one rank computes on it: on CUDA the GPU Spark assigned the task (``address``, from

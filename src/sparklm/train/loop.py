@@ -49,6 +49,7 @@ class Advance:
     evaluation: Evaluation | None = None  # a deferred evaluation of the weights before these steps
     rows: tuple = ()  # the unit's own rows, after the train row (a round's row)
     warnings: tuple[str, ...] = ()
+    workers: int = 0  # the workers that trained these steps (a round's; 0: the run's)
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,7 @@ def _rows(unit: Unit, rec: Recorder, r: _Run, adv: Advance, before: int, schedul
         rec.train(step=step, tokens=tokens, tokens_per_s=trained / max(seconds, 1e-9),
                   ms_per_step=1000 * seconds / max(step - last_step, 1), rss_mb=adv.rss_mb,
                   peaks=adv.peaks if adv.peaks is not None else unit.peaks(), elapsed=elapsed, loss=adv.loss,
-                  acc=adv.acc, lr=adv.lr, grad_norm=adv.grad_norm)
+                  acc=adv.acc, lr=adv.lr, grad_norm=adv.grad_norm, workers=adv.workers)
         r.window = (now, tokens, step)
     for row in adv.rows:
         rec.write(row)

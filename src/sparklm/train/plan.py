@@ -70,6 +70,32 @@ class RunPlan:
                    codec=raw.get("codec"))
 
 
+def resized(plan: RunPlan, world: int) -> RunPlan | None:
+    """``plan`` on ``world`` workers with the same global batch, so that the optimizer sees the same batch: each
+    worker's share of a step's rows split into the largest micro-batch, no larger than the plan's, that divides it,
+    and the rest accumulated. None where the rows of a step do not split into ``world`` equal shares. The step plan
+    (rows, tokens and steps of the run) is unchanged, and so is the data order: a step reads the same global rows
+    whatever the world (data/stream.TokenStream)."""
+    tc = plan.config.train
+    rows = plan.steps.rows_per_step
+    if world < 1 or rows % world:
+        return None
+    share = rows // world
+    micro = max(b for b in range(1, min(tc.batch_size, share) + 1) if share % b == 0)
+    train = replace(tc, workers=world, batch_size=micro, grad_accum=share // micro)
+    return replace(plan, config=plan.config.replace(train=train))
+
+
+def elastic_world(plan: RunPlan, slots: int) -> int | None:
+    """The most workers, between ``train.workers_min`` and ``train.workers``, that ``slots`` task slots run at once
+    and the global batch splits evenly among; None when there is no such number."""
+    tc = plan.config.train
+    for world in range(min(tc.workers, slots), (tc.workers_min or tc.workers) - 1, -1):
+        if plan.steps.rows_per_step % world == 0:
+            return world
+    return None
+
+
 def settle(config: Config, *, threads: int, vocab: int, context: int, train_tokens: int, master: str,
            resume: bool, spark=None) -> tuple[Config, str | None]:
     """``config`` with every automatic setting decided — the device for ``master`` (and ``spark``, a running

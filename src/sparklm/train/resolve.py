@@ -143,6 +143,9 @@ def settings(config: Config, n_threads: int) -> Config:
     """``config`` with every automatic training setting decided for workers of ``n_threads`` torch threads (a
     config already decided comes back unchanged)."""
     tc = config.train
+    if tc.workers_min > tc.workers:
+        raise SparklmError(f"train.workers_min {tc.workers_min} is more than train.workers {tc.workers}",
+                           hint="--workers MIN:MAX with MIN <= MAX")
     if tc.device == "auto":  # a worker driven directly (plan.local): this machine decides; the launcher's device()
         tc = replace(tc, device="cuda" if cuda_gpus() else "cpu")
     tc = replace(tc, dtype=dtype(tc.dtype, tc.device, n_threads))
