@@ -21,6 +21,7 @@ import json
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +50,9 @@ def run_worker(job: Job, worker: int, full: Callable[[], bytes], spec: RoundSpec
     device.set_allocator(job.plan.config.train.allocator)
     # one per GPU: a Python worker Spark reuses may be handed another GPU by a later task
     trainer: Trainer = process_local(("rounds", job.uid, gpu), lambda: _trainer(job, gpu))
-    tc = trainer.tc
+    base = job.plan.config.train  # an elastic round's share of the global batch, else the plan's
+    trainer.tc = tc = base if spec.micro is None else replace(base, batch_size=spec.micro[0],
+                                                              grad_accum=spec.micro[1])
     codec = Codec(**job.plan.codec)  # decided on the driver
     t0 = time.time()
     trainable = trainer.task.trainable(trainer.model)
@@ -61,7 +64,7 @@ def run_worker(job: Job, worker: int, full: Callable[[], bytes], spec: RoundSpec
     if worker == 0 and spec.round == 0:
         out["facts"] = {**trainer.facts(), "threads": job.threads}
     if spec.eval:
-        out["eval_sums"] = tuple(trainer.eval_sums(worker, job.workers).tolist())
+        out["eval_sums"] = tuple(trainer.eval_sums(worker, len(spec.shards)).tolist())
 
     t0 = time.time()
     state_dir = Path(tempfile.gettempdir()) / "sparklm-inner" / job.uid

@@ -119,6 +119,10 @@ class RoundsUnit:
         self.fault = parse_fault(os.environ.get(FAULT_ENV, ""))
         self.max_failures = _max_failures(spark)
         self.shards = tuple(tuple(s) for s in (shards or [(w, job.workers) for w in range(job.workers)]))
+        # elastic (train.workers_min): each round runs on the workers Spark has slots for, sharing the same global
+        # batch (plan.resized); fixed shards (a test's) are never resized
+        self.elastic = bool(self.tc.workers_min) and self.tc.workers_min < job.workers and not shards
+        self.present = job.workers  # the workers of the round in flight
         self.comm = {"broadcast": 0, "returned": 0}
         self.codec = Codec(**plan.codec)
         # With a lossy codec: ``params`` are the weights the workers hold (what they train from, evaluate and export),
@@ -138,7 +142,7 @@ class RoundsUnit:
         """With --resume: the newest readable checkpoint's weights, momentum, counters and best evaluation."""
         found = None
         if self.job.resume:  # the workers' inner states too are verified here, once
-            found = checkpoint.restore_run(self.ckpt_dir, world=self.job.workers,
+            found = checkpoint.restore_run(self.ckpt_dir, world=None if self.elastic else self.job.workers,
                                            names=("model", "outer", "best", "exact"),
                                            storage=self.storage, warn=self.rec.warn, verify="inner/")
         if found is None:
@@ -181,12 +185,13 @@ class RoundsUnit:
 
         tc = self.tc
         elapsed = time.time() - self.started
+        shards, micro = self.sized()
         spec = RoundSpec(round=self.rnd, step0=self.step, steps=steps, total_steps=self.schedule.total_steps,
                          eval=do_eval, persist=persist, finish=finish,
                          time_frac0=elapsed / tc.time_budget if tc.time_budget else None,
                          time_frac_per_step=(self.per_step_s or 0.0) / tc.time_budget if tc.time_budget else 0.0,
-                         shards=self.shards, inner_from=self.inner_from if self.step == self.resumed_at else "",
-                         cold=tuple(self.dropped_last))
+                         shards=shards, inner_from=self.inner_from if self.step == self.resumed_at else "",
+                         cold=tuple(self.dropped_last), micro=micro)
         t0 = time.time()
         payload = save_bytes({n: t.contiguous() for n, t in {**self.params, **(also or {})}.items()})
         sc = self.spark.sparkContext
@@ -210,16 +215,40 @@ class RoundsUnit:
                 bu.destroy()
         return partial, broadcast_s, time.time() - t0, len(payload)
 
+    def sized(self) -> tuple[tuple[tuple[int, int], ...], tuple[int, int] | None]:
+        """The round's (shards, micro): an elastic run counts Spark's slots now and runs the round on the most
+        workers it has slots for (at least ``workers_min``: more tasks than slots queue), each streaming its slice of
+        the same global batches; a run of fixed size, its shards and the plan's micro-batch."""
+        if not self.elastic:
+            self.present = len(self.shards)
+            return self.shards, None
+        from ..train.plan import elastic_world, resized
+        from .ddp import available
+
+        full = self.job.plan
+        world = elastic_world(full, max(available(self.spark, full.device), self.tc.workers_min))
+        if world is None:
+            raise SparklmError(f"no number of workers between train.workers_min {self.tc.workers_min} and "
+                               f"train.workers {self.job.workers} splits the global batch of "
+                               f"{full.steps.rows_per_step} rows evenly",
+                               hint="choose a global batch (batch_size x grad_accum x workers) that the workers you "
+                                    "expect divide, e.g. a power of two")
+        if world != self.present:
+            self.rec.note(f"round {self.rnd + 1}: {world} workers (Spark has slots for them now; was {self.present})")
+        self.present = world
+        train = resized(full, world).config.train
+        return tuple((w, world) for w in range(world)), (train.batch_size, train.grad_accum)
+
     def evaluation(self, partial: Partial) -> loop.Evaluation:
         """The evaluation the round's workers made of the weights they received (those of ``self.step``). Each worker
         scores its part of the validation split: when a worker failed, the figures cover only the others' parts,
         so they are recorded with a warning and do not choose the best model or stop the run early."""
         evaluated = sorted(r.worker for r in partial.results if r.eval_sums)
-        whole = len(evaluated) == self.job.workers
+        whole = len(evaluated) == self.present
         warning = None
         if not whole and evaluated:
             warning = (f"the evaluation at step {self.step} covers the validation rows of {len(evaluated)} of "
-                       f"{self.job.workers} workers (a worker failed): recorded, not used to choose the best "
+                       f"{self.present} workers (a worker failed): recorded, not used to choose the best "
                        "model or to stop early")
         sums = [sum(v) for v in zip(*(r.eval_sums for r in partial.results if r.eval_sums))]
         return loop.Evaluation(self.task.figures(sums) if sums else {}, counts=whole, weights=self.params,
@@ -288,7 +317,7 @@ class RoundsUnit:
         total = self.schedule.total_steps
         left = (total - self.step) * self.per_step_s if total else max(self.tc.time_budget - elapsed, 0)
         row = rows.Round(
-            round=self.rnd, step=self.step, workers=self.job.workers, workers_done=len(done), tokens=round_tokens,
+            round=self.rnd, step=self.step, workers=self.present, workers_done=len(done), tokens=round_tokens,
             loss=loss, inner_losses=";".join(f"{r.mean_loss:.5f}" for r in done),
             attempts=";".join(str(r.attempt) for r in done), cold=";".join(str(r.worker) for r in done if r.cold),
             broadcast_bytes=fetched, returned_bytes=returned, broadcast_s=broadcast_s,
@@ -301,7 +330,7 @@ class RoundsUnit:
                             acc=sum(r.correct for r in done) / counted if counted else float("nan"),
                             lr=sum(r.lr for r in done) / len(done), grad_norm=sum(r.grad_norm for r in done) / len(done),
                             rss_mb=max(r.rss_mb for r in done), peaks=peaks, seconds=wall, trained=round_tokens,
-                            evaluation=evaluation, rows=(row,), warnings=warnings)
+                            evaluation=evaluation, rows=(row,), warnings=warnings, workers=len(done))
 
     def average(self, partial: Partial) -> dict:
         """The workers' deltas averaged by tokens: a topk codec's value by value over the workers that sent it
@@ -347,7 +376,7 @@ class RoundsUnit:
                                hint="see the Spark log (--debug shows more)")
         if not dropped:
             return ()
-        return (f"round {self.rnd + 1}: {len(done)} of {self.job.workers} workers returned a delta (worker "
+        return (f"round {self.rnd + 1}: {len(done)} of {self.present} workers returned a delta (worker "
                 f"{', '.join(str(e.worker) for e in dropped)} failed: {dropped[0].error}); averaging "
                 "over those that arrived, weighted by tokens",)
 
@@ -403,7 +432,7 @@ def _round_job(spark, job: Job, bc, bu, spec: RoundSpec, fault: FaultSpec | None
     A worker whose last attempt raises is reported by its task. One whose process dies (a crash, an
     out-of-memory kill, a lost executor) fails the Spark job instead: the round then runs again without
     it — the tasks are deterministic, so the others recompute exactly their deltas."""
-    alive = list(range(job.workers))
+    alive = list(range(len(spec.shards)))
     lost: list[WorkerResult] = []
     while alive:
         try:
