@@ -199,31 +199,44 @@ def spark_master(work: Path, env: dict) -> tuple[subprocess.Popen, str, int]:
     return proc, f"spark://127.0.0.1:{port}", ui
 
 
-def start_standalone(work: Path) -> tuple[list[subprocess.Popen], str, int]:
-    """A master and two 1-core workers from the pyspark package on 127.0.0.1, up: (processes, master URL, UI port);
-    logs and work dirs under ``work``."""
+def start_standalone(work: Path, workers: int = 2) -> tuple[list[subprocess.Popen], str, int]:
+    """A master and ``workers`` 1-core workers from the pyspark package on 127.0.0.1, up: (processes, master URL, UI
+    port); logs and work dirs under ``work``."""
+    master, url, ui = spark_master(work, standalone_env(work))
+    procs = [master]
+    for i in range(workers):
+        procs.append(add_worker(work, url, f"w{i}"))
+    try:
+        wait_for_workers(ui, workers, procs, f"standalone cluster (logs in {work})")
+    except BaseException:  # pytest.fail or Ctrl-C: leave no JVM behind
+        stop_processes(procs)
+        raise
+    return procs, url, ui
+
+
+def standalone_env(work: Path) -> dict:
     import pyspark
 
     from sparklm.spark.java import find_java_home
 
     home = Path(pyspark.__file__).parent
-    env = {**os.environ, "JAVA_HOME": find_java_home(), "SPARK_HOME": str(home), "SPARK_LOCAL_IP": "127.0.0.1",
-           "PYSPARK_PYTHON": sys.executable, "SPARK_LOG_DIR": str(work)}
-    master, url, ui = spark_master(work, env)
-    procs = [master]
-    for i in range(2):
-        procs.append(subprocess.Popen(
-            [str(home / "bin" / "spark-class"), "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
-             "--cores", "1", "--memory", "3g", "--webui-port", str(free_port()), "--work-dir", str(work / f"w{i}"),
-             url],
-            env=env, stdout=open(work / f"worker{i}.log", "wb"), stderr=subprocess.STDOUT,
-            start_new_session=True))  # a host to take away whole (kill_tree)
-    try:
-        wait_for_workers(ui, 2, procs, f"standalone cluster (logs in {work})")
-    except BaseException:  # pytest.fail or Ctrl-C: leave no JVM behind
-        stop_processes(procs)
-        raise
-    return procs, url, ui
+    # a worker takes SIGPWR as "decommission me" (its executors too, where the application enables it)
+    return {**os.environ, "JAVA_HOME": find_java_home(), "SPARK_HOME": str(home), "SPARK_LOCAL_IP": "127.0.0.1",
+            "PYSPARK_PYTHON": sys.executable, "SPARK_LOG_DIR": str(work),
+            "SPARK_WORKER_OPTS": "-Dspark.decommission.enabled=true"}
+
+
+def add_worker(work: Path, url: str, name: str) -> subprocess.Popen:
+    """One more 1-core worker (3 GB) joining the master at ``url``, in its own session: a host to take away whole
+    (kill_tree), or to decommission (SIGPWR)."""
+    import pyspark
+
+    home = Path(pyspark.__file__).parent
+    return subprocess.Popen(
+        [str(home / "bin" / "spark-class"), "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
+         "--cores", "1", "--memory", "3g", "--webui-port", str(free_port()), "--work-dir", str(work / name), url],
+        env=standalone_env(work), stdout=open(work / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
+        start_new_session=True)
 
 
 def wait_for_workers(ui: int, n: int, procs: list[subprocess.Popen], what: str) -> None:
@@ -262,6 +275,15 @@ def kill_tree(pid: int) -> None:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def decommission(worker: subprocess.Popen) -> None:
+    """A standalone worker told to leave gracefully (SIGPWR): it takes no new executors, and Spark decommissions the
+    ones it runs (with the application's spark.decommission.enabled): their running tasks may finish, no new task
+    goes to them; as a Kubernetes node drained, or a spot instance given notice."""
+    import signal
+
+    os.kill(worker.pid, signal.SIGPWR)
 
 
 def stop_processes(procs: list[subprocess.Popen]) -> None:

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import free_port, kill_tree, start_standalone, stop_processes
+from conftest import add_worker, decommission, kill_tree, start_standalone, stop_processes
 from sparklm.config import from_dict
 from sparklm.launch.train import train
 from sparklm.metrics.sinks import read_metrics
@@ -74,21 +74,6 @@ def test_ddp_goes_on_with_fewer_ranks_when_a_worker_dies_keeping_the_global_batc
     print(f"resized after the kill in {time.time() - t_kill:.1f}s")
 
 
-def _add_worker(work, url: str) -> subprocess.Popen:
-    """One more 1-core worker joining the cluster (as start_standalone starts them)."""
-    import pyspark
-
-    from sparklm.spark.java import find_java_home
-
-    home = pyspark.__file__.rsplit("/", 1)[0]
-    env = {**os.environ, "JAVA_HOME": find_java_home(), "SPARK_HOME": home, "SPARK_LOCAL_IP": "127.0.0.1",
-           "PYSPARK_PYTHON": sys.executable, "SPARK_LOG_DIR": str(work)}
-    return subprocess.Popen([f"{home}/bin/spark-class", "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
-                             "--cores", "1", "--memory", "3g", "--webui-port", str(free_port()), "--work-dir",
-                             str(work / "w-added"), url], env=env, stdout=open(work / "worker-added.log", "wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
-
-
 def test_diloco_rounds_run_on_the_workers_there_are_as_hosts_leave_and_join(spark, dataset, tmp_path):
     settings = {"model": SETTINGS["model"],
                 "train": {**SETTINGS["train"], "max_steps": 120, "checkpoint_every": 0, "strategy": "diloco"},
@@ -115,7 +100,7 @@ def test_diloco_rounds_run_on_the_workers_there_are_as_hosts_leave_and_join(spar
             if "| step 10/" in line:
                 kill_tree(procs[2].pid)  # a host gone
             if "| step 14/" in line:
-                procs.append(_add_worker(work, url))  # a host joins
+                procs.append(add_worker(work, url, "w-added"))  # a host joins
         job.wait(timeout=600)
         err = "".join(lines)
         assert job.returncode == 0, err[-3000:]
@@ -132,3 +117,37 @@ def test_diloco_rounds_run_on_the_workers_there_are_as_hosts_leave_and_join(spar
     bpb = [[r["val_bpb"] for r in read_metrics(d / "metrics.csv") if r["kind"] == "eval"][-1] for d in (run, reference)]
     print("workers per round:", workers, "val bits/byte", bpb[0], "uninterrupted", bpb[1])
     assert bpb[0] <= bpb[1] * 1.01
+
+
+def test_ddp_checkpoints_and_goes_on_smaller_when_an_executor_is_decommissioned(spark, dataset, tmp_path):
+    """Graceful: one worker is told to leave (SIGPWR) and Spark decommissions its executor; the driver asks the ranks
+    to checkpoint at their next step and restarts them on the slot that stays, losing no step's work."""
+    settings = {"model": SETTINGS["model"], "train": {**SETTINGS["train"], "max_steps": 300, "checkpoint_every": 0,
+                                                      "log_every": 10}}
+    work = tmp_path / "cluster"
+    work.mkdir()
+    procs, url, _ = start_standalone(work)
+    try:
+        run = tmp_path / "run"
+        args = [sys.executable, "-m", "sparklm", "train", "--data", dataset, "-o", str(run), "--workers", "1:2",
+                "--master", url, "--conf", "spark.executor.memory=1g", "--conf", "spark.ui.enabled=false",
+                "--conf", "spark.decommission.enabled=true", *_flags(settings)]
+        job = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
+        lines = []
+        for line in job.stderr:
+            lines.append(line)
+            if line.startswith("step 20/"):
+                decommission(procs[2])
+        job.wait(timeout=600)
+        err = "".join(lines)
+        assert job.returncode == 0, err[-3000:]
+    finally:
+        stop_processes(procs)
+    restart = next(x for x in lines if "restarting the ranks" in x)
+    # the only checkpoint is the one the ranks made when asked: the restart resumes from a step past 20
+    step = int(restart.split("checkpoint of step ")[1].split()[0])
+    assert "leaving after the checkpoint of step" in restart and "on 1 ranks (was 2)" in restart and step > 20
+    got = [r for r in read_metrics(run / "metrics.csv") if r["kind"] == "train"]
+    assert [r["step"] for r in got] == [1, *range(10, 301, 10)]  # every step once (a row each 10, and the first)
+    assert {r["workers"] for r in got if r["step"] <= step} == {2} and got[-1]["workers"] == 1

@@ -202,6 +202,20 @@ def test_too_few_slots_is_one_line_before_submitting(spark, dataset, tmp_path):
     assert not (tmp_path / "r").exists()  # nothing written: the same --output works once there are slots
 
 
+def test_an_elastic_run_starts_on_the_slots_there_are_between_min_and_max(spark, dataset, tmp_path):
+    """--workers MIN:MAX on local[2]: 2:4 runs on 2 ranks with the global batch of 4 (twice the accumulation);
+    3:4 is the one slots line, before anything is written."""
+    with pytest.raises(SparklmError, match="needs 3 free Spark task slots at once; this Spark has 2"):
+        train(dataset, output=str(tmp_path / "r"), config=cfg(max_steps=2, workers=4, workers_min=3), spark=spark)
+    assert not (tmp_path / "r").exists()
+    summary = train(dataset, output=str(tmp_path / "e"), spark=spark,
+                    config=cfg(max_steps=3, workers=4, workers_min=2, batch_size=2))
+    assert summary["steps"] == 3
+    got = [r for r in read_metrics(str(tmp_path / "e" / "metrics.csv")) if r["kind"] == "train"]
+    assert {r["workers"] for r in got} == {2}
+    assert got[-1]["tokens"] == 3 * 4 * 2 * 32  # 3 steps of the global batch the plan made for 4 workers
+
+
 # -- secrets ---------------------------------------------------------------------------------------
 
 

@@ -137,6 +137,9 @@ def test_an_elastic_resize_keeps_the_global_batch_and_each_steps_rows(parquet_ro
               for w in range(1, 6)}
     assert shapes == {1: (3, 4), 2: (3, 2), 3: (2, 2), 4: (3, 1), 5: None}
     assert all(resized(full, w).steps == full.steps for w in (1, 2, 3, 4))
+    # an evaluation covers the same rows: eval_batches x micro-batch x workers stays 20 x 3 x 4
+    assert [(lambda t: t.eval_batches * t.batch_size * t.workers)(resized(full, w).config.train)
+            for w in (1, 2, 3, 4)] == [240] * 4
     assert [elastic_world(full, n) for n in (1, 2, 3, 4, 8)] == [1, 2, 3, 4, 4]
     assert elastic_world(_with_min(full, 2), 1) is None  # fewer slots than train.workers_min
 

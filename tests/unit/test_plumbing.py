@@ -96,6 +96,26 @@ def test_rows_travel_from_a_rank_to_the_driver_sinks(tmp_path, capsys):
     assert "step 99" not in err
 
 
+def test_the_driver_asks_rank_0_to_leave_without_disturbing_its_flushes(tmp_path):
+    """Graceful decommission: the driver's unasked LEAVE reaches rank 0, which never waits to look for it, and a
+    flush answer behind it is still read as the answer."""
+    import time
+
+    channel = Channel(CsvSink(str(tmp_path / "metrics.csv"), metric_columns(LM_FIGURES), {"train", "eval"}))
+    sink = ChannelSink(*channel.address, channel.token)
+    sink.write(_train(1))
+    sink.flush()  # the driver knows this rank now
+    t0 = time.monotonic()
+    assert not sink.leaving() and time.monotonic() - t0 < 0.5  # nothing sent: no wait
+    channel.ask_to_leave()
+    sink.write(_train(2))
+    sink.flush()  # LEAVE arrives first, then the answer
+    assert sink.asked_to_leave and sink.leaving()
+    sink.close()
+    channel.close()
+    assert [r["step"] for r in read_metrics(str(tmp_path / "metrics.csv"))] == [1, 2]
+
+
 def test_rewind_keeps_the_rows_up_to_the_checkpoint_and_its_evaluation_only_if_the_checkpoint_holds_it(tmp_path):
     """DDP evaluates before it checkpoints; rounds evaluate a step's weights in the next round, after the checkpoint:
     a run resumed there evaluates them again, so the eval row of the checkpoint's own step goes with the later ones

@@ -274,6 +274,7 @@ class Channel:
         self._threads: list[threading.Thread] = []
         self._conns: dict[socket.socket, bool] = {}  # the open connections: whether each has sent the token
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # answers and LEAVE go to a rank from two threads: whole, one at a time
         self._accept = threading.Thread(target=self._serve, daemon=True)
         self._accept.start()
 
@@ -326,7 +327,9 @@ class Channel:
             try:
                 raw = json.loads(line)
                 if raw.get("kind") == FLUSH:
-                    conn.sendall(self._flush())
+                    answer = self._flush()
+                    with self._send_lock:
+                        conn.sendall(answer)
                     continue
                 row = raw["step"] if raw.get("kind") == REWIND else rows.from_dict(raw)
             except (ValueError, TypeError, KeyError, AttributeError):
@@ -338,6 +341,17 @@ class Channel:
                     self.sink.rewind(row) if isinstance(row, int) else self.sink.write(row)
                 except Exception as e:  # never a traceback from this thread: the launcher reports it
                     self.error = e
+
+    def ask_to_leave(self) -> None:
+        """Tell the ranks (rank 0, which tells the others at its next step) to checkpoint and stop: an executor of
+        the run is being decommissioned, and the run restarts on the executors that stay (DDP.run)."""
+        for conn, member in self._conns.copy().items():
+            if member:
+                with self._send_lock:
+                    try:
+                        conn.sendall(LEAVE)
+                    except OSError:
+                        pass
 
     def _flush(self) -> bytes:
         """A rank asked before a checkpoint: are its rows so far durable? (the answer it waits for)"""
@@ -392,6 +406,7 @@ def _not_recorded(why: str):
 REWIND = "rewind"  # a channel message that is not a row: the driver's sinks forget the rows after its step
 FLUSH = "flush"  # another: the driver makes the rows durable and answers FLUSHED (or NOT_FLUSHED)
 FLUSHED, NOT_FLUSHED = b"flushed\n", b"not flushed\n"
+LEAVE = b"leave\n"  # the driver to rank 0, unasked: an executor of the run is leaving (Spark decommissions it)
 
 
 class ChannelSink:
@@ -409,6 +424,7 @@ class ChannelSink:
         self.file = self.sock.makefile("w", encoding="utf-8")
         self.file.write(token + "\n")
         self.file.flush()
+        self.inbox, self.asked_to_leave = b"", False  # what the driver sent that no call has read yet
 
     def write(self, row: Row) -> None:
         self._send(row.to_dict())
@@ -423,17 +439,37 @@ class ChannelSink:
         its executor is stopped) never answers: the rank then stops here instead of checkpointing steps whose rows
         were lost, which a resumed run would lack."""
         self._send({"kind": FLUSH})
-        answer = b""
-        try:
-            while not answer.endswith(b"\n"):
-                chunk = self.sock.recv(64)
-                if not chunk:
-                    break
-                answer += chunk
-        except OSError:
-            pass
+        answer = self._line(block=True)
         if answer != FLUSHED:
             raise _not_recorded("it stopped answering" if not answer else "it could not write its files")
+
+    def leaving(self) -> bool:
+        """Whether the driver has asked the ranks to checkpoint and stop (Channel.ask_to_leave); never waits."""
+        while not self.asked_to_leave and self._line(block=False):
+            pass
+        return self.asked_to_leave
+
+    def _line(self, *, block: bool) -> bytes:
+        """The driver's next answer (a line; b"" when none came: nothing waiting, or the driver is gone); a LEAVE on
+        the way is noted and read past."""
+        while True:
+            if b"\n" in self.inbox:
+                line, self.inbox = self.inbox.split(b"\n", 1)
+                if line + b"\n" == LEAVE:
+                    self.asked_to_leave = True
+                    if not block:
+                        return LEAVE
+                    continue
+                return line + b"\n"
+            try:
+                chunk = self.sock.recv(64, 0 if block else socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return b""
+            except OSError:
+                return b""
+            if not chunk:
+                return b""
+            self.inbox += chunk
 
     def _send(self, message: dict) -> None:
         try:

@@ -1,4 +1,5 @@
-"""Spark's GPU resources: which GPU a task was handed and how many GPU tasks Spark can run at once.
+"""Spark's resources: which GPU a task was handed, how many GPU tasks Spark can run at once, and which executors
+Spark is decommissioning.
 
 Spark schedules GPUs as a custom resource (``spark.executor.resource.gpu.amount``, ``spark.task.resource.gpu.amount``,
 a discovery script on each worker), as TorchDistributor and RAPIDS use it; local mode schedules none, so there a
@@ -64,3 +65,17 @@ def gpu_slots(spark) -> int:
     # the driver is listed among the executors' infos, except in local mode (handled above)
     executors = max(0, len(sc._jsc.sc().statusTracker().getExecutorInfos()) - 1)
     return executors * int(per_executor // task + 1e-9)
+
+
+def decommissioning(spark) -> set[str]:
+    """The ids of this application's executors that Spark is decommissioning (``spark.decommission.enabled``: a
+    SIGPWR to the executor, as Kubernetes sends before a pod goes, a spot notice, a YARN graceful decommission): their
+    running tasks may finish, and no new task goes to them. Asked through py4j (PySpark has no API for it); a Spark
+    without these methods answers none."""
+    try:
+        sc = spark.sparkContext._jsc.sc()
+        scheduler = sc.taskScheduler()
+        ids = [i for i in sc.getExecutorIds().mkString(",").split(",") if i]
+        return {i for i in ids if scheduler.getExecutorDecommissionState(i).isDefined()}
+    except Exception:  # (py4j errors, a stopped context): nothing known to be leaving
+        return set()

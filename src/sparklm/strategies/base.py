@@ -104,8 +104,9 @@ class RoundSpec:
     base_step: int | None = None  # the update broadcast applies to the weights of this step (None: no update sent)
     initial_digest: str = ""  # round 0 of a lossy codec: the digest of the seeded weights every worker builds itself
     cold: tuple[int, ...] = ()  # workers left out of the last round: their state holds steps that were dropped
-    micro: tuple[int, int] | None = None  # this round's (micro-batch, accumulation) per worker: an elastic run's
-    # share of the global batch on len(shards) workers (plan.resized); None: the plan's
+    micro: tuple[int, int, int] | None = None  # this round's (micro-batch, accumulation, eval_batches) per worker:
+    # an elastic run's share of the global batch (and of the validation rows) on len(shards) workers
+    # (plan.resized); None: the plan's
 
     def fraction(self, i: int) -> float:
         """The run's progress at the round's i-th step (schedule.fraction), its time as the driver projects it: the

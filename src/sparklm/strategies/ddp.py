@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -91,10 +92,12 @@ class DDP:
         channel = Channel(sink, _driver_host(spark))
         restarts = job.config.train.ddp.max_restarts
         before = None  # the last restart's (cause, checkpoint step, ranks)
+        leaving: set[str] = set()  # executors seen decommissioning (each asks the ranks to leave once)
         try:
             for attempt in range(restarts + 1):
                 try:
-                    r = launch(spark, job, channel=(*channel.address, channel.token))
+                    with _watch_decommission(spark, channel, leaving, elastic=bool(full.config.train.workers_min)):
+                        r = launch(spark, job, channel=(*channel.address, channel.token))
                     break
                 except Exception as e:
                     lost = lost_cause(e)
@@ -131,6 +134,35 @@ class DDP:
         # of the N ranks (only the trainable ones: with LoRA, the adapters'; an elastic run: at its last size)
         traffic = int(r.steps * 2 * (job.workers - 1) * 4 * (r.trainable_params or r.params or 0))
         return dataclasses.replace(r, bytes_communicated=traffic)
+
+
+@contextmanager
+def _watch_decommission(spark, channel: Channel, seen: set[str], *, elastic: bool, every: float = 1.0):
+    """While the ranks run: once Spark starts decommissioning an executor not ``seen`` before, ask the ranks to
+    checkpoint and stop (Channel.ask_to_leave), so that an elastic run restarts on the executors that stay having
+    lost no step; a run of fixed size waits for the executor to go."""
+    if not elastic:
+        yield
+        return
+    from ..spark.resources import decommissioning
+
+    stop = threading.Event()
+
+    def watch() -> None:
+        new = set()
+        while not stop.wait(every):
+            new |= decommissioning(spark) - seen
+            if new:  # again at every poll until the attempt ends: rank 0 may connect after the first
+                channel.ask_to_leave()
+        seen.update(new)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
 
 
 SHORT = "free Spark task slots at once"  # a barrier stage that Spark cannot run: too few slots
@@ -391,7 +423,8 @@ def lost_cause(e: Exception) -> str | None:
     """The one-line description of a lost rank or executor in ``e`` (a restart may cure it), else None."""
     if isinstance(e, SparklmError):
         # a rank that died, or one that lost its peer (a dead or stuck rank): a restart may cure both
-        m = re.match(rf"{LOST} \d+ on \S+ (killed by|exited with code)|{LOST} \d+ on \S+: a peer rank stopped", e.message)
+        m = re.match(rf"{LOST} \d+ on \S+ (killed by|exited with code)|{LOST} \d+ on \S+: (a peer rank stopped|leaving)",
+                     e.message)
         return e.message if m else None
     text = str(e)
     if "ExecutorLostFailure" in text or "Python worker exited unexpectedly" in text or "TaskKilled" in text:

@@ -20,6 +20,7 @@ def main() -> None:
     from ..metrics.sinks import ChannelSink
     from ..train import collective
     from ..train.core import Rank, train
+    from ..train.loop import Leaving
     from .base import Job, RankStart
 
     if sys.argv[1:2] == ["--warm"]:  # started before Spark (ddp.DDP.prestart): wait for the task that takes it
@@ -44,6 +45,9 @@ def main() -> None:
     except SparklmError as e:
         print(e.one_line(), file=sys.stderr, flush=True)
         os._exit(2)
+    except Leaving as e:  # checkpointed as the driver asked: the run restarts on the executors that stay
+        print(SparklmError(f"{where}: {e}").one_line(), file=sys.stderr, flush=True)
+        os._exit(3)
     except BaseException as e:  # the traceback stays in this rank's log; the driver shows one line
         traceback.print_exc()
         cause = known_cause(f"{type(e).__name__}: {e}")

@@ -52,7 +52,7 @@ def run_worker(job: Job, worker: int, full: Callable[[], bytes], spec: RoundSpec
     trainer: Trainer = process_local(("rounds", job.uid, gpu), lambda: _trainer(job, gpu))
     base = job.plan.config.train  # an elastic round's share of the global batch, else the plan's
     trainer.tc = tc = base if spec.micro is None else replace(base, batch_size=spec.micro[0],
-                                                              grad_accum=spec.micro[1])
+                                                              grad_accum=spec.micro[1], eval_batches=spec.micro[2])
     codec = Codec(**job.plan.codec)  # decided on the driver
     t0 = time.time()
     trainable = trainer.task.trainable(trainer.model)

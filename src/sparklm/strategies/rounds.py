@@ -215,7 +215,7 @@ class RoundsUnit:
                 bu.destroy()
         return partial, broadcast_s, time.time() - t0, len(payload)
 
-    def sized(self) -> tuple[tuple[tuple[int, int], ...], tuple[int, int] | None]:
+    def sized(self) -> tuple[tuple[tuple[int, int], ...], tuple[int, int, int] | None]:
         """The round's (shards, micro): an elastic run counts Spark's slots now and runs the round on the most
         workers it has slots for (at least ``workers_min``: more tasks than slots queue), each streaming its slice of
         the same global batches; a run of fixed size, its shards and the plan's micro-batch."""
@@ -237,7 +237,7 @@ class RoundsUnit:
             self.rec.note(f"round {self.rnd + 1}: {world} workers (Spark has slots for them now; was {self.present})")
         self.present = world
         train = resized(full, world).config.train
-        return tuple((w, world) for w in range(world)), (train.batch_size, train.grad_accum)
+        return tuple((w, world) for w in range(world)), (train.batch_size, train.grad_accum, train.eval_batches)
 
     def evaluation(self, partial: Partial) -> loop.Evaluation:
         """The evaluation the round's workers made of the weights they received (those of ``self.step``). Each worker

@@ -290,8 +290,11 @@ class RankUnit:
     note_at = loop.NOTE_STEP
 
     def __init__(self, trainer: Trainer, run_dir: str, *, warn: Callable[[str], None],
-                 on_step: Callable[[int], None] | None = None):
+                 on_step: Callable[[int], None] | None = None, leaving: Callable[[], bool] | None = None):
         self.t, self.run_dir, self.warn, self.on_step = trainer, run_dir, warn, on_step
+        # an elastic run's ranks agree after every step whether to leave (rank 0 hears it from the driver)
+        self.leaving = leaving if trainer.tc.workers_min else None
+        self.elastic = bool(trainer.tc.workers_min)
         self.log_every = trainer.tc.log_every
         self.main = trainer.rank.rank == 0
         self.stream: Iterator[Batch] | None = None
@@ -320,8 +323,12 @@ class RankUnit:
         if self.on_step is not None:
             self.on_step(t.state.step)
         mean, acc = t.global_mean(loss, tally)
+        leave = False
+        if self.elastic:  # one flag per step, the same on every rank
+            asked = 1.0 if self.leaving is not None and self.leaving() else 0.0
+            leave = float(t.comm.max(t.device.tensor([asked]))) > 0
         return loop.Advance(tokens=t.plan.tokens_per_step, loss=mean, acc=acc, lr=lr, grad_norm=float(grad_norm),
-                            rss_mb=device.rss_mb())
+                            rss_mb=device.rss_mb(), leave=leave)
 
     def evaluate(self) -> loop.Evaluation:
         return loop.Evaluation(self.t.evaluate())
@@ -362,6 +369,6 @@ def train(config: RunPlan | Config, dataset: PreparedDataset, spec: TokenizerSpe
     tc = trainer.tc
     rec = Recorder(sink if rank.rank == 0 else None, tc, strategy=tc.strategy, workers=rank.world,
                    epoch_tokens=dataset.manifest["splits"]["train"]["tokens"], figures=trainer.task.figure_set)
-    unit = RankUnit(trainer, run_dir, warn=rec.warn, on_step=on_step)
+    unit = RankUnit(trainer, run_dir, warn=rec.warn, on_step=on_step, leaving=getattr(sink, "leaving", None))
     schedule = Schedule(trainer.plan.total_steps, tc.eval_every, tc.checkpoint_every, tc.time_budget)
     return loop.run(unit, rec, schedule, keep_best=tc.keep_best, info={"threads": rank.threads})

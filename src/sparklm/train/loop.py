@@ -50,6 +50,7 @@ class Advance:
     rows: tuple = ()  # the unit's own rows, after the train row (a round's row)
     warnings: tuple[str, ...] = ()
     workers: int = 0  # the workers that trained these steps (a round's; 0: the run's)
+    leave: bool = False  # every worker agreed to stop after these steps (an executor is leaving): checkpoint, stop
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,16 @@ class Unit(Protocol):
         ...
 
 
+class Leaving(Exception):
+    """The workers stopped after their checkpoint of ``step``, as asked: an executor of the run is leaving (Spark
+    decommissions it), and the run goes on from that checkpoint on the executors that stay."""
+
+    def __init__(self, step: int):
+        super().__init__(f"leaving after the checkpoint of step {step} (an executor of the run is being "
+                         "decommissioned)")
+        self.step = step
+
+
 @dataclass
 class _Run:
     """The loop's state: its position, the best weights kept, and the last train row's time, tokens and step."""
@@ -143,6 +154,7 @@ def run(unit: Unit, rec: Recorder, schedule: Schedule, *, keep_best: bool, info:
         after = before + schedule.unit(before, unit.size)
         ckpt = schedule.checkpoint(before, after)
         adv = unit.advance(after - before, done=done, evaluate=r.pos.pending_eval, checkpoint=ckpt)
+        ckpt = ckpt or adv.leave
         if not rec.has_facts:
             rec.info(unit.facts() or {}, schedule.total_steps, **info)
         stop = False
@@ -163,6 +175,8 @@ def run(unit: Unit, rec: Recorder, schedule: Schedule, *, keep_best: bool, info:
             rec.flush()  # the rows of the units it holds first: a resume from it must find them
             unit.save(Position(after, r.pos.tokens, time.time() - r.started, r.pos.pending_eval), rec.best,
                       r.best_weights)
+        if adv.leave:
+            raise Leaving(after)
         if stop and rec.should_stop(unit.where()):
             break
     return _finish(unit, rec, r, keep_best)

@@ -82,7 +82,11 @@ def resized(plan: RunPlan, world: int) -> RunPlan | None:
         return None
     share = rows // world
     micro = max(b for b in range(1, min(tc.batch_size, share) + 1) if share % b == 0)
-    train = replace(tc, workers=world, batch_size=micro, grad_accum=share // micro)
+    accum = share // micro
+    # an evaluation scores the same validation rows on any world (eval_batches counts a worker's micro-batches;
+    # the workers' parts of the split interleave, so the same total is the same rows)
+    evals = -(-tc.eval_batches * accum // tc.grad_accum) if tc.eval_batches else 0
+    train = replace(tc, workers=world, batch_size=micro, grad_accum=accum, eval_batches=evals)
     return replace(plan, config=plan.config.replace(train=train))
 
 
