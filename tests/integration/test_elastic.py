@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -117,6 +118,10 @@ def test_diloco_rounds_run_on_the_workers_there_are_as_hosts_leave_and_join(spar
     bpb = [[r["val_bpb"] for r in read_metrics(d / "metrics.csv") if r["kind"] == "eval"][-1] for d in (run, reference)]
     print("workers per round:", workers, "val bits/byte", bpb[0], "uninterrupted", bpb[1])
     assert bpb[0] <= bpb[1] * 1.01
+    from sparklm.metrics.html_report import write_report
+
+    html = Path(write_report(str(run))).read_text()
+    assert "workers training" in html  # the report draws the world size over time
 
 
 def test_ddp_checkpoints_and_goes_on_smaller_when_an_executor_is_decommissioned(spark, dataset, tmp_path):

@@ -268,6 +268,8 @@ def run_charts(run: RunData) -> list[str]:
                     extra=_worker_peaks(train)),
         _step_chart(train, "gradient norm", "norm (before clipping)", [("grad_norm", "")]),
     ]
+    if len({r.get("workers") for r in train if r.get("workers")}) > 1:  # an elastic run whose world size changed
+        out.append(_step_chart(train, "workers", "workers training", [("workers", "")]))
     return out
 
 
