@@ -330,30 +330,24 @@ def check_shakespeare(work, spec_unused, args, out: dict) -> None:
     spec = tokenizer.train([text], TokenizerConfig(vocab_size=1024))
     seq = 256
     ds = dataset(work / "shakespeare", spec, text, seq)
-    cut = len(spec.tokenizer().encode(text, add_special_tokens=False).ids) // seq * seq
-    ids = spec.tokenizer().encode(text, add_special_tokens=False).ids[:cut]
-    val_ids = ids[int(len(ids) // seq * 0.9) * seq:]
+    # the validation split's tokens and the bytes they decode to: bits per byte from nats per token
+    ids = spec.tokenizer().encode(text, add_special_tokens=False).ids
+    rows = len(ids) // seq
+    val_ids = ids[int(rows * 0.9) * seq:rows * seq]
     val_bytes = len(spec.tokenizer().decode(val_ids).encode("utf-8"))
     model = {"arch": "llama", "n_layer": 6, "n_embd": 384, "n_head": 6}
     kind = "cuda" if CUDA else "cpu"
     raw = settings(model, kind, "bfloat16" if CUDA else "float32", 0, 64, time_budget=args.budget,
                    compile=CUDA and not args.eager, lr=3e-3, warmup_steps=50, log_every=5)
     raw["train"]["eval_batches"] = 1_000
-    config = from_dict(raw)
-    plan = local(config, ds, threads=config.train.threads)
-    run = Path(tempfile.mkdtemp(dir=work))
-    sinks = Sinks([CsvSink(str(run / "metrics.csv"), metric_columns(LM_FIGURES), {"train", "eval"})])
-    t0 = time.time()
-    train(plan, ds, spec, str(run), rank=Rank(threads=plan.threads), sink=sinks)
-    sinks.close()
-    wall = time.time() - t0
+    r = run_training(work, ds, spec, raw)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"shakespeare_metrics{'_eager' if args.eager else ''}.csv").write_bytes((run / "metrics.csv").read_bytes())
-    evals = [r for r in read_metrics(run / "metrics.csv") if r["kind"] == "eval"]
-    nats = evals[-1]["val_loss"]
-    bpb = nats * len(val_ids) / val_bytes / np.log(2)
-    out["shakespeare"] = {"device": kind, "budget_s": args.budget, "wall_s": wall, "val_loss": nats,
-                          "bits_per_byte": float(bpb), "steps": evals[-1].get("step"), "vocab": spec.vocab_size}
+    metrics = Path(r["run"]) / "metrics.csv"
+    (Path(args.out) / f"shakespeare_metrics{'_eager' if args.eager else ''}.csv").write_bytes(metrics.read_bytes())
+    last = [row for row in read_metrics(metrics) if row["kind"] == "eval"][-1]
+    bpb = last["val_loss"] * len(val_ids) / val_bytes / np.log(2)
+    out["shakespeare"] = {"device": kind, "budget_s": args.budget, "wall_s": r["wall_s"], "val_loss": last["val_loss"],
+                          "bits_per_byte": float(bpb), "steps": last.get("step"), "vocab": spec.vocab_size}
 
 
 def save(out: dict, where: str) -> None:

@@ -37,6 +37,15 @@ def _flags(settings: dict = SETTINGS) -> list[str]:
     return out
 
 
+def _launch(dataset: str, run, url: str, settings: dict = SETTINGS, *extra: str) -> subprocess.Popen:
+    """``sparklm train --workers 1:2`` on the cluster at ``url``, its progress lines readable from ``stderr``."""
+    args = [sys.executable, "-m", "sparklm", "train", "--data", dataset, "-o", str(run), "--workers", "1:2",
+            "--master", url, "--conf", "spark.executor.memory=1g", "--conf", "spark.ui.enabled=false",
+            *extra, *_flags(settings)]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
+
+
 def test_ddp_goes_on_with_fewer_ranks_when_a_worker_dies_keeping_the_global_batch(spark, dataset, tmp_path):
     reference = tmp_path / "reference"  # uninterrupted, two ranks (local mode)
     train(dataset, output=str(reference), spark=spark,
@@ -47,12 +56,9 @@ def test_ddp_goes_on_with_fewer_ranks_when_a_worker_dies_keeping_the_global_batc
     procs, url, _ = start_standalone(tmp_path / "cluster")
     try:
         run = tmp_path / "run"
-        args = [sys.executable, "-m", "sparklm", "train", "--data", dataset, "-o", str(run), "--workers", "1:2",
-                "--master", url, "--conf", "spark.executor.memory=1g", "--conf", "spark.ui.enabled=false", *_flags(),
-                # rank 1 stops after step 6 (its first launch only), so that the host goes while the run is in flight
-                "--conf", "spark.executorEnv.SPARKLM_INJECT_RANK_FAULT=rank=1,step=6,at=hang"]
-        job = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
+        # rank 1 stops after step 6 (its first launch only), so that the host goes while the run is in flight
+        job = _launch(dataset, run, url, SETTINGS,
+                      "--conf", "spark.executorEnv.SPARKLM_INJECT_RANK_FAULT=rank=1,step=6,at=hang")
         deadline = time.time() + 300
         while not (run / "checkpoints" / "step-0000004").exists():
             assert job.poll() is None and time.time() < deadline, job.communicate()[1][-3000:]
@@ -90,11 +96,7 @@ def test_diloco_rounds_run_on_the_workers_there_are_as_hosts_leave_and_join(spar
     procs, url, _ = start_standalone(work)
     try:
         run = tmp_path / "run"
-        args = [sys.executable, "-m", "sparklm", "train", "--data", dataset, "-o", str(run), "--workers", "1:2",
-                "--master", url, "--conf", "spark.executor.memory=1g", "--conf", "spark.ui.enabled=false",
-                *_flags(settings)]
-        job = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
+        job = _launch(dataset, run, url, settings)
         lines = []
         for line in job.stderr:  # the progress lines: a train row per round
             lines.append(line)
@@ -134,11 +136,7 @@ def test_ddp_checkpoints_and_goes_on_smaller_when_an_executor_is_decommissioned(
     procs, url, _ = start_standalone(work)
     try:
         run = tmp_path / "run"
-        args = [sys.executable, "-m", "sparklm", "train", "--data", dataset, "-o", str(run), "--workers", "1:2",
-                "--master", url, "--conf", "spark.executor.memory=1g", "--conf", "spark.ui.enabled=false",
-                "--conf", "spark.decommission.enabled=true", *_flags(settings)]
-        job = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
+        job = _launch(dataset, run, url, settings, "--conf", "spark.decommission.enabled=true")
         lines = []
         for line in job.stderr:
             lines.append(line)

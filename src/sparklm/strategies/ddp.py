@@ -174,7 +174,7 @@ def sized(spark, job: Job, full, wait: float) -> Job:
     size, which needs every slot (one line if they are not there); an elastic run (``train.workers_min``) waits up to
     ``wait`` seconds (none in local mode) for the slots of its most ranks, then takes the most it can run, keeping
     the global batch (plan.resized)."""
-    from ..train.plan import elastic_world, resized
+    from ..train.plan import elastic_world, world_for
 
     tc = full.config.train
     if not tc.workers_min or tc.workers_min >= tc.workers:
@@ -182,19 +182,10 @@ def sized(spark, job: Job, full, wait: float) -> Job:
         return dataclasses.replace(job, config=full.config, workers=full.workers, plan=full)
     check_slots(spark, tc.workers_min, full.device)  # the fewest, or one line (a cluster: after executors register)
     deadline = time.time() + (0.0 if re.match(r"local(\[|$)", spark.sparkContext.master) else wait)
-    while True:
-        world = elastic_world(full, available(spark, full.device))
-        if world == tc.workers or time.time() >= deadline:
-            break
+    while elastic_world(full, slots := available(spark, full.device)) != tc.workers and time.time() < deadline:
         time.sleep(1.0)
-    if world is None:
-        raise SparklmError(f"no number of ranks between train.workers_min {tc.workers_min} and train.workers "
-                           f"{tc.workers} that this Spark can run splits the global batch of "
-                           f"{full.steps.rows_per_step} rows evenly",
-                           hint="choose a global batch (batch_size x grad_accum x workers) that the ranks you "
-                                "expect divide, e.g. a power of two")
-    plan = resized(full, world)
-    return dataclasses.replace(job, config=plan.config, workers=world, plan=plan)
+    plan = world_for(full, slots)
+    return dataclasses.replace(job, config=plan.config, workers=plan.workers, plan=plan)
 
 
 def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> RunResult:

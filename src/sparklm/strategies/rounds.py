@@ -222,22 +222,17 @@ class RoundsUnit:
         if not self.elastic:
             self.present = len(self.shards)
             return self.shards, None
-        from ..train.plan import elastic_world, resized
+        from ..train.plan import world_for
         from .ddp import available
 
         full = self.job.plan
-        world = elastic_world(full, max(available(self.spark, full.device), self.tc.workers_min))
-        if world is None:
-            raise SparklmError(f"no number of workers between train.workers_min {self.tc.workers_min} and "
-                               f"train.workers {self.job.workers} splits the global batch of "
-                               f"{full.steps.rows_per_step} rows evenly",
-                               hint="choose a global batch (batch_size x grad_accum x workers) that the workers you "
-                                    "expect divide, e.g. a power of two")
-        if world != self.present:
-            self.rec.note(f"round {self.rnd + 1}: {world} workers (Spark has slots for them now; was {self.present})")
-        self.present = world
-        train = resized(full, world).config.train
-        return tuple((w, world) for w in range(world)), (train.batch_size, train.grad_accum, train.eval_batches)
+        train = world_for(full, max(available(self.spark, full.device), self.tc.workers_min)).config.train
+        if train.workers != self.present:
+            self.rec.note(f"round {self.rnd + 1}: {train.workers} workers (Spark has slots for them now; was "
+                          f"{self.present})")
+        self.present = train.workers
+        return (tuple((w, train.workers) for w in range(train.workers)),
+                (train.batch_size, train.grad_accum, train.eval_batches))
 
     def evaluation(self, partial: Partial) -> loop.Evaluation:
         """The evaluation the round's workers made of the weights they received (those of ``self.step``). Each worker

@@ -293,8 +293,7 @@ class RankUnit:
                  on_step: Callable[[int], None] | None = None, leaving: Callable[[], bool] | None = None):
         self.t, self.run_dir, self.warn, self.on_step = trainer, run_dir, warn, on_step
         # an elastic run's ranks agree after every step whether to leave (rank 0 hears it from the driver)
-        self.leaving = leaving if trainer.tc.workers_min else None
-        self.elastic = bool(trainer.tc.workers_min)
+        self.leaving = leaving
         self.log_every = trainer.tc.log_every
         self.main = trainer.rank.rank == 0
         self.stream: Iterator[Batch] | None = None
@@ -324,7 +323,7 @@ class RankUnit:
             self.on_step(t.state.step)
         mean, acc = t.global_mean(loss, tally)
         leave = False
-        if self.elastic:  # one flag per step, the same on every rank
+        if t.tc.workers_min:  # an elastic run: one flag per step, the same on every rank
             asked = 1.0 if self.leaving is not None and self.leaving() else 0.0
             leave = float(t.comm.max(t.device.tensor([asked]))) > 0
         return loop.Advance(tokens=t.plan.tokens_per_step, loss=mean, acc=acc, lr=lr, grad_norm=float(grad_norm),

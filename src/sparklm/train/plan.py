@@ -100,6 +100,19 @@ def elastic_world(plan: RunPlan, slots: int) -> int | None:
     return None
 
 
+def world_for(plan: RunPlan, slots: int) -> RunPlan:
+    """``plan`` resized to :func:`elastic_world`'s number of workers for ``slots``; one line when there is none."""
+    world = elastic_world(plan, slots)
+    if world is None:
+        tc = plan.config.train
+        raise SparklmError(f"no number of workers between train.workers_min {tc.workers_min} and train.workers "
+                           f"{tc.workers} that this Spark can run splits the global batch of "
+                           f"{plan.steps.rows_per_step} rows evenly",
+                           hint="choose a global batch (batch_size x grad_accum x workers) that the workers you "
+                                "expect divide, e.g. a power of two")
+    return resized(plan, world)
+
+
 def settle(config: Config, *, threads: int, vocab: int, context: int, train_tokens: int, master: str,
            resume: bool, spark=None) -> tuple[Config, str | None]:
     """``config`` with every automatic setting decided — the device for ``master`` (and ``spark``, a running
