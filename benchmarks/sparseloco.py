@@ -31,27 +31,29 @@ MODEL = ["--set", "model.n_layer=2", "--set", "model.n_embd=128", "--set", "mode
          "--set", "train.batch_size=2"]
 
 
-def sparse(h: int, density: float, beta: float, over: str = "senders") -> list[str]:
+def sparse(h: int, density: float, beta: float, bits: int = 2, over: str = "senders") -> list[str]:
     return ["--strategy", "diloco", "--sync-every", str(h), "--codec", "topk",
-            "--set", f"train.rounds.density={density}", "--set", "train.rounds.bits=2",
+            "--set", f"train.rounds.density={density}", "--set", f"train.rounds.bits={bits}",
             "--set", "train.rounds.outer_momentum=0.0", "--set", "train.rounds.outer_lr=1.0",
             "--set", f"train.rounds.residual_decay={beta}", "--set", 'train.rounds.downlink="forward"',
             "--set", f'train.rounds.average_over="{over}"']
 
 
-def contenders(h: int, density: float) -> dict[str, list[str]]:
+def contenders(h: int, density: float, bits: int) -> dict[str, list[str]]:
+    tag = f"sparse-H{h}-1/{1 / density:.0f}-{bits}bit"
     return {
         "ddp": [],
         "ddp-seed1": ["--set", "train.seed=1"],
         f"dense-int4-H{h}": ["--strategy", "diloco", "--sync-every", str(h)],
-        f"sparse-H{h}-b0.95": sparse(h, density, 0.95),
-        f"sparse-H{h}-b0.8": sparse(h, density, 0.8),
-        f"sparse-H{h}-b0.95-old-divisor": sparse(h, density, 0.95, "all"),
+        f"{tag}-b0.95": sparse(h, density, 0.95, bits),
+        f"{tag}-b1.0": sparse(h, density, 1.0, bits),
+        f"{tag}-b0.8": sparse(h, density, 0.8, bits),
+        f"{tag}-b0.95-old-divisor": sparse(h, density, 0.95, bits, "all"),
     }
 
 
 def run(name: str, flags: list[str], data: Path, work: Path, steps: int, corpus: str) -> dict:
-    out = work / f"sparseloco-{corpus}" / name
+    out = work / f"sparseloco-{corpus}" / name.replace("/", "_")
     subprocess.run(["rm", "-rf", str(out)], check=True)
     t0 = time.time()
     r = subprocess.run([sys.executable, "-m", "sparklm", "train", "--data", str(data), "-o", str(out),
@@ -93,6 +95,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2048)
     ap.add_argument("--sync-every", type=int, default=16)
     ap.add_argument("--density", type=float, default=1 / 64, help="share of each 64×64 tile sent")
+    ap.add_argument("--bits", type=int, default=2, help="bits per value sent: its sign and a magnitude bin")
     ap.add_argument("--corpus", choices=("tinyshakespeare", "wikitext2"), default="tinyshakespeare")
     ap.add_argument("--only", nargs="*", help="these contenders only")
     ap.add_argument("--work", default=str(ROOT / ".bench"))
@@ -103,7 +106,7 @@ def main() -> None:
     results = json.loads(saved.read_text()) if saved.is_file() else {}
     if not args.table_only:
         data = prepared(work, args.corpus)
-        for name, flags in contenders(args.sync_every, args.density).items():
+        for name, flags in contenders(args.sync_every, args.density, args.bits).items():
             if args.only and name not in args.only:
                 continue
             results[name] = run(name, flags, data, work, args.steps, args.corpus)

@@ -254,8 +254,9 @@ class RoundsConfig:
         "auto", "a lossy codec: what the driver sends the workers after its outer step: codec (the step encoded with "
                 "the same codec, the driver keeping what it did not send for the next step; every worker applies "
                 "exactly what the driver applies), exact (the weights that changed, in float32, or the whole weights "
-                "when that is smaller), forward (topk: the workers' own payloads, from which every side takes the same "
-                "plain SGD step, as SparseLoCo's all-gather; needs outer_momentum 0), or auto: codec for "
+                "when that is smaller), forward (topk: each worker is sent the other workers' payloads, as SparseLoCo's "
+                "all-gather, and every side takes the same plain SGD step from them; needs outer_momentum 0), or auto: "
+                "codec for "
                 "int8/int4/int2/bf16, exact for topk (BENCHMARKS.md)")
     average_over: Literal["senders", "all"] = _f(
         "senders", "topk: each value of the workers' average divided by the weights of the workers that sent it "

@@ -14,11 +14,16 @@ from sparklm.strategies.codec import (
     apply_update,
     decode,
     encode_forward,
+    forward_without,
     from_bf16,
+    own_needed,
     pack_bits,
+    rice_bits,
     sent_mask,
     sparse_mean,
     to_bf16,
+    unary_decode,
+    unary_encode,
     unpack_bits,
 )
 
@@ -79,8 +84,8 @@ def test_topk_keeps_each_tiles_largest_values(x, density, side):
 
 
 def test_topk_two_bits_is_compact_and_within_its_levels():
-    """Per tensor: a matrix in 64×64 tiles, 12-bit positions, a sign and one of two magnitudes per kept value; a
-    vector or scalar whole."""
+    """Per tensor: a matrix in 64×64 tiles, Rice-coded positions (under 8 bits each at 1/32 of a tile, where a plain
+    position takes 12), a sign and one of two magnitudes per kept value; a vector or scalar whole."""
     g = np.random.default_rng(1)
     d = {"w": g.standard_normal((256, 192)).astype(np.float32) * 1e-3, "e": g.standard_normal((300, 64)).astype(np.float32),
          "b": g.standard_normal(17).astype(np.float32), "s": np.array(0.5, np.float32)}
@@ -91,7 +96,7 @@ def test_topk_two_bits_is_compact_and_within_its_levels():
     assert np.array_equal(got["b"], d["b"]) and got["s"] == d["s"] and sent["b"].all()
     kept = sum(int(sent[m].sum()) for m in ("w", "e"))  # 12 tiles of w, 5 of e (its last row of tiles padded)
     assert kept == 17 * 128
-    assert len(payload) <= kept * (12 + 2) / 8 + 4 * (17 + 1 + 2 * 2) + 1024  # positions, codes, vectors, header
+    assert len(payload) <= kept * (8 + 2) / 8 + 4 * (17 + 1 + 2 * 2) + 1024  # positions, codes, vectors, header
     for name in ("w", "e"):
         kept = sent[name]
         assert kept.sum() == codec.kept() * (-(-d[name].shape[0] // 64)) * (-(-d[name].shape[1] // 64))
@@ -122,13 +127,23 @@ def test_the_forwarded_payloads_give_every_side_the_same_weights():
     held = {"x": g.standard_normal((70, 130)).astype(np.float32), "v": g.standard_normal(9).astype(np.float32)}
     deltas = [{n: g.standard_normal(a.shape).astype(np.float32) for n, a in held.items()} for _ in range(3)]
     payloads = [Codec("topk", density=0.02, bits=2).encode(d) for d in deltas]
-    bundle = encode_forward(payloads, [1.0, 0.9, 1.0], lr=1.0, senders=True)
+    bundle = encode_forward(payloads, [1.0, 0.9, 1.0], workers=[0, 2, 3], lr=1.0, senders=True)
     driver = apply_update(held, bundle)
     worker = apply_update({n: a.copy() for n, a in held.items()}, bytes(bundle))
     assert all(np.array_equal(driver[n], worker[n]) for n in held)
     mean = sparse_mean(payloads, [1.0, 0.9, 1.0])
     assert all(np.array_equal(driver[n], held[n] - mean[n]) for n in held)
     assert len(bundle) < sum(len(p) for p in payloads) + 1024
+    # an all-gather: worker 2 reads the others' payloads and puts back its own, and ends bit for bit where all do
+    mine = forward_without(bundle, 2)
+    assert own_needed(mine) and len(mine) < len(bundle) - len(payloads[1]) + 256
+    got = apply_update({n: a.copy() for n, a in held.items()}, mine, own=payloads[1])
+    assert all(np.array_equal(driver[n], got[n]) for n in held)
+    with pytest.raises(ValueError, match="own payload"):
+        apply_update(held, mine, own=payloads[0])
+    with pytest.raises(ValueError, match="own payload"):
+        apply_update(held, mine)
+    assert forward_without(bundle, 1) == bundle and own_needed(bundle) is None  # worker 1 sent nothing: all
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16", "int8", "int4", "int2", "topk"])
@@ -138,6 +153,30 @@ def test_every_codec_is_deterministic_and_smaller_than_the_last(name):
     assert a == b  # a retried task sends the same bytes
     sizes = {c: len(Codec(c).encode(d)) for c in ("fp32", "bf16", "int8", "int4", "int2", "topk")}
     assert sizes["fp32"] > sizes["bf16"] > sizes["int8"] > sizes["int4"] > sizes["int2"] > sizes["topk"]
+
+
+@given(st.lists(st.integers(0, 300), max_size=200))
+def test_unary_round_trips_and_a_short_stream_is_refused(values):
+    q = np.array(values, np.int64)
+    packed = unary_encode(q)
+    assert len(packed) == -(-(int(q.sum()) + len(q)) // 8)
+    assert np.array_equal(unary_decode(packed, len(q)), q)
+    with pytest.raises(ValueError, match="damaged"):
+        unary_decode(packed, len(q) + 1)
+
+
+@pytest.mark.parametrize("size,k", [(4096, 64), (4096, 128), (4096, 4096), (12, 1), (1, 1), (100, 3), (1024, 16)])
+def test_rice_positions_beat_plain_ones_at_low_density(size, k):
+    """The Rice parameter never costs more low bits than a plain position, and positions of ``k`` of ``size`` (drawn
+    at random, as Top-k's are near enough) take fewer bits than plain ones once k is a few percent of the tile."""
+    plain = max(1, (size - 1).bit_length())
+    b = rice_bits(size, k)
+    assert 0 <= b <= plain
+    idx = np.sort(np.random.default_rng(size + k).choice(size, k, replace=False))
+    gaps = np.diff(idx, prepend=-1) - 1
+    cost = k * (b + 1) + int((gaps >> b).sum())
+    if 16 <= k <= size // 32:  # (a handful of positions gains less: the stream's last gap is long)
+        assert cost < 0.8 * k * plain
 
 
 @given(st.integers(1, 16), st.lists(st.integers(0, 65535), min_size=1, max_size=200))

@@ -101,7 +101,7 @@ class RoundSpec:
     time_frac_per_step: float
     shards: tuple[tuple[int, int], ...]  # worker w streams slice shards[w][0] of shards[w][1] of each global batch
     inner_from: str = ""  # a checkpoint to take inner optimizer states from (the first round after --resume)
-    base_step: int | None = None  # the update broadcast applies to the weights of this step (None: no update sent)
+    base_step: int | None = None  # the round's update applies to the weights of this step (None: no update sent)
     initial_digest: str = ""  # round 0 of a lossy codec: the digest of the seeded weights every worker builds itself
     cold: tuple[int, ...] = ()  # workers left out of the last round: their state holds steps that were dropped
     micro: tuple[int, int, int] | None = None  # this round's (micro-batch, accumulation, eval_batches) per worker:
@@ -138,10 +138,11 @@ class WorkerResult:
     rss_mb: float = 0.0
     peak_rss_mb: float = 0.0
     delta_bytes: int = 0  # what the worker sent back (its encoded delta)
-    fetched_bytes: int = 0  # what it read of the round's broadcast: the whole weights, or the update to its copy
     eval_sums: tuple[float, ...] | None = None
     facts: dict[str, Any] | None = None  # worker 0, first round: params, FLOPs/token, peak, dtype
     error: str | None = None  # set when the worker's last attempt failed
+    stale: bool = False  # it held neither the weights the round's update applies to nor its own last payload, and
+    # was given no whole weights: it did nothing, and the driver runs it again with them
 
     @property
     def mean_loss(self) -> float:

@@ -9,10 +9,13 @@ Codecs (``train.rounds.codec``):
   above half the block's largest; error feedback carries the rest until they are), the scale kept in bfloat16;
 - ``topk``: SparseLoCo's sparse deltas (Sarfi et al. 2025), tensor by tensor: a matrix (any tensor of 2+
   dimensions, as rows × last dimension) cut into tiles of ``chunk``×``chunk`` values (the matrix's own size where it
-  is smaller), the ``density``·tile largest magnitudes of each tile kept with their position in the tile (12 bits
-  in a 64×64 tile), and each value sent as its sign and the mean of its magnitude's bin, in one codebook per tensor
+  is smaller), the ``density``·tile largest magnitudes of each tile kept with their position in the tile, and each
+  value sent as its sign and the mean of its magnitude's bin, in one codebook per tensor
   (2^``bits`` levels: the kept magnitudes cut in equal-count bins; ``bits = 32`` keeps them in float32). Vectors (norms,
-  biases: a few hundred values each) go whole in float32. :func:`sent_mask` says which values a payload carries, so
+  biases: a few hundred values each) go whole in float32. Positions are Rice-coded: a tile's sorted positions as the
+  gaps between them, each gap's low bits in fixed width and its high bits in unary (~8 bits a position at 1/64 of a
+  64×64 tile, against 12 written plainly; numpy decodes the unary stream in one pass, where a general entropy coder
+  would need a loop per value). :func:`sent_mask` says which values a payload carries, so
   an average over workers can count, per value, only those that sent it (:func:`sparse_mean`).
 
 Every encoding is deterministic (the same array gives the same bytes: a retried task sends what its first
@@ -23,6 +26,7 @@ is a safetensors file (numpy), its metadata naming the codec and each array's sh
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -73,7 +77,8 @@ class Codec:
             pieces = [self._enc_tensor(np.asarray(arrays[n], np.float32)) for n in names]
             parts = {k: np.concatenate([p[k] for p in pieces if k in p] or [np.zeros(0, dt)])
                      for k, dt in (("d", np.float32), ("i", np.uint8), ("c", np.float32), ("q", np.uint8),
-                                   ("v", np.float32))}
+                                   ("v", np.float32), ("u", np.int64))}
+            parts["u"] = unary_encode(parts["u"])  # every tensor's gap quotients in one bit stream
             return save(parts, metadata=meta)
         flat = np.concatenate([np.ascontiguousarray(arrays[n], np.float32).reshape(-1) for n in names]) if names \
             else np.zeros(0, np.float32)
@@ -130,7 +135,7 @@ class Codec:
             return {"d": size}
         rows, cols, tr, tc = self.tiles(shape)
         n = -(-rows // tr) * -(-cols // tc) * self.kept(tr * tc)
-        out = {"i": -(-n * _position_bits(tr * tc) // 8)}
+        out = {"i": -(-n * rice_bits(tr * tc, self.kept(tr * tc)) // 8), "u": n}  # u: quotients, not bytes
         if self.bits == 32:
             return {**out, "v": n}
         return {**out, "c": max(1, 2 ** self.bits // 2), "q": n if self.bits == 8 else -(-n * self.bits // 8)}
@@ -144,7 +149,9 @@ class Codec:
         # the k largest magnitudes of each tile, in position order (a stable sort: ties go to the earlier position)
         idx = np.sort(np.argsort(-np.abs(t), axis=1, kind="stable")[:, :k], axis=1)
         vals = np.take_along_axis(t, idx, axis=1).reshape(-1)
-        parts = {"i": pack_bits(idx.reshape(-1), _position_bits(tr * tc))}
+        gaps = np.diff(idx, axis=1, prepend=-1).reshape(-1) - 1  # sorted positions as the gaps between them
+        b = rice_bits(tr * tc, k)
+        parts = {"i": pack_bits(gaps & ((1 << b) - 1), b) if b else np.zeros(0, np.uint8), "u": gaps >> b}
         if self.bits == 32:
             return {**parts, "v": vals}
         book, codes = _codebook(vals, 2 ** self.bits)
@@ -157,7 +164,12 @@ class Codec:
         rows, cols, tr, tc = self.tiles(shape)
         count = -(-rows // tr) * -(-cols // tc)
         k = self.kept(tr * tc)
-        idx = unpack_bits(parts["i"], _position_bits(tr * tc), count * k).astype(np.int64).reshape(count, k)
+        b = rice_bits(tr * tc, k)
+        low = unpack_bits(parts["i"], b, count * k).astype(np.int64) if b else 0
+        gaps = (parts["u"].astype(np.int64) << b) + low  # u: the gaps' quotients (decoded by the caller)
+        idx = (np.cumsum(gaps.reshape(count, k) + 1, axis=1) - 1)
+        if idx.size and (idx.min() < 0 or idx.max() >= tr * tc):
+            raise ValueError("a topk payload's positions fall outside their tile: the payload is damaged")
         if "v" in parts:
             vals = parts["v"]
         else:
@@ -184,8 +196,27 @@ def _from_tiles(t: np.ndarray, rows: int, cols: int, tr: int, tc: int) -> np.nda
     return t.reshape(pr // tr, pc // tc, tr, tc).transpose(0, 2, 1, 3).reshape(pr, pc)[:rows, :cols]
 
 
-def _position_bits(size: int) -> int:
-    return max(1, int(size - 1).bit_length())
+def rice_bits(size: int, k: int) -> int:
+    """Low bits written plainly per gap between ``k`` sorted positions of ``size``: Rice's parameter for gaps of mean
+    size/k (about log2 of 0.69 × the mean gap, the best for geometric gaps), never more than a plain position."""
+    mean = size / max(k, 1)
+    return max(0, min(int(size - 1).bit_length(), int(np.floor(np.log2(max(0.69 * mean, 1.0))))))
+
+
+def unary_encode(q: np.ndarray) -> np.ndarray:
+    """Non-negative integers in unary, packed little-endian: each ``v`` as ``v`` zero bits and a one."""
+    q = np.asarray(q, np.int64)
+    bits = np.zeros(int(q.sum()) + len(q), np.uint8)
+    bits[np.cumsum(q + 1) - 1] = 1
+    return np.packbits(bits, bitorder="little")
+
+
+def unary_decode(packed: np.ndarray, n: int) -> np.ndarray:
+    """The first ``n`` integers of a :func:`unary_encode` stream (every value ends at a one bit: one pass)."""
+    ends = np.flatnonzero(np.unpackbits(packed, bitorder="little"))[:n]
+    if len(ends) < n:
+        raise ValueError("a topk payload's position stream is short: the payload is damaged")
+    return np.diff(ends, prepend=-1) - 1
 
 
 def _codebook(vals: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
@@ -225,11 +256,13 @@ def _decoded(payload: bytes) -> tuple[dict[str, np.ndarray], dict[str, np.ndarra
     meta = json.loads(_metadata(payload)["codec"])
     codec = Codec(name=meta["name"], density=meta["density"], bits=meta["bits"], chunk=meta["chunk"])
     if codec.name == "topk":
-        parts, at = load(payload), dict.fromkeys("dicqv", 0)
+        parts, at = load(payload), dict.fromkeys("dicqvu", 0)
+        sizes = {name: codec.part_sizes(shape) for name, shape in meta["shapes"].items()}
+        parts["u"] = unary_decode(parts["u"], sum(z.get("u", 0) for z in sizes.values()))
         values, masks = {}, {}
-        for name, shape in meta["shapes"].items():  # each tensor's share of the four arrays, from its shape
+        for name, shape in meta["shapes"].items():  # each tensor's share of the arrays, from its shape
             mine = {}
-            for k, size in codec.part_sizes(shape).items():
+            for k, size in sizes[name].items():
                 mine[k] = parts[k][at[k]:at[k] + size]
                 at[k] += size
             values[name], masks[name] = codec._dec_tensor(mine, shape)
@@ -260,15 +293,37 @@ def sparse_mean(payloads: Sequence[bytes], weights: Sequence[float], *, senders:
     return {n: np.divide(total[n], count[n], out=np.zeros_like(total[n]), where=count[n] > 0) for n in total}
 
 
-def encode_forward(payloads: Sequence[bytes], weights: Sequence[float], *, lr: float, senders: bool) -> bytes:
-    """The downlink that forwards the workers' own payloads (SparseLoCo's all-gather): every side computes the same
-    outer step from them with :func:`apply_update` (plain SGD: ``θ − lr·mean``), so the weights stay bit-identical on
-    the driver and every worker with no second encoding and nothing kept back."""
+def encode_forward(payloads: Sequence[bytes], weights: Sequence[float], *, workers: Sequence[int], lr: float,
+                   senders: bool) -> bytes:
+    """The downlink that forwards the workers' own payloads (SparseLoCo's all-gather; ``workers``: whose they are):
+    every side computes the same outer step from them with :func:`apply_update` (plain SGD: ``θ − lr·mean``), so the
+    weights stay bit-identical on the driver and every worker with no second encoding and nothing kept back."""
     from safetensors.numpy import save
 
     arrays = {f"p{i:05d}": np.frombuffer(p, np.uint8) for i, p in enumerate(payloads)}
-    meta = {"forward": json.dumps({"weights": [float(w) for w in weights], "lr": lr, "senders": senders})}
+    meta = {"forward": json.dumps({"weights": [float(w) for w in weights], "workers": [int(w) for w in workers],
+                                   "lr": lr, "senders": senders})}
     return save(arrays, metadata=meta)
+
+
+def forward_without(bundle: bytes, worker: int) -> bytes:
+    """A forward downlink as ``worker`` needs it: without the payload it sent itself (it kept its own copy; its
+    SHA-256 stays, to check that copy). An all-gather's bytes: a worker reads only the others' payloads."""
+    from safetensors.numpy import load, save
+
+    info = json.loads(_metadata(bundle)["forward"])
+    if worker not in info["workers"]:
+        return bundle  # it sent nothing last round (a worker that failed, or one a resize added): it needs them all
+    parts = load(bundle)
+    key = f"p{info['workers'].index(worker):05d}"
+    info["own"] = {"key": key, "sha256": hashlib.sha256(parts.pop(key).tobytes()).hexdigest()}
+    return save(parts, metadata={"forward": json.dumps(info)})
+
+
+def own_needed(payload: bytes) -> str | None:
+    """The SHA-256 of the payload a :func:`forward_without` downlink left out (the reader's own), or None."""
+    meta = _metadata(payload)
+    return json.loads(meta["forward"]).get("own", {}).get("sha256") if "forward" in meta else None
 
 
 def _metadata(payload: bytes) -> dict:
@@ -374,8 +429,6 @@ def encode_update(old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray]) 
 
 def digest(arrays: Mapping) -> str:
     """SHA-256 of named float32 arrays (or tensors), in name order: whether two copies of the weights are equal."""
-    import hashlib
-
     h = hashlib.sha256()
     for name in sorted(arrays):
         a = arrays[name]
@@ -385,10 +438,11 @@ def digest(arrays: Mapping) -> str:
     return h.hexdigest()
 
 
-def apply_update(old: Mapping[str, np.ndarray], payload: bytes) -> dict[str, np.ndarray]:
+def apply_update(old: Mapping[str, np.ndarray], payload: bytes, own: bytes | None = None) -> dict[str, np.ndarray]:
     """``old`` with an update applied (new arrays; ``old`` is left as it is): an :func:`encode_update` payload (the
-    changed weights, set) or a :meth:`Codec.encode` payload of a step (decoded and added in float32: the driver
-    computes its own copy with this same function, so every worker holds bit for bit what the driver holds)."""
+    changed weights, set), a :meth:`Codec.encode` payload of a step (decoded and added in float32: the driver
+    computes its own copy with this same function, so every worker holds bit for bit what the driver holds), or a
+    forward downlink (``own``: the reader's own payload, where :func:`forward_without` left it out)."""
     from safetensors.numpy import load
 
     meta = _metadata(payload)
@@ -397,6 +451,10 @@ def apply_update(old: Mapping[str, np.ndarray], payload: bytes) -> dict[str, np.
         return {n: np.add(np.asarray(old[n], np.float32), step[n]) for n in step}
     if "forward" in meta:
         info, parts = json.loads(meta["forward"]), load(payload)
+        if "own" in info:
+            if own is None or hashlib.sha256(own).hexdigest() != info["own"]["sha256"]:
+                raise ValueError("this forward downlink needs the reader's own payload of the last round")
+            parts[info["own"]["key"]] = np.frombuffer(own, np.uint8)
         mean = sparse_mean([parts[k].tobytes() for k in sorted(parts)], info["weights"], senders=info["senders"])
         return {n: np.asarray(old[n], np.float32) - np.float32(info["lr"]) * mean[n] for n in mean}
     shapes = json.loads(meta["update"])["shapes"]

@@ -17,6 +17,7 @@ from a fresh optimizer state and says so (``cold``) in the round's metrics.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tempfile
 import time
@@ -36,15 +37,17 @@ from ..model.task import Batch
 from ..train import checkpoint, device
 from ..train.core import Rank, Trainer, TrainState
 from .base import BEST, Job, RoundSpec, WorkerResult
-from .codec import Codec, apply_update, decode, digest
+from .codec import Codec, apply_update, decode, digest, own_needed
 
 
-def run_worker(job: Job, worker: int, full: Callable[[], bytes], spec: RoundSpec, *, attempt: int = 0,
+def run_worker(job: Job, worker: int, full: Callable[[], bytes] | None, spec: RoundSpec, *, attempt: int = 0,
                update: Callable[[], bytes] | None = None, gpu: str | None = None
                ) -> tuple[WorkerResult, dict[str, np.ndarray] | bytes | None]:
-    """Run ``worker``'s part of round ``spec`` from the global weights (``full()``: serialized whole; ``update()``:
-    the changes since the weights of ``spec.base_step``; ``gpu``: the GPU address Spark assigned the task); return its figures and its delta (name → float32 array,
-    already multiplied by the worker's weight; with a lossy codec, its encoded bytes), or None without steps."""
+    """Run ``worker``'s part of round ``spec`` from the global weights (``full()``: serialized whole, None where the
+    task was not given them; ``update()``: the changes since the weights of ``spec.base_step``; ``gpu``: the GPU
+    address Spark assigned the task); return its figures and its delta (name → float32 array, already multiplied by
+    the worker's weight; with a lossy codec, its encoded bytes), or None without steps. A worker that can build
+    neither returns a ``stale`` result at once."""
     t_task = time.time()
     torch.set_num_threads(job.plan.threads)
     device.set_allocator(job.plan.config.train.allocator)
@@ -56,50 +59,25 @@ def run_worker(job: Job, worker: int, full: Callable[[], bytes], spec: RoundSpec
     codec = Codec(**job.plan.codec)  # decided on the driver
     t0 = time.time()
     trainable = trainer.task.trainable(trainer.model)
-    global_w, fetched = global_weights(job, spec, full, update, hold=not codec.lossless, own=trainable)
+    state_dir = Path(tempfile.gettempdir()) / "sparklm-inner" / job.uid
+    global_w = global_weights(
+        job, spec, full, update, hold=not codec.lossless, own=trainable,
+        mine=lambda: _own_sent(_inner_sources(job, spec, worker, state_dir), trainer.config.storage))
+    if global_w is None:  # neither the weights the update applies to nor the whole weights: the driver sends them
+        return WorkerResult(worker=worker, attempt=attempt, stale=True, load_s=time.time() - t0), None
     with torch.no_grad():
         for n, p in trainable.items():
             p.copy_(global_w[n])
-    out: dict = {"worker": worker, "attempt": attempt, "load_s": time.time() - t0, "fetched_bytes": fetched}
+    out: dict = {"worker": worker, "attempt": attempt, "load_s": time.time() - t0}
     if worker == 0 and spec.round == 0:
         out["facts"] = {**trainer.facts(), "threads": job.threads}
     if spec.eval:
         out["eval_sums"] = tuple(trainer.eval_sums(worker, len(spec.shards)).tolist())
 
     t0 = time.time()
-    state_dir = Path(tempfile.gettempdir()) / "sparklm-inner" / job.uid
-    delta = None
     # the state a worker keeps between rounds: its inner optimizer's (inner_state keep) and a lossy codec's residual
-    keep_opt = tc.rounds.inner_state == "keep"
-    stateful = keep_opt or not codec.lossless
-    residual = None
-    if spec.steps:
-        trainer.optimizer = trainer.new_optimizer()
-        if worker in spec.cold:
-            out["cold"] = True
-        elif stateful and spec.step0 > 0:
-            found, residual = _load_inner(trainer.optimizer if keep_opt else None,
-                                          _inner_sources(job, spec, worker, state_dir), trainer.config.storage)
-            out["cold"] = not found
-        losses, last, hits, seen = _inner_steps(trainer, spec, worker)
-        # weight = tokens / the tokens of a full, unpadded round: exactly 1.0 for unpadded data, so a
-        # one-worker round leaves its delta bit for bit unchanged
-        weight = seen / (spec.steps * tc.batch_size * tc.grad_accum * trainer.seq_len)
-        with torch.no_grad():
-            delta = {n: (global_w[n] - p.detach().cpu()).mul_(weight).numpy() for n, p in trainable.items()}
-        sent_bytes = sum(a.nbytes for a in delta.values())
-        if not codec.lossless:  # error feedback: what the codec drops now is sent in later rounds
-            delta, residual = encode_with_feedback(codec, delta, residual, tc.rounds.residual_decay)
-            sent_bytes = len(delta)
-        out.update(losses=tuple(losses), grad_norm=last[0], lr=last[1], tokens=seen, weight=weight,
-                   correct=float(hits[0]), counted=float(hits[1]), delta_bytes=sent_bytes)
-        if stateful:
-            # hosts may share nothing: the next round of this worker may run on another one (shared dir)
-            directories = [str(state_dir), *filter(None, [shared_inner_dir(job.run_dir)])]
-            _save_inner(trainer.optimizer, [join(d, _state_name(worker, spec.step0 + spec.steps)) for d in directories],
-                        trainer.config.storage, residual)
-            for d in directories:
-                _prune_inner(d, worker, spec.step0, trainer.config.storage)
+    stateful = tc.rounds.inner_state == "keep" or not codec.lossless
+    delta = _train_round(job, trainer, codec, spec, worker, global_w, out, state_dir) if spec.steps else None
     out["compute_s"] = time.time() - t0
 
     if spec.persist and stateful:  # a checkpoint round: copy the state beside the checkpoint
@@ -114,6 +92,46 @@ def run_worker(job: Job, worker: int, full: Callable[[], bytes], spec: RoundSpec
             f.unlink(missing_ok=True)
     return WorkerResult(**out, rss_mb=device.rss_mb(), peak_rss_mb=device.peak_rss_mb(),
                         task_s=time.time() - t_task), delta
+
+
+def _train_round(job: Job, trainer: Trainer, codec: Codec, spec: RoundSpec, worker: int,
+                 global_w: dict[str, torch.Tensor], out: dict, state_dir: Path) -> dict[str, np.ndarray] | bytes:
+    """The worker's inner steps from ``global_w``, its figures added to ``out``; returns its weighted delta (encoded
+    with a lossy codec, error feedback added), its inner state saved for its next round."""
+    tc = trainer.tc
+    keep_opt = tc.rounds.inner_state == "keep"
+    stateful = keep_opt or not codec.lossless
+    residual, sent = None, None
+    trainer.optimizer = trainer.new_optimizer()
+    if worker in spec.cold:
+        out["cold"] = True
+    elif stateful and spec.step0 > 0:
+        found, residual = _load_inner(trainer.optimizer if keep_opt else None,
+                                      _inner_sources(job, spec, worker, state_dir), trainer.config.storage)
+        out["cold"] = not found
+    losses, last, hits, seen = _inner_steps(trainer, spec, worker)
+    # weight = tokens / the tokens of a full, unpadded round: exactly 1.0 for unpadded data, so a
+    # one-worker round leaves its delta bit for bit unchanged
+    weight = seen / (spec.steps * tc.batch_size * tc.grad_accum * trainer.seq_len)
+    trainable = trainer.task.trainable(trainer.model)
+    with torch.no_grad():
+        delta = {n: (global_w[n] - p.detach().cpu()).mul_(weight).numpy() for n, p in trainable.items()}
+    sent_bytes = sum(a.nbytes for a in delta.values())
+    if not codec.lossless:  # error feedback: what the codec drops now is sent in later rounds
+        delta, residual = encode_with_feedback(codec, delta, residual, tc.rounds.residual_decay)
+        sent_bytes = len(delta)
+        # a forward downlink leaves a worker's own payload out of what it reads next round: it keeps it
+        sent = delta if tc.rounds.downlink == "forward" else None
+    out.update(losses=tuple(losses), grad_norm=last[0], lr=last[1], tokens=seen, weight=weight,
+               correct=float(hits[0]), counted=float(hits[1]), delta_bytes=sent_bytes)
+    if stateful:
+        # hosts may share nothing: the next round of this worker may run on another one (shared dir)
+        directories = [str(state_dir), *filter(None, [shared_inner_dir(job.run_dir)])]
+        _save_inner(trainer.optimizer, [join(d, _state_name(worker, spec.step0 + spec.steps)) for d in directories],
+                    trainer.config.storage, residual, sent)
+        for d in directories:
+            _prune_inner(d, worker, spec.step0, trainer.config.storage)
+    return delta
 
 
 def _inner_steps(trainer: Trainer, spec: RoundSpec, worker: int) -> tuple[list[float], tuple, torch.Tensor, int]:
@@ -134,32 +152,74 @@ def _inner_steps(trainer: Trainer, spec: RoundSpec, worker: int) -> tuple[list[f
 
 
 RESIDUAL = "residual/"  # the codec's residual beside the inner optimizer state, in the same file
+SENT = "sent"  # and, with a forward downlink, the payload the worker sent (uint8)
 
 _HELD: dict = {}  # this process's copy of the last global weights it received: {"uid", "step", "arrays"}
 
 
-def global_weights(job: Job, spec: RoundSpec, full: Callable[[], bytes], update: Callable[[], bytes] | None, *,
-                   hold: bool, own: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
-    """The round's global weights, and the bytes read for them: at round 0, the worker's ``own`` weights when they
+def global_weights(job: Job, spec: RoundSpec, full: Callable[[], bytes] | None, update: Callable[[], bytes] | None,
+                   *, hold: bool, own: dict[str, torch.Tensor], mine: Callable[[], bytes | None] = lambda: None
+                   ) -> dict[str, torch.Tensor] | None:
+    """The round's global weights: at round 0, the worker's ``own`` weights when they
     are the driver's (``spec.initial_digest``); later, the update applied to this process's copy of the weights
-    of ``spec.base_step`` when it holds them; else the whole weights. With ``hold``, the result is kept for the
-    next round's update (a copy of the trainable weights per Python worker)."""
+    of ``spec.base_step`` when it holds them (``mine()``: the payload this worker sent last round, which a forward
+    downlink leaves out); else the whole weights, or None when the task was given none (the driver then runs
+    the worker again with them). With ``hold``, the result is kept for the next round's update (a copy of the
+    trainable weights per Python worker)."""
     from safetensors.numpy import load
 
     held = _HELD if _HELD.get("uid") == job.uid else {}
-    payload = b""
+    here = Path(tempfile.gettempdir()) / "sparklm-inner" / job.uid  # this host's copy, for its other processes
+    if update is not None and spec.base_step is not None and held.get("step") != spec.base_step:
+        held = _held_on_disk(here, spec.base_step)
+    arrays = None
     if spec.initial_digest and digest(own) == spec.initial_digest:
         arrays = {n: p.detach().cpu().numpy().copy() for n, p in own.items()}
     elif update is not None and spec.base_step is not None and held.get("step") == spec.base_step:
         payload = update()
-        arrays = apply_update(held["arrays"], payload)
-    else:
+        need = own_needed(payload)
+        kept = mine() if need else None
+        if not need or (kept is not None and hashlib.sha256(kept).hexdigest() == need):
+            arrays = apply_update(held["arrays"], payload, own=kept)
+    if arrays is None:
+        if full is None:
+            return None
         payload = full()
         arrays = load(payload)
     _HELD.clear()
     if hold:
         _HELD.update(uid=job.uid, step=spec.step0, arrays={n: a for n, a in arrays.items() if not n.startswith(BEST)})
-    return {n: torch.from_numpy(a) for n, a in arrays.items()}, len(payload)
+        _hold_on_disk(here, spec.step0, _HELD["arrays"])
+    return {n: torch.from_numpy(a) for n, a in arrays.items()}
+
+
+def _held_on_disk(directory: Path, step: int) -> dict:
+    """The weights of ``step`` another Python worker of this host kept (a process Spark started since holds none in
+    memory: without this copy it would need the whole weights sent), or {}."""
+    from safetensors.numpy import load_file
+
+    path = directory / f"held-step{step:07d}.safetensors"
+    try:
+        return {"step": step, "arrays": load_file(str(path))}
+    except (OSError, ValueError):  # not there, or being replaced: the whole weights then
+        return {}
+
+
+def _hold_on_disk(directory: Path, step: int, arrays: dict[str, np.ndarray]) -> None:
+    """Keep this host's copy of the weights of ``step`` (written once per host, atomically), and of the step before
+    (a retried task of this round applies its update to those); older copies dropped."""
+    import os
+
+    from safetensors.numpy import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"held-step{step:07d}.safetensors"
+    if not path.exists():
+        tmp = directory / f".{path.name}.{os.getpid()}"
+        save_file({n: np.ascontiguousarray(a) for n, a in arrays.items()}, str(tmp))
+        os.replace(tmp, path)
+    for old in sorted(directory.glob("held-step*.safetensors"))[:-2]:
+        old.unlink(missing_ok=True)
 
 
 def encode_with_feedback(codec: Codec, delta: dict[str, np.ndarray], residual: dict[str, np.ndarray] | None,
@@ -212,9 +272,11 @@ def _inner_sources(job: Job, spec: RoundSpec, worker: int, state_dir: Path) -> l
 
 
 def _save_inner(optimizer: torch.optim.Optimizer, uris: list[str], storage,
-                residual: dict[str, np.ndarray] | None = None) -> None:
+                residual: dict[str, np.ndarray] | None = None, sent: bytes | None = None) -> None:
     tensors, groups = checkpoint.optimizer_tensors(optimizer)
     tensors.update({RESIDUAL + n: torch.from_numpy(a) for n, a in (residual or {}).items()})
+    if sent is not None:
+        tensors[SENT] = torch.frombuffer(bytearray(sent), dtype=torch.uint8)
     data = save_bytes(tensors, metadata={"param_groups": json.dumps(groups)})  # serialised once for every copy
     for uri in uris:
         write_bytes(uri, data, storage)
@@ -236,10 +298,26 @@ def _load_inner(optimizer: torch.optim.Optimizer | None, sources: list[str], sto
                 tensors, groups = _read_inner(tmp.name)
         residual = {n[len(RESIDUAL):]: t.numpy() for n, t in tensors.items() if n.startswith(RESIDUAL)}
         if optimizer is not None:
-            checkpoint.load_optimizer(optimizer, {n: t for n, t in tensors.items() if not n.startswith(RESIDUAL)},
-                                      groups)
+            checkpoint.load_optimizer(
+                optimizer, {n: t for n, t in tensors.items() if not n.startswith(RESIDUAL) and n != SENT}, groups)
         return True, residual or None
     return False, None
+
+
+def _own_sent(sources: list[str], storage) -> bytes | None:
+    """The payload this worker sent last round, from the first state file of ``sources`` that exists, or None."""
+    for uri in sources:
+        if not exists(uri, storage):
+            continue
+        local = local_path(uri)
+        if local is not None:
+            with safe_open(str(local), framework="pt") as f:
+                return f.get_tensor(SENT).numpy().tobytes() if SENT in f.keys() else None
+        from safetensors.torch import load
+
+        tensors = load(read_bytes(uri, storage))
+        return tensors[SENT].numpy().tobytes() if SENT in tensors else None
+    return None
 
 
 def _read_inner(path: str) -> tuple[dict[str, torch.Tensor], list[dict]]:

@@ -16,6 +16,7 @@ states), from which ``--resume`` continues exactly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import shutil
@@ -33,7 +34,7 @@ from ..metrics.sinks import CsvSink, Sink, Sinks
 from ..train import checkpoint, loop
 from ..train.schedule import Schedule
 from .base import BEST, Job, Partial, RoundSpec, RunResult, WorkerResult
-from .codec import Codec, apply_update, decode, digest, encode_forward, encode_update, sparse_mean
+from .codec import Codec, apply_update, decode, digest, encode_forward, encode_update, forward_without, sparse_mean
 
 # A testing aid: "round=R,worker=W[,attempts=K][,at=start|end|crash]" fails that task's first K attempts
 # (default 1) at its start, after its work (default end), or by killing its Python worker after its work.
@@ -180,7 +181,14 @@ class RoundsUnit:
 
     def launch(self, steps: int, *, do_eval: bool, persist: str, finish: bool, also: dict | None = None
                ) -> tuple[Partial, float, float, int]:
-        """One round's Spark job: (its aggregated partial, broadcast seconds, round seconds, bytes broadcast)."""
+        """One round's Spark job: (its aggregated partial, broadcast seconds, round seconds, bytes sent to the
+        workers).
+
+        The bytes are what Spark ships: a task carries its own data, and an executor fetches every broadcast its
+        task's closure names, read or not. So the whole weights are named only where they must travel (a lossless
+        codec, or a worker that holds neither the seeded weights nor the last round's); other workers get the update
+        to the copy they hold (a broadcast), or, with a forward downlink, the other workers' payloads in their task's
+        own data."""
         from safetensors.torch import save as save_bytes
 
         tc = self.tc
@@ -195,25 +203,47 @@ class RoundsUnit:
         t0 = time.time()
         payload = save_bytes({n: t.contiguous() for n, t in {**self.params, **(also or {})}.items()})
         sc = self.spark.sparkContext
-        bc, bu = sc.broadcast(payload), None
+        workers = list(range(len(shards)))
+        down: dict[int, bytes] | None = None
+        bu = None
         if not self.codec.lossless and not also:
             if self.sent_step is None and self.step == 0:
                 # round 0: every worker builds the same seeded model the driver did (as DDP's ranks do); the
                 # weights go only to a worker whose own differ from this digest
                 spec = dataclasses.replace(spec, initial_digest=digest(self.params))
-            elif self.update is not None and self.update[0] == self.sent_step and len(self.update[1]) < len(payload):
-                # a worker holding the last round's weights reads the step since (Spark fetches a broadcast only
-                # where a task reads it); one that does not (a new process) reads the whole weights
-                bu, spec = sc.broadcast(self.update[1]), dataclasses.replace(spec, base_step=self.sent_step)
+            elif self.update is not None and self.update[0] == self.sent_step:
+                if tc.rounds.downlink == "forward":  # an all-gather: each worker gets the others' payloads
+                    down = {w: forward_without(self.update[1], w) for w in workers}
+                    spec = dataclasses.replace(spec, base_step=self.sent_step)
+                elif len(self.update[1]) < len(payload):
+                    bu, spec = sc.broadcast(self.update[1]), dataclasses.replace(spec, base_step=self.sent_step)
             self.sent_step = self.step
         broadcast_s = time.time() - t0
+        run = functools.partial(_round_job, self.spark, self.job, fault=self.fault, max_failures=self.max_failures)
         try:
-            partial = _round_job(self.spark, self.job, bc, bu, spec, self.fault, self.max_failures)
+            if spec.initial_digest or spec.base_step is not None:
+                partial = run(None, bu, spec, workers, down)
+                sent = sum(map(len, down.values())) if down else len(self.update[1]) * len(workers) if bu else 0
+                stale = sorted(r.worker for r in partial.results if r.stale)
+                if stale:  # a new process holds no weights: these workers run again, given the whole weights
+                    bc = sc.broadcast(payload)
+                    try:  # (an injected fault was spent on the first job)
+                        again = run(bc, None, dataclasses.replace(spec, initial_digest="", base_step=None), stale,
+                                    None, fault=None)
+                    finally:
+                        bc.destroy()
+                    kept = dataclasses.replace(partial, results=tuple(r for r in partial.results if not r.stale))
+                    partial, sent = merge(kept, again), sent + len(payload) * len(stale)
+            else:
+                bc = sc.broadcast(payload)
+                try:
+                    partial, sent = run(bc, None, spec, workers, None), len(payload) * len(workers)
+                finally:
+                    bc.destroy()
         finally:
-            bc.destroy()
             if bu is not None:
                 bu.destroy()
-        return partial, broadcast_s, time.time() - t0, len(payload)
+        return partial, broadcast_s, time.time() - t0, sent
 
     def sized(self) -> tuple[tuple[tuple[int, int], ...], tuple[int, int, int] | None]:
         """The round's (shards, micro): an elastic run counts Spark's slots now and runs the round on the most
@@ -263,8 +293,8 @@ class RoundsUnit:
         begin = self.step
         end = begin + steps
         self.persist = join(self.ckpt_dir, f".inner-step-{end:07d}") if checkpoint else ""
-        partial, broadcast_s, round_s, nbytes = self.launch(steps, do_eval=evaluate, persist=self.persist,
-                                                            finish=False)
+        partial, broadcast_s, round_s, sent = self.launch(steps, do_eval=evaluate, persist=self.persist,
+                                                          finish=False)
         t_agg = time.time()
         done_ = partial.results
         if self.worker_facts is None:
@@ -274,8 +304,8 @@ class RoundsUnit:
         rc = self.tc.rounds
         before = self.exact if self.exact is not None else self.params
         if rc.downlink == "forward":  # every side takes the same step from the workers' own payloads
-            self.update = (begin, encode_forward(*by_worker(partial), lr=self.lr,
-                                                 senders=rc.average_over == "senders"))
+            self.update = (begin, encode_forward(*by_worker(partial), workers=sorted(r.worker for r in done_),
+                                                 lr=self.lr, senders=rc.average_over == "senders"))
             held = {n: t.numpy() for n, t in self.params.items()}
             new_params = {n: torch.from_numpy(a) for n, a in apply_update(held, self.update[1]).items()}
             avg = {n: (before[n] - new_params[n]) / self.lr for n in before} if self.lr else dict(before)
@@ -292,16 +322,16 @@ class RoundsUnit:
         self.tokens_seen += steps * self.plan.tokens_per_step
         wall = time.time() - t_agg + round_s
         self.per_step_s = wall / steps
-        return self._advance(done_, steps, wall, broadcast_s, aggregate_s, update_norm, outer.norm(avg),
+        return self._advance(done_, steps, wall, sent, broadcast_s, aggregate_s, update_norm, outer.norm(avg),
                              evaluation, warnings)
 
-    def _advance(self, done: tuple[WorkerResult, ...], steps: int, wall: float, broadcast_s: float,
+    def _advance(self, done: tuple[WorkerResult, ...], steps: int, wall: float, fetched: int, broadcast_s: float,
                  aggregate_s: float, update_norm: float, delta_norm: float, evaluation: loop.Evaluation | None,
                  warnings: tuple[str, ...]) -> loop.Advance:
-        """The round's train-row figures (the same keys as a DDP step's) and its round row."""
+        """The round's train-row figures (the same keys as a DDP step's) and its round row (``fetched``: the bytes
+        sent to the workers)."""
         round_tokens = sum(r.tokens for r in done)
         returned = sum(r.delta_bytes for r in done)
-        fetched = sum(r.fetched_bytes for r in done)  # what the workers read: whole weights or an update
         self.comm["broadcast"] += fetched
         self.comm["returned"] += returned
         elapsed = time.time() - self.started
@@ -391,8 +421,8 @@ class RoundsUnit:
         checkpoint.save_run(self.ckpt_dir, run, files, keep=tc.keep_checkpoints, storage=self.storage,
                             adopt={"inner": self.persist})
 
-    def _final_job(self, partial: Partial) -> None:
-        self.comm["broadcast"] += sum(r.fetched_bytes for r in partial.results)
+    def _final_job(self, partial: Partial, sent: int) -> None:
+        self.comm["broadcast"] += sent
         self.final_peaks = [max(a or 0.0, b or 0.0) if a is not None or b is not None else None
                             for a, b in zip(self.final_peaks, self.worker_peaks(partial.results))]
 
@@ -400,17 +430,17 @@ class RoundsUnit:
         """The final weights evaluated; with no earlier best kept (``will_export``) the same task exports them, else
         the evaluation decides which weights model/ gets, and :meth:`finish` exports in a second job."""
         self.persist = join(self.ckpt_dir, f".inner-step-{self.step:07d}")
-        partial, *_ = self.launch(0, do_eval=True, persist=self.persist, finish=will_export)
-        self._final_job(partial)
+        partial, _, _, sent = self.launch(0, do_eval=True, persist=self.persist, finish=will_export)
+        self._final_job(partial, sent)
         self.final = partial if will_export else None
         return self.evaluation(partial) if partial.results else None
 
     def finish(self, best: dict | None) -> dict:
         partial = self.final
         if partial is None:
-            partial, *_ = self.launch(0, do_eval=False, persist="", finish=True,
-                                      also={f"{BEST}{n}": t for n, t in (best or {}).items()})
-            self._final_job(partial)
+            partial, _, _, sent = self.launch(0, do_eval=False, persist="", finish=True,
+                                              also={f"{BEST}{n}": t for n, t in (best or {}).items()})
+            self._final_job(partial, sent)
         if not any(r.worker == 0 for r in partial.results):
             raise SparklmError("the final task of worker 0 (export of model/ and samples) failed",
                                hint="see the Spark log; --resume runs it again")
@@ -421,18 +451,21 @@ class RoundsUnit:
                 "bytes_communicated": comm["broadcast"] + comm["returned"]}
 
 
-def _round_job(spark, job: Job, bc, bu, spec: RoundSpec, fault: FaultSpec | None, max_failures: int) -> Partial:
-    """One round: a task per worker, their deltas summed by a tree aggregation.
+def _round_job(spark, job: Job, bc, bu, spec: RoundSpec, workers: list[int], down: dict[int, bytes] | None, *,
+               fault: FaultSpec | None, max_failures: int) -> Partial:
+    """One round of ``workers``: a task each (``bc``: the whole weights; ``bu``: the update to the last ones;
+    ``down``: a task's own downlink, by worker), their deltas summed by a tree aggregation.
 
     A worker whose last attempt raises is reported by its task. One whose process dies (a crash, an
     out-of-memory kill, a lost executor) fails the Spark job instead: the round then runs again without
     it — the tasks are deterministic, so the others recompute exactly their deltas."""
-    alive = list(range(len(spec.shards)))
+    alive = list(workers)
     lost: list[WorkerResult] = []
     while alive:
         try:
             with spark_errors():
-                partial = _aggregate(spark, job, bc, bu, spec, alive, fault, max_failures)
+                partial = _aggregate(spark, job, bc, bu, spec, [(w, (down or {}).get(w)) for w in alive], fault,
+                                     max_failures)
         except SparklmError:
             raise
         except Exception as e:
@@ -450,8 +483,8 @@ def _round_job(spark, job: Job, bc, bu, spec: RoundSpec, fault: FaultSpec | None
     return Partial(errors=tuple(lost))
 
 
-def _aggregate(spark, job: Job, bc, bu, spec: RoundSpec, workers: list[int], fault: FaultSpec | None,
-               max_failures: int) -> Partial:
+def _aggregate(spark, job: Job, bc, bu, spec: RoundSpec, workers: list[tuple[int, bytes | None]],
+               fault: FaultSpec | None, max_failures: int) -> Partial:
     def task(it):
         import signal
 
@@ -463,13 +496,14 @@ def _aggregate(spark, job: Job, bc, bu, spec: RoundSpec, workers: list[int], fau
 
         attempt = TaskContext.get().attemptNumber()
         gpu = task_gpu(TaskContext.get())
-        for worker in it:
+        for worker, own_down in it:
             hit = fault is not None and fault.hits(spec.round, worker, attempt)
+            update = (lambda d=own_down: d) if own_down is not None else None if bu is None else (lambda: bu.value)
             try:
                 if hit and fault.at == "start":
                     raise RuntimeError(f"injected fault (round {spec.round}, worker {worker}, attempt {attempt})")
-                result, delta = run_worker(job, worker, lambda: bc.value, spec, attempt=attempt,
-                                           update=None if bu is None else (lambda: bu.value), gpu=gpu)
+                result, delta = run_worker(job, worker, None if bc is None else (lambda: bc.value), spec,
+                                           attempt=attempt, update=update, gpu=gpu)
                 if hit and fault.at == "crash":  # the Python worker dies, as in an out-of-memory kill
                     os.kill(os.getpid(), signal.SIGKILL)
                 if hit:  # after the inner steps and the state write: the retry must recompute the same delta
@@ -487,7 +521,7 @@ def _aggregate(spark, job: Job, bc, bu, spec: RoundSpec, workers: list[int], fau
             else:
                 yield Partial(sum=delta, results=(result,))
 
-    rdd = spark.sparkContext.parallelize(workers, len(workers)).mapPartitions(task)
+    rdd = spark.sparkContext.parallelize(workers, len(workers)).mapPartitions(task)  # a task's data: its own
     return rdd.treeAggregate(None, merge, merge, depth=2)
 
 
