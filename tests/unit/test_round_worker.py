@@ -42,7 +42,10 @@ def test_a_worker_without_the_weights_says_so_and_one_on_the_same_host_reads_its
     mine, other = (Codec("topk", density=0.05).encode({"x": g.standard_normal((64, 64)).astype(np.float32)})
                    for _ in range(2))
     down = forward_without(encode_forward([mine, other], [1.0, 1.0], workers=[0, 1], lr=1.0, senders=True), 0)
-    update = (lambda: down)
+
+    def update() -> bytes:
+        return down
+
     # a process without its own payload, given no whole weights: nothing to build from
     assert round_worker.global_weights(job, _spec(2, 0), None, update, hold=True, own=own) is None
     # with it: the update applied to the copy it holds
