@@ -261,9 +261,11 @@ class RoundsConfig:
     average_over: Literal["senders", "all"] = _f(
         "senders", "topk: each value of the workers' average divided by the weights of the workers that sent it "
                    "(SparseLoCo), or by all the workers' (all: a value one worker of R sent moves 1/R as far)")
-    density: float = _f(0.01, "topk: the share of each 64×64 tile of a matrix a worker sends", min=0.0001, max=1.0)
-    bits: int = _f(2, "topk: bits per value sent (its sign and a magnitude bin of the tensor's codebook; 1-8; 32: "
-                      "float32)", min=1, max=32)
+    density: float = _f(0.015625, "topk: the share of each 64×64 tile of a matrix a worker sends (1/64: 64 values)",
+                        min=0.0001, max=1.0)
+    bits: int = _f(3, "topk: bits per value sent (its sign and a magnitude bin of the tensor's codebook; 1-8; 32: "
+                      "float32); 3 (four bins) measured closer to dense DiLoCo than 2 at 1/64 (BENCHMARKS.md)",
+                   min=1, max=32)
     residual_decay: float = _f(1.0, "error feedback: the share of a worker's unsent remainder carried into its next "
                                     "delta (1: all; SparseLoCo decays it, e.g. 0.95, and takes no outer momentum)",
                                min=0.0, max=1.0)

@@ -40,8 +40,8 @@ BLOCK = 64  # values per scale of the int8/int4 codecs
 @dataclass(frozen=True)
 class Codec:
     name: str = "fp32"
-    density: float = 0.01  # topk: the share of each chunk's values kept
-    bits: int = 2  # topk: bits per kept value (2-8, or 32 for float32)
+    density: float = 1 / 64  # topk: the share of each tile's values kept
+    bits: int = 3  # topk: bits per kept value (its sign and a magnitude bin: 1-8, or 32 for float32)
     chunk: int = 64  # topk: the side of a tile (64: 4,096 values, a position in 12 bits)
 
     def __post_init__(self) -> None:
