@@ -16,7 +16,7 @@ from sparklm.strategies.codec import (
     encode_forward,
     forward_without,
     from_bf16,
-    own_needed,
+    needs_own,
     pack_bits,
     rice_bits,
     sent_mask,
@@ -136,14 +136,14 @@ def test_the_forwarded_payloads_give_every_side_the_same_weights():
     assert len(bundle) < sum(len(p) for p in payloads) + 1024
     # an all-gather: worker 2 reads the others' payloads and puts back its own, and ends bit for bit where all do
     mine = forward_without(bundle, 2)
-    assert own_needed(mine) and len(mine) < len(bundle) - len(payloads[1]) + 256
+    assert needs_own(mine) and len(mine) < len(bundle) - len(payloads[1]) + 256
     got = apply_update({n: a.copy() for n, a in held.items()}, mine, own=payloads[1])
     assert all(np.array_equal(driver[n], got[n]) for n in held)
     with pytest.raises(ValueError, match="own payload"):
         apply_update(held, mine, own=payloads[0])
     with pytest.raises(ValueError, match="own payload"):
         apply_update(held, mine)
-    assert forward_without(bundle, 1) == bundle and own_needed(bundle) is None  # worker 1 sent nothing: all
+    assert forward_without(bundle, 1) == bundle and not needs_own(bundle)  # worker 1 sent nothing: all
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16", "int8", "int4", "int2", "topk"])

@@ -320,10 +320,14 @@ def forward_without(bundle: bytes, worker: int) -> bytes:
     return save(parts, metadata={"forward": json.dumps(info)})
 
 
-def own_needed(payload: bytes) -> str | None:
-    """The SHA-256 of the payload a :func:`forward_without` downlink left out (the reader's own), or None."""
+class MissingOwn(ValueError):
+    """A :func:`forward_without` downlink applied without its reader's own payload (or with another one)."""
+
+
+def needs_own(payload: bytes) -> bool:
+    """Whether a downlink left out its reader's own payload (:func:`forward_without`)."""
     meta = _metadata(payload)
-    return json.loads(meta["forward"]).get("own", {}).get("sha256") if "forward" in meta else None
+    return "forward" in meta and "own" in json.loads(meta["forward"])
 
 
 def _metadata(payload: bytes) -> dict:
@@ -453,7 +457,7 @@ def apply_update(old: Mapping[str, np.ndarray], payload: bytes, own: bytes | Non
         info, parts = json.loads(meta["forward"]), load(payload)
         if "own" in info:
             if own is None or hashlib.sha256(own).hexdigest() != info["own"]["sha256"]:
-                raise ValueError("this forward downlink needs the reader's own payload of the last round")
+                raise MissingOwn("this forward downlink needs the reader's own payload of the last round")
             parts[info["own"]["key"]] = np.frombuffer(own, np.uint8)
         mean = sparse_mean([parts[k].tobytes() for k in sorted(parts)], info["weights"], senders=info["senders"])
         return {n: np.asarray(old[n], np.float32) - np.float32(info["lr"]) * mean[n] for n in mean}

@@ -17,7 +17,7 @@ from a fresh optimizer state and says so (``cold``) in the round's metrics.
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import json
 import tempfile
 import time
@@ -37,7 +37,7 @@ from ..model.task import Batch
 from ..train import checkpoint, device
 from ..train.core import Rank, Trainer, TrainState
 from .base import BEST, Job, RoundSpec, WorkerResult
-from .codec import Codec, apply_update, decode, digest, own_needed
+from .codec import Codec, MissingOwn, apply_update, decode, digest, needs_own
 
 
 def run_worker(job: Job, worker: int, full: Callable[[], bytes] | None, spec: RoundSpec, *, attempt: int = 0,
@@ -60,9 +60,8 @@ def run_worker(job: Job, worker: int, full: Callable[[], bytes] | None, spec: Ro
     t0 = time.time()
     trainable = trainer.task.trainable(trainer.model)
     state_dir = Path(tempfile.gettempdir()) / "sparklm-inner" / job.uid
-    global_w = global_weights(
-        job, spec, full, update, hold=not codec.lossless, own=trainable,
-        mine=lambda: _own_sent(_inner_sources(job, spec, worker, state_dir), trainer.config.storage))
+    state = InnerState(_inner_sources(job, spec, worker, state_dir), trainer.config.storage)
+    global_w = global_weights(job, spec, full, update, hold=not codec.lossless, own=trainable, mine=state.sent)
     if global_w is None:  # neither the weights the update applies to nor the whole weights: the driver sends them
         return WorkerResult(worker=worker, attempt=attempt, stale=True, load_s=time.time() - t0), None
     with torch.no_grad():
@@ -77,7 +76,7 @@ def run_worker(job: Job, worker: int, full: Callable[[], bytes] | None, spec: Ro
     t0 = time.time()
     # the state a worker keeps between rounds: its inner optimizer's (inner_state keep) and a lossy codec's residual
     stateful = tc.rounds.inner_state == "keep" or not codec.lossless
-    delta = _train_round(job, trainer, codec, spec, worker, global_w, out, state_dir) if spec.steps else None
+    delta = _train_round(job, trainer, codec, spec, worker, global_w, out, state_dir, state) if spec.steps else None
     out["compute_s"] = time.time() - t0
 
     if spec.persist and stateful:  # a checkpoint round: copy the state beside the checkpoint
@@ -95,9 +94,11 @@ def run_worker(job: Job, worker: int, full: Callable[[], bytes] | None, spec: Ro
 
 
 def _train_round(job: Job, trainer: Trainer, codec: Codec, spec: RoundSpec, worker: int,
-                 global_w: dict[str, torch.Tensor], out: dict, state_dir: Path) -> dict[str, np.ndarray] | bytes:
-    """The worker's inner steps from ``global_w``, its figures added to ``out``; returns its weighted delta (encoded
-    with a lossy codec, error feedback added), its inner state saved for its next round."""
+                 global_w: dict[str, torch.Tensor], out: dict, state_dir: Path, state: InnerState
+                 ) -> dict[str, np.ndarray] | bytes:
+    """The worker's inner steps from ``global_w`` (``state``: the one it kept last round), its figures added to
+    ``out``; returns its weighted delta (encoded with a lossy codec, error feedback added), its inner state saved for
+    its next round."""
     tc = trainer.tc
     keep_opt = tc.rounds.inner_state == "keep"
     stateful = keep_opt or not codec.lossless
@@ -106,8 +107,7 @@ def _train_round(job: Job, trainer: Trainer, codec: Codec, spec: RoundSpec, work
     if worker in spec.cold:
         out["cold"] = True
     elif stateful and spec.step0 > 0:
-        found, residual = _load_inner(trainer.optimizer if keep_opt else None,
-                                      _inner_sources(job, spec, worker, state_dir), trainer.config.storage)
+        found, residual = state.load(trainer.optimizer if keep_opt else None)
         out["cold"] = not found
     losses, last, hits, seen = _inner_steps(trainer, spec, worker)
     # weight = tokens / the tokens of a full, unpadded round: exactly 1.0 for unpadded data, so a
@@ -170,17 +170,18 @@ def global_weights(job: Job, spec: RoundSpec, full: Callable[[], bytes] | None, 
 
     held = _HELD if _HELD.get("uid") == job.uid else {}
     here = Path(tempfile.gettempdir()) / "sparklm-inner" / job.uid  # this host's copy, for its other processes
-    if update is not None and spec.base_step is not None and held.get("step") != spec.base_step:
+    updatable = update is not None and spec.base_step is not None
+    if updatable and held.get("step") != spec.base_step:
         held = _held_on_disk(here, spec.base_step)
     arrays = None
     if spec.initial_digest and digest(own) == spec.initial_digest:
         arrays = {n: p.detach().cpu().numpy().copy() for n, p in own.items()}
-    elif update is not None and spec.base_step is not None and held.get("step") == spec.base_step:
+    elif updatable and held.get("step") == spec.base_step:
         payload = update()
-        need = own_needed(payload)
-        kept = mine() if need else None
-        if not need or (kept is not None and hashlib.sha256(kept).hexdigest() == need):
-            arrays = apply_update(held["arrays"], payload, own=kept)
+        try:
+            arrays = apply_update(held["arrays"], payload, own=mine() if needs_own(payload) else None)
+        except MissingOwn:  # this worker's own payload is not on this host: the whole weights then
+            pass
     if arrays is None:
         if full is None:
             return None
@@ -282,42 +283,43 @@ def _save_inner(optimizer: torch.optim.Optimizer, uris: list[str], storage,
         write_bytes(uri, data, storage)
 
 
-def _load_inner(optimizer: torch.optim.Optimizer | None, sources: list[str], storage
-                ) -> tuple[bool, dict[str, np.ndarray] | None]:
-    """(found, the codec's residual if the state holds one); the optimizer state loaded into ``optimizer``."""
-    for uri in sources:
-        if not exists(uri, storage):
-            continue
-        local = local_path(uri)
-        if local is not None:
-            tensors, groups = _read_inner(str(local))
-        else:
+class InnerState:
+    """A worker's state file of the round's start, read at most once, from the first of ``sources`` that exists (on an
+    object store the file is downloaded whole, so the payload the worker kept and its optimizer state must not each
+    fetch it): its inner optimizer state, the codec's residual and, with a forward downlink, the payload it sent."""
+
+    def __init__(self, sources: list[str], storage):
+        self.sources, self.storage = sources, storage
+
+    @functools.cached_property
+    def read(self) -> tuple[dict[str, torch.Tensor], list[dict]] | None:
+        for uri in self.sources:
+            if not exists(uri, self.storage):
+                continue
+            local = local_path(uri)
+            if local is not None:
+                return _read_inner(str(local))
             with tempfile.NamedTemporaryFile(suffix=".safetensors") as tmp:  # safe_open reads metadata from a file
-                tmp.write(read_bytes(uri, storage))
+                tmp.write(read_bytes(uri, self.storage))
                 tmp.flush()
-                tensors, groups = _read_inner(tmp.name)
+                return _read_inner(tmp.name)
+        return None
+
+    def sent(self) -> bytes | None:
+        """The payload this worker sent last round, or None."""
+        tensors = self.read[0] if self.read else {}
+        return tensors[SENT].numpy().tobytes() if SENT in tensors else None
+
+    def load(self, optimizer: torch.optim.Optimizer | None) -> tuple[bool, dict[str, np.ndarray] | None]:
+        """(found, the codec's residual if the state holds one); the optimizer state loaded into ``optimizer``."""
+        if self.read is None:
+            return False, None
+        tensors, groups = self.read
         residual = {n[len(RESIDUAL):]: t.numpy() for n, t in tensors.items() if n.startswith(RESIDUAL)}
         if optimizer is not None:
             checkpoint.load_optimizer(
                 optimizer, {n: t for n, t in tensors.items() if not n.startswith(RESIDUAL) and n != SENT}, groups)
         return True, residual or None
-    return False, None
-
-
-def _own_sent(sources: list[str], storage) -> bytes | None:
-    """The payload this worker sent last round, from the first state file of ``sources`` that exists, or None."""
-    for uri in sources:
-        if not exists(uri, storage):
-            continue
-        local = local_path(uri)
-        if local is not None:
-            with safe_open(str(local), framework="pt") as f:
-                return f.get_tensor(SENT).numpy().tobytes() if SENT in f.keys() else None
-        from safetensors.torch import load
-
-        tensors = load(read_bytes(uri, storage))
-        return tensors[SENT].numpy().tobytes() if SENT in tensors else None
-    return None
 
 
 def _read_inner(path: str) -> tuple[dict[str, torch.Tensor], list[dict]]:

@@ -201,7 +201,9 @@ class RoundsUnit:
                          shards=shards, inner_from=self.inner_from if self.step == self.resumed_at else "",
                          cold=tuple(self.dropped_last), micro=micro)
         t0 = time.time()
-        payload = save_bytes({n: t.contiguous() for n, t in {**self.params, **(also or {})}.items()})
+        weights = {**self.params, **(also or {})}
+        # the whole weights, serialised only for a job that sends them (most rounds of a lossy codec send none)
+        whole = functools.cache(lambda: save_bytes({n: t.contiguous() for n, t in weights.items()}))
         sc = self.spark.sparkContext
         workers = list(range(len(shards)))
         down: dict[int, bytes] | None = None
@@ -215,7 +217,7 @@ class RoundsUnit:
                 if tc.rounds.downlink == "forward":  # an all-gather: each worker gets the others' payloads
                     down = {w: forward_without(self.update[1], w) for w in workers}
                     spec = dataclasses.replace(spec, base_step=self.sent_step)
-                elif len(self.update[1]) < len(payload):
+                elif len(self.update[1]) < sum(t.numel() * t.element_size() for t in weights.values()):
                     bu, spec = sc.broadcast(self.update[1]), dataclasses.replace(spec, base_step=self.sent_step)
             self.sent_step = self.step
         broadcast_s = time.time() - t0
@@ -226,18 +228,18 @@ class RoundsUnit:
                 sent = sum(map(len, down.values())) if down else len(self.update[1]) * len(workers) if bu else 0
                 stale = sorted(r.worker for r in partial.results if r.stale)
                 if stale:  # a new process holds no weights: these workers run again, given the whole weights
-                    bc = sc.broadcast(payload)
+                    bc = sc.broadcast(whole())
                     try:  # (an injected fault was spent on the first job)
                         again = run(bc, None, dataclasses.replace(spec, initial_digest="", base_step=None), stale,
                                     None, fault=None)
                     finally:
                         bc.destroy()
                     kept = dataclasses.replace(partial, results=tuple(r for r in partial.results if not r.stale))
-                    partial, sent = merge(kept, again), sent + len(payload) * len(stale)
+                    partial, sent = merge(kept, again), sent + len(whole()) * len(stale)
             else:
-                bc = sc.broadcast(payload)
+                bc = sc.broadcast(whole())
                 try:
-                    partial, sent = run(bc, None, spec, workers, None), len(payload) * len(workers)
+                    partial, sent = run(bc, None, spec, workers, None), len(whole()) * len(workers)
                 finally:
                     bc.destroy()
         finally:
