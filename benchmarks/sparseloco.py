@@ -10,8 +10,8 @@ Llama (2 layers, width 128, BPE 4096 as strategies.py prepares it) for the same 
 DDP with two seeds (its own noise), dense DiLoCo at the same H (int4 both ways, outer momentum 0.5: the default
 codec), and sparse DiLoCo as SparseLoCo: Top-k per 64×64 tile (--density), a sign and a magnitude bin of a codebook
 per tensor (--bits), error feedback β, outer SGD lr 1 without momentum, the workers' payloads all-gathered (every
-side takes the same step) and each value averaged over the workers that sent it — at β 0.95, 1.0 and 0.8, and once
-with the old divisor (all workers). Reported: final validation bits/byte, bytes each way as Spark shipped them to
+side takes the same step) and each value averaged over the workers that sent it — at β 0.95 and 0.8 (1.0 and 0.9,
+and second seeds of dense and sparse, with --only), and once with the old divisor (all workers). Reported: final validation bits/byte, bytes each way as Spark shipped them to
 the workers and they sent back, and the ratio to DDP's fp32 ring all-reduce. Results accumulate in
 WORK/sparseloco-CORPUS.json (--only NAME... runs a subset).
 """
@@ -53,7 +53,14 @@ def contenders(h: int, density: float, bits: int) -> dict[str, list[str]]:
         # a second seed of the two that the target compares (not run by default: --only)
         f"dense-int4-H{h}-seed1": ["--strategy", "diloco", "--sync-every", str(h), "--set", "train.seed=1"],
         f"{tag}-b0.95-seed1": [*sparse(h, density, 0.95, bits), "--set", "train.seed=1"],
+        f"{tag}-b0.9": sparse(h, density, 0.9, bits),  # between the two (not run by default: --only)
     }
+
+
+def extra(name: str) -> bool:
+    """Contenders run only when named (--only): DiLoCo's second seeds and the β between and beyond the two the issue
+    compares. The default set is DDP ×2, dense DiLoCo, sparse at β 0.95 and 0.8, and sparse with the old divisor."""
+    return (name.endswith("-seed1") and not name.startswith("ddp")) or name.endswith(("-b1.0", "-b0.9"))
 
 
 def run(name: str, flags: list[str], data: Path, work: Path, steps: int, corpus: str) -> dict:
@@ -79,10 +86,12 @@ def run(name: str, flags: list[str], data: Path, work: Path, steps: int, corpus:
 def table(results: dict) -> str:
     """Each contender against DDP (seed 0) and the dense DiLoCo of the same H."""
     ddp = results.get("ddp")
-    dense = next((r for n, r in results.items() if n.startswith("dense")), None)
     lines = ["| contender | val bits/byte | vs DDP | vs dense DiLoCo | bytes out | bytes back | less than DDP | "
              "bits/param/step | rounds | wall |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
+        seed = "-seed1" if name.endswith("-seed1") else ""  # a second seed against dense DiLoCo's of the same seed
+        dense = next((d for n, d in results.items() if n.startswith("dense") and n.endswith("-seed1") == bool(seed)),
+                     None)
         vs = f"{r['val_bpb'] / ddp['val_bpb'] - 1:+.2%}" if ddp else ""
         vd = f"{r['val_bpb'] / dense['val_bpb'] - 1:+.2%}" if dense and r is not dense and "ddp" not in name else ""
         less = f"{ddp['bytes'] / r['bytes']:,.0f}×" if ddp and r["bytes"] and r is not ddp else "1×"
@@ -111,8 +120,7 @@ def main() -> None:
     if not args.table_only:
         data = prepared(work, args.corpus)
         for name, flags in contenders(args.sync_every, args.density, args.bits).items():
-            if (args.only and name not in args.only) or (not args.only and name.endswith("-seed1")
-                                                          and not name.startswith("ddp")):
+            if (args.only and name not in args.only) or (not args.only and extra(name)):
                 continue
             results[name] = run(name, flags, data, work, args.steps, args.corpus)
             saved.write_text(json.dumps(results, indent=2))

@@ -182,12 +182,17 @@ def export(model: str, *, output: str, format: str = "onnx", quantize: str = "no
            overwrite: bool = False) -> dict:
     """``model`` in the directory ``output``, as ``sparklm export``: ``format="onnx"`` a graph with its tokenizer
     (``quantize`` none, int8 or int4; ``merge_adapter`` also writes a LoRA run's merged model as an HF directory),
+    ``format="gguf"`` one llama.cpp file (``quantize`` none/f32, f16, q8_0, q4_0 or q4_1; a LoRA run merged),
     ``format="hub"`` the files of a Hugging Face Hub repository (``merge_adapter``: a LoRA run merged)."""
     from .infer.export import export as run
     from .infer.export import export_hub
 
     if format == "hub":
         return export_hub(str(model), output, overwrite=overwrite, merge=merge_adapter)
+    if format == "gguf":
+        from .infer.gguf_export import export_gguf
+
+        return export_gguf(str(model), output, quantize="f32" if quantize == "none" else quantize, overwrite=overwrite)
     if format != "onnx":
-        raise SparklmError(f"export format {format!r}: use 'onnx' or 'hub'")
+        raise SparklmError(f"export format {format!r}: use 'onnx', 'gguf' or 'hub'")
     return run(str(model), output, quantize=quantize, overwrite=overwrite, merge=merge_adapter)

@@ -148,13 +148,15 @@ def _add_inference(sub) -> None:
     e.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     _common(e)
 
-    x = sub.add_parser("export", help="export a model to ONNX (optionally int8 / int4 quantized) or for the Hub",
-                       description="Export a model to an ONNX graph (input ids, attention mask -> logits), or with "
+    x = sub.add_parser("export", help="export a model to ONNX (optionally int8 / int4 quantized), GGUF or for the Hub",
+                       description="Export a model to an ONNX graph (input ids, attention mask -> logits), with "
+                                   "--format gguf as one llama.cpp file (llama.cpp, ollama, llama-cpp-python), or with "
                                    "--format hub as the files of a Hugging Face Hub repository (upload_folder).")
     x.add_argument("model", metavar="MODEL", help="a sparklm run directory or an HF model directory")
-    x.add_argument("--format", choices=["onnx", "hub"], default="onnx")
+    x.add_argument("--format", choices=["onnx", "gguf", "hub"], default="onnx")
     x.add_argument("--output", "-o", required=True, metavar="DIR")
-    x.add_argument("--quantize", choices=["none", "int8", "int4"], default="none")
+    x.add_argument("--quantize", choices=["none", "int8", "int4", "f16", "q8_0", "q4_0", "q4_1"], default="none",
+                   help="onnx: none, int8 or int4; gguf: none (f32), f16, q8_0, q4_0 or q4_1")
     x.add_argument("--merge", action="store_true",
                    help="also write the model as an HF directory (model.safetensors), a LoRA adapter merged into its "
                         "base: loadable with AutoModelForCausalLM, without peft")
@@ -523,12 +525,25 @@ def _export(args: argparse.Namespace) -> int:
         from .infer.export import export_hub
 
         if args.quantize != "none":
-            raise SparklmError("--quantize applies to --format onnx", hint="drop --quantize for --format hub")
+            raise SparklmError("--quantize applies to --format onnx and gguf", hint="drop --quantize for --format hub")
         info = export_hub(args.model, args.output, overwrite=args.overwrite, merge=args.merge,
                           storage=effective(config.storage))
         progress.info(f"Hub repository files: {', '.join(f for f in info['files'])}")
         progress.plain(info["path"])
         return 0
+    if args.format == "gguf":
+        from .infer.gguf_export import export_gguf
+
+        if args.merge:
+            raise SparklmError("--merge applies to --format onnx", hint="a GGUF file always holds the merged model")
+        info = export_gguf(args.model, args.output, quantize="f32" if args.quantize == "none" else args.quantize,
+                           overwrite=args.overwrite, storage=effective(config.storage))
+        progress.info(f"GGUF file ({info['quantize']}, {info['arch']}, pre-tokenizer {info['pre_tokenizer']}): "
+                      f"{info['bytes'] / 1e6:.1f} MB")
+        progress.plain(info["path"])
+        return 0
+    if args.quantize not in ("none", "int8", "int4"):
+        raise SparklmError(f"--quantize {args.quantize} applies to --format gguf", hint="onnx: none, int8 or int4")
     info = export(args.model, args.output, quantize=args.quantize, overwrite=args.overwrite, merge=args.merge,
                   storage=effective(config.storage))
     progress.info(f"ONNX graph ({args.quantize}): {info['bytes'] / 1e6:.1f} MB"

@@ -202,6 +202,13 @@ def test_merged_export_equals_base_plus_adapter(spark, bases, tmp_path):
     assert "library_name: transformers" in (tmp_path / "hub" / "README.md").read_text()
     assert not (tmp_path / "hub" / "adapter_config.json").exists()
     torch.testing.assert_close(logits(hub, ids), logits(merged, ids), rtol=0, atol=0)
+    # GGUF: the adapter merged into its base, read back by transformers' GGUF reader (sparklm import)
+    from sparklm.model import gguf as gguf_import
+
+    assert main(["export", str(run), "--format", "gguf", "--output", str(tmp_path / "gguf")]) == 0
+    gguf_import.convert(str(tmp_path / "gguf" / "model.gguf"), str(tmp_path / "gguf-back"))
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "gguf-back")).eval()
+    torch.testing.assert_close(logits(back, ids), logits(merged, ids), rtol=1e-4, atol=1e-5)
 
 
 def test_bad_pretrained_models_are_one_line(spark, bases, tmp_path):

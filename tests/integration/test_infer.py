@@ -427,6 +427,16 @@ def test_cli_batch_generation_eval_and_export(run_dir, tmp_path, capsys):
     assert gen.returncode == 0 and gen.stdout.startswith("The quick") and no_deprecation(gen), gen.stderr
     assert main(["export", str(run_dir), "--output", str(tmp_path / "onnx")]) == 2
     assert "already exists" in capsys.readouterr().err
+    # GGUF for llama.cpp: sparklm's own byte-level BPE named as GPT-2's pre-tokenizer, matrices in Q8_0 blocks
+    import gguf
+
+    assert main(["export", str(run_dir), "--format", "gguf", "--quantize", "q8_0", "--output", str(tmp_path / "g")]) == 0
+    assert "GGUF file (q8_0, qwen3, pre-tokenizer gpt-2)" in capsys.readouterr().err  # the default model: Qwen3
+    reader = gguf.GGUFReader(str(tmp_path / "g" / "model.gguf"))
+    assert {t.tensor_type.name for t in reader.tensors} == {"Q8_0", "F32"}
+    assert main(["export", str(run_dir), "--format", "gguf", "--quantize", "int8", "--output", str(tmp_path / "g2")]) == 2
+    assert "--quantize int8 for --format gguf: use one of f32, f16, q8_0, q4_0, q4_1" in capsys.readouterr().err
+    assert not (tmp_path / "g2").exists()
 
 
 @pytest.mark.slow

@@ -50,7 +50,7 @@ def export(model: str, output: str, *, quantize: str = "none", overwrite: bool =
     if quantize not in ("none", "int8", "int4"):
         raise SparklmError(f"--quantize {quantize}: use none, int8 or int4")
     _onnx_modules()
-    out = _output(output, overwrite)
+    out = export_dir(output, overwrite)
     architectures = _architectures(model, storage)
     if architectures and not any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
         return _export_encoder(model, out, architectures, quantize=quantize, storage=storage)
@@ -141,7 +141,7 @@ def _export_encoder(model: str, out: Path, architectures: list, *, quantize: str
 
 
 
-def _output(output: str, overwrite: bool) -> Path:
+def export_dir(output: str, overwrite: bool) -> Path:
     """The export directory: new, empty, or (with ``overwrite``) an earlier export of ours."""
     from ..infra.fs import check_replaceable
 
@@ -162,7 +162,7 @@ def export_hub(model: str, output: str, *, overwrite: bool = False, merge: bool 
     from ..model.build import ADAPTER_CONFIG
     from .generate import load, model_dir
 
-    out = _output(output, overwrite)
+    out = export_dir(output, overwrite)
     source = model_dir(model, storage)
     verify_checksums(source)
     adapter = (source / ADAPTER_CONFIG).is_file()
