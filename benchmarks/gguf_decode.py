@@ -12,7 +12,9 @@ Set-up (the benchmark's own, outside the project's dependencies; done once):
   * `sparklm export .bench/smollm2-hf --format gguf --quantize Q` for f32, q8_0 and q4_1.
 
 Contenders, each in a fresh process, interleaved, median of --repeats: llama.cpp on the shipped Q4_1 file, llama.cpp
-on sparklm's f32 / q8_0 / q4_1 exports, and HF `generate` in float32 on the imported model. One prompt, greedy,
+on sparklm's f32 / q8_0 / q4_1 exports, HF `generate` in float32 on the imported model, and sparklm's own generation
+(its loader and loop, as `sparklm generate` runs them) on the torch backend and on `--backend llama.cpp` (f32 and
+q4_1; sparklm's tokens are forced to --new-tokens, EOS masked). One prompt, greedy,
 --new-tokens tokens. Reported: the whole process's wall time, seconds from the process's start to the first new
 token, decode tokens/s after it, peak RSS, and where each contender's tokens first differ from HF's (equal weights:
 f32; a quantized file is expected to drift).
@@ -100,9 +102,29 @@ def run_hf(new: int, threads: int) -> dict:
     return {"prompt": ids[0].tolist(), "tokens": out[0, ids.shape[1]:].tolist(), "first": stamps[1]}
 
 
+def run_sparklm(backend: str, quant: str, new: int, threads: int) -> dict:
+    """`sparklm generate`'s path in Python: its loader for the backend, its generation loop (greedy)."""
+    from sparklm.infer import generate as gen
+    from sparklm.infer import llamacpp
+    from sparklm.infer.sampling import Sampling
+
+    if backend == "llama.cpp":
+        lm = llamacpp.load(str(HF_DIR), threads=threads, quantize=quant)
+    else:
+        lm = gen.load(str(HF_DIR), threads=threads)
+    stamps = []
+    (g,) = gen.generate(lm, [PROMPT], sampling=Sampling(temperature=0, max_new_tokens=new, min_new_tokens=new),
+                        on_text=lambda _row, _piece: stamps.append(time.time()))
+    return {"prompt": gen.token_ids(lm, PROMPT), "tokens": g.token_ids, "first": stamps[0]}
+
+
 def one(name: str, path: str, new: int, threads: int) -> None:
     """One contender in this (fresh) process; prints its figures as JSON."""
-    r = run_hf(new, threads) if name.startswith("HF") else run_llama_cpp(path, new, threads)
+    if name.startswith("sparklm"):
+        _, backend, quant = name.split()
+        r = run_sparklm(backend, quant, new, threads)
+    else:
+        r = run_hf(new, threads) if name.startswith("HF") else run_llama_cpp(path, new, threads)
     end = time.time()
     n = len(r["tokens"])
     print(json.dumps({"name": name, "wall_s": end - T0, "first_token_s": r["first"] - T0,
@@ -166,9 +188,14 @@ def main() -> None:
         setup()
         sys.path.insert(0, str(LLAMA_CPP))
         return parity(args.parity, 48)
-    files = {**{k: str(v) for k, v in setup().items()}, "HF generate fp32": ""}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(LLAMA_CPP), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": str(args.threads)}
+    files = {**{k: str(v) for k, v in setup().items()}, "HF generate fp32": "", "sparklm torch none": ""}
+    for q in ("none", "q4_1"):  # `sparklm generate --backend llama.cpp`: its cached export made here, not timed
+        # in a child process: a forked child's peak RSS starts from its parent's, so the parent stays small
+        subprocess.run([sys.executable, "-c", f"from sparklm.infer import llamacpp; llamacpp.load({str(HF_DIR)!r}, "
+                        f"quantize={q!r})"], env=env, check=True)
+        files[f"sparklm llama.cpp {q}"] = ""
     runs: dict[str, list[dict]] = {n: [] for n in files}
     for _ in range(args.repeats):  # interleaved: each round runs every contender once
         for name, path in files.items():

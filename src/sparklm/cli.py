@@ -126,10 +126,13 @@ def _add_inference(sub) -> None:
     g.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     _sampling_flags(g.add_argument_group("sampling"))
     g.add_argument("--show-top", type=int, default=0, metavar="N", help="show the N most likely tokens at each step")
-    g.add_argument("--backend", choices=["torch", "onnx"], default="torch")
+    g.add_argument("--backend", choices=["torch", "onnx", "llama.cpp"], default="torch",
+                   help="llama.cpp: the model exported to GGUF once (cached) and decoded by llama.cpp on the CPU "
+                        "(pip install 'sparklm[llamacpp]')")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto: CUDA where torch sees a GPU")
-    g.add_argument("--quantize", choices=["none", "int8"], default="none",
-                   help="torch backend: dynamic int8 Linear layers for CPU inference")
+    g.add_argument("--quantize", choices=["none", "int8", "f16", "q8_0", "q4_0", "q4_1"], default="none",
+                   help="torch backend: int8 (dynamic int8 Linear layers for CPU inference); llama.cpp backend: f16, "
+                        "q8_0, q4_0 or q4_1 (GGUF blocks)")
     g.add_argument("--batch-size", type=int, default=8, metavar="N")
     g.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads (default: all)")
     _common(g)
@@ -389,14 +392,13 @@ def _sampling(args: argparse.Namespace):
 
 def _generate(args: argparse.Namespace) -> int:
     from .infer import batch
-    from .infra.fs import effective
 
     sampling = _sampling(args)
     if args.show_top < 0 or args.batch_size < 1:
         raise SparklmError("--show-top must be >= 0 and --batch-size >= 1")
     if args.input:
         return _generate_on_spark(args, sampling)
-    from .infer.generate import generate, load
+    from .infer.generate import generate
 
     if args.output:
         batch.check_output(args.output, args.overwrite)
@@ -405,14 +407,7 @@ def _generate(args: argparse.Namespace) -> int:
         prompts += [text for _, text in batch.read_prompts(args.prompt_file)]
     if not prompts:
         raise SparklmError("no prompt given", hint='pass --prompt "text", --prompt-file FILE or --input FILE')
-    if args.backend == "onnx":
-        from .infer.export import load_onnx
-
-        lm = load_onnx(args.model, threads=args.threads)
-    else:
-        config, _ = _config(args)
-        lm = load(args.model, threads=args.threads, quantize=args.quantize, storage=effective(config.storage),
-                  device=args.device)
+    lm = _generation_model(args)
     streaming = len(prompts) == 1 and sampling.num_samples == 1 and not args.show_top and not args.output
     if streaming:
         sys.stdout.write(prompts[0])
@@ -440,6 +435,28 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generation_model(args: argparse.Namespace):
+    """``generate``'s model on its backend: torch (optionally int8), an ONNX export, or llama.cpp."""
+    from .infer.generate import load
+    from .infra.fs import effective
+
+    if args.backend == "onnx":
+        from .infer.export import load_onnx
+
+        return load_onnx(args.model, threads=args.threads)
+    config, _ = _config(args)
+    if args.backend == "llama.cpp":
+        from .infer import llamacpp
+
+        return llamacpp.load(args.model, threads=args.threads, quantize=args.quantize,
+                             storage=effective(config.storage))
+    if args.quantize not in ("none", "int8"):
+        raise SparklmError(f"--quantize {args.quantize} applies to --backend llama.cpp",
+                           hint="the torch backend takes none or int8")
+    return load(args.model, threads=args.threads, quantize=args.quantize, storage=effective(config.storage),
+                device=args.device)
+
+
 def _generate_on_spark(args: argparse.Namespace, sampling) -> int:
     """``generate --input``: a file of prompts, generated for by Spark tasks, written to ``--output``."""
     from .infer import batch
@@ -451,7 +468,7 @@ def _generate_on_spark(args: argparse.Namespace, sampling) -> int:
         raise SparklmError("--input needs --output FILE (.jsonl or .parquet)")
     batch.check_output(args.output, args.overwrite)
     if args.backend != "torch":
-        raise SparklmError("batch generation on Spark uses the torch backend", hint="drop --backend onnx")
+        raise SparklmError("batch generation on Spark uses the torch backend", hint=f"drop --backend {args.backend}")
     from .infer.generate import model_uri
 
     config, _ = _config(args)

@@ -390,6 +390,41 @@ def test_cli_missing_model_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
+def test_llama_cpp_backend_generates_what_torch_does(run_dir, tmp_path, monkeypatch):
+    """--backend llama.cpp: the model exported to GGUF once (cached by content), decoded by llama.cpp; in float32 its
+    greedy and seeded samples are torch's token for token (rows one at a time against torch's batch of 8)."""
+    from sparklm.infer import generate as gen
+    from sparklm.infer import llamacpp
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    prompts = ["The quick", "Once upon a time there was", "Москва"]
+    fast, ref = llamacpp.load(str(run_dir), threads=2), gen.load(str(run_dir), threads=2)
+    for sampling in (Sampling(temperature=0, max_new_tokens=12),
+                     Sampling(temperature=0.9, top_k=50, max_new_tokens=12, seed=5, num_samples=2)):
+        ours = gen.generate(fast, prompts, sampling=sampling)
+        theirs = gen.generate(ref, prompts, sampling=sampling, batch_size=8)
+        assert [g.token_ids for g in ours] == [g.token_ids for g in theirs]
+        assert [g.text for g in ours] == [g.text for g in theirs]
+    (info,) = (tmp_path / "cache" / "sparklm" / "gguf").glob("*-f32-v*/info.json")
+    stamp = info.stat().st_mtime_ns
+    llamacpp.load(str(run_dir), threads=2)
+    assert info.stat().st_mtime_ns == stamp  # exported once
+
+    out = run_sparklm("generate", str(run_dir), "--backend", "llama.cpp", "--quantize", "q8_0", "--prompt",
+                      "The quick", "--temperature", "0", "--max-new-tokens", "6")
+    assert out.returncode == 0 and out.stdout.startswith("The quick"), out.stderr
+    assert "Traceback" not in out.stderr and "exporting" in out.stderr and no_deprecation(out)
+    bad = run_sparklm("generate", str(run_dir), "--quantize", "q8_0", "--prompt", "x")
+    assert bad.returncode == 2 and "applies to --backend llama.cpp" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_llama_cpp_is_installed_by_the_test_extra():
+    import importlib.util
+
+    assert importlib.util.find_spec("llama_cpp") is not None, "pip install -e '.[test]' installs llama-cpp-python"
+
+
 def test_cli_batch_generation_eval_and_export(run_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"id": 7, "prompt": "The quick"}\n{"id": 3, "prompt": "Москва"}\n\n{"id": 5, "text": "東京"}\n')

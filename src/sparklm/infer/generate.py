@@ -78,8 +78,6 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
     activations quantized per batch) for CPU inference — on a trained 27M model 1.8x faster scoring
     at +0.4% perplexity here (BENCHMARKS.md).
     """
-    from transformers import AutoTokenizer
-
     from ..model import load_model
     from ..model.build import context_length
 
@@ -99,17 +97,23 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
     where = inference_device(device, cpu_only=quantize == "int8")
     if where != "cpu":
         model = model.to(where)
+    tok, add_bos = tokenizer_of(directory)
+    context = context_length(model.config) or 2048
+    return LoadedModel(model, tok, str(directory), int(context), add_bos)
+
+
+def tokenizer_of(directory: Path) -> tuple[object, bool]:
+    """A model directory's tokenizer, and whether prompts start with BOS: the tokenizer's own convention (sparklm
+    saves a tokenizer that adds BOS exactly when training did)."""
+    from transformers import AutoTokenizer
+
     try:
         tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as e:
         raise SparklmError(f"cannot load the tokenizer in {directory}: {' '.join(str(e).split())[:200]}",
                            hint="the model directory needs tokenizer files (tokenizer.json or the model's own)") from None
-    cfg = model.config
-    context = context_length(cfg) or 2048
     bos = tok.bos_token_id
-    # The tokenizer's own convention (sparklm saves a tokenizer that adds BOS exactly when training did).
-    add_bos = bos is not None and bos != tok.eos_token_id and tok("a")["input_ids"][:1] == [bos]
-    return LoadedModel(model, tok, str(directory), int(context), add_bos)
+    return tok, bos is not None and bos != tok.eos_token_id and tok("a")["input_ids"][:1] == [bos]
 
 
 def inference_device(setting: str, *, cpu_only: bool = False) -> str:
@@ -162,6 +166,7 @@ def generate(lm: LoadedModel, prompts: list[str], *, sampling: Sampling = Sampli
             progress.warn(f"prompt {key} is longer than the context: kept its last {len(ids)} tokens")
         rows += [(key, s, prompt, ids, truncated) for s in range(sampling.num_samples)]
     out: list[Generation] = []
+    batch_size = min(batch_size, getattr(lm.model, "max_batch", batch_size))  # llama.cpp: one row at a time
     for start in range(0, len(rows), batch_size):
         batch = rows[start:start + batch_size]
         gens = [row_generator(sampling.seed, key, s) for key, s, *_ in batch]

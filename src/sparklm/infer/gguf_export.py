@@ -34,8 +34,6 @@ def export_gguf(model: str, output: str, *, quantize: str = "f32", overwrite: bo
     """Write ``output``/model.gguf (and a marker listing it); returns what was written. ``quantize``: f32, f16,
     q8_0, q4_0 or q4_1 for the matrices (vectors stay f32; the embedding stays at 8 bits or more, as it is also the
     output layer when tied). A LoRA adapter is merged into its base first."""
-    import gguf
-
     from .export import export_dir
     from .generate import load
 
@@ -43,27 +41,35 @@ def export_gguf(model: str, output: str, *, quantize: str = "f32", overwrite: bo
         raise SparklmError(f"--quantize {quantize} for --format gguf: use one of {', '.join(QUANTS)}")
     out = export_dir(output, overwrite)
     lm = load(model, storage=storage, device="cpu")
+    with staged_dir(str(out), marker=MARKER) as tmp:
+        info = write_gguf(lm, tmp, quantize)
+        (tmp / MARKER).write_text(json.dumps({**info, "files": listing(tmp)}, indent=2))
+    return {**info, "path": str(out), "bytes": (out / GGUF_FILE).stat().st_size}
+
+
+def write_gguf(lm, directory: Path, quantize: str) -> dict:
+    """``lm`` (a :class:`~sparklm.infer.generate.LoadedModel` on the CPU) as ``directory``/model.gguf; returns what
+    was written."""
+    import gguf
+
     cfg = lm.model.config
     arch = _arch(cfg)
     tensors = gguf_tensors({n: t.detach().float().numpy() for n, t in lm.model.state_dict().items()}, cfg, arch)
     tokens = vocabulary(lm.tokenizer, cfg.vocab_size)
-    with staged_dir(str(out), marker=MARKER) as tmp:
-        w = gguf.GGUFWriter(str(tmp / GGUF_FILE), arch)
-        w.add_name(Path(lm.path).name)
-        _hyperparameters(w, cfg, arch, lm.context, quantize)
-        _tokenizer(w, lm, tokens)
-        for name, array in tensors.items():
-            data, kind = encode(name, array, quantize)
-            # f32/f16 are typed by their numpy dtype; packed blocks carry their type (the shape follows from it)
-            w.add_tensor(name, data, raw_dtype=None if kind in (0, 1) else gguf.GGMLQuantizationType(kind))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        info = {"format": "gguf", "quantize": quantize, "source": lm.path, "arch": arch, "context": lm.context,
-                "add_bos": lm.add_bos, "pre_tokenizer": tokens["pre"]}
-        (tmp / MARKER).write_text(json.dumps({**info, "files": listing(tmp)}, indent=2))
-    return {**info, "path": str(out), "bytes": (out / GGUF_FILE).stat().st_size}
+    w = gguf.GGUFWriter(str(directory / GGUF_FILE), arch)
+    w.add_name(Path(lm.path).name)
+    _hyperparameters(w, cfg, arch, lm.context, quantize)
+    _tokenizer(w, lm, tokens)
+    for name, array in tensors.items():
+        data, kind = encode(name, array, quantize)
+        # f32/f16 are typed by their numpy dtype; packed blocks carry their type (the shape follows from it)
+        w.add_tensor(name, data, raw_dtype=None if kind in (0, 1) else gguf.GGMLQuantizationType(kind))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {"format": "gguf", "quantize": quantize, "source": lm.path, "arch": arch, "context": lm.context,
+            "add_bos": lm.add_bos, "pre_tokenizer": tokens["pre"]}
 
 
 def _arch(cfg) -> str:
