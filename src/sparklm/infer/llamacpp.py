@@ -13,6 +13,7 @@ import atexit
 import hashlib
 import json
 import os
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -44,8 +45,8 @@ class LlamaCppModel:
         self.llm = Llama(model_path=str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
                          verbose=False)
         # freed before the interpreter tears its modules down: llama-cpp-python's own finaliser, run later, prints a
-        # traceback at exit
-        atexit.register(self.llm.close)
+        # traceback at exit (a weak reference: a model dropped earlier is freed as usual)
+        atexit.register(_close, weakref.ref(self.llm))
 
     def __call__(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_ignored
                  ) -> SimpleNamespace:
@@ -119,6 +120,12 @@ def content_key(directory: Path) -> str:
         for f in sorted(p for p in d.rglob("*") if p.is_file() and p.name != CHECKSUMS):
             h.update(f"{f.relative_to(d).as_posix()}:{digest(str(f))}\n".encode())
     return h.hexdigest()
+
+
+def _close(ref: weakref.ref) -> None:
+    llm = ref()
+    if llm is not None:
+        llm.close()
 
 
 def _module():
