@@ -192,7 +192,7 @@ def export(model: str, *, output: str, format: str = "onnx", quantize: str = "no
     if format == "gguf":
         from .infer.gguf_export import export_gguf
 
-        return export_gguf(str(model), output, quantize="f32" if quantize == "none" else quantize, overwrite=overwrite)
+        return export_gguf(str(model), output, quantize=quantize, overwrite=overwrite)
     if format != "onnx":
         raise SparklmError(f"export format {format!r}: use 'onnx', 'gguf' or 'hub'")
     return run(str(model), output, quantize=quantize, overwrite=overwrite, merge=merge_adapter)

@@ -553,8 +553,8 @@ def _export(args: argparse.Namespace) -> int:
 
         if args.merge:
             raise SparklmError("--merge applies to --format onnx", hint="a GGUF file always holds the merged model")
-        info = export_gguf(args.model, args.output, quantize="f32" if args.quantize == "none" else args.quantize,
-                           overwrite=args.overwrite, storage=effective(config.storage))
+        info = export_gguf(args.model, args.output, quantize=args.quantize, overwrite=args.overwrite,
+                           storage=effective(config.storage))
         progress.info(f"GGUF file ({info['quantize']}, {info['arch']}, pre-tokenizer {info['pre_tokenizer']}): "
                       f"{info['bytes'] / 1e6:.1f} MB")
         progress.plain(info["path"])

@@ -23,7 +23,10 @@ from ..infra.fs import listing, staged_dir
 
 GGUF_FILE = "model.gguf"
 MARKER = "sparklm_export.json"  # the same marker as the ONNX export: --overwrite replaces only our own exports
-QUANTS = ("f32", "f16", "q8_0", "q4_0", "q4_1")
+# each --quantize: the GGML type of its matrices and the file type the file declares (names in the gguf package)
+_TYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"), "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
+          "q4_0": ("Q4_0", "MOSTLY_Q4_0"), "q4_1": ("Q4_1", "MOSTLY_Q4_1")}
+QUANTS = tuple(_TYPES)
 ARCHS = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 # A probe that tells pre-tokenizers apart: contractions, digits, runs of spaces, punctuation, letters beyond ASCII.
 _PROBE = "Hello world!  It's 2026: 3.14159 apples,\n\n  don't   you'll café Ωmega\t123456 x=y+1 ...?"
@@ -37,14 +40,21 @@ def export_gguf(model: str, output: str, *, quantize: str = "f32", overwrite: bo
     from .export import export_dir
     from .generate import load
 
-    if quantize not in QUANTS:
-        raise SparklmError(f"--quantize {quantize} for --format gguf: use one of {', '.join(QUANTS)}")
+    quantize = checked_quant(quantize, "--format gguf")
     out = export_dir(output, overwrite)
     lm = load(model, storage=storage, device="cpu")
     with staged_dir(str(out), marker=MARKER) as tmp:
         info = write_gguf(lm, tmp, quantize)
         (tmp / MARKER).write_text(json.dumps({**info, "files": listing(tmp)}, indent=2))
     return {**info, "path": str(out), "bytes": (out / GGUF_FILE).stat().st_size}
+
+
+def checked_quant(quantize: str, where: str) -> str:
+    """``quantize`` as one of :data:`QUANTS` ("none" is f32), or one line naming ``where`` it was given."""
+    quant = "f32" if quantize == "none" else quantize
+    if quant not in QUANTS:
+        raise SparklmError(f"--quantize {quantize} for {where}: use one of {', '.join(QUANTS)}")
+    return quant
 
 
 def write_gguf(lm, directory: Path, quantize: str) -> dict:
@@ -102,7 +112,7 @@ def head_dim(cfg) -> int:
 
 def gguf_tensors(state: dict[str, np.ndarray], cfg, arch: str) -> dict[str, np.ndarray]:
     """An HF state dict (float32) as llama.cpp's tensors: its names, the query and key rows reordered for its RoPE
-    (llama), the output layer only where it is not the embedding. Pure: tested on its own."""
+    (llama), the output layer only where it is not the embedding. Pure."""
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
@@ -143,7 +153,7 @@ def encode(name: str, array: np.ndarray, quantize: str) -> tuple[np.ndarray, int
     kinds = gguf.GGMLQuantizationType
     if array.ndim < 2 or quantize == "f32":
         return np.ascontiguousarray(array, np.float32), kinds.F32
-    want = {"f16": kinds.F16, "q8_0": kinds.Q8_0, "q4_0": kinds.Q4_0, "q4_1": kinds.Q4_1}[quantize]
+    want = kinds[_TYPES[quantize][0]]
     if name == "token_embd.weight" and want in (kinds.Q4_0, kinds.Q4_1):
         want = kinds.Q8_0
     block = gguf.GGML_QUANT_SIZES[want][0]
@@ -168,10 +178,7 @@ def _hyperparameters(w, cfg, arch: str, context: int, quantize: str) -> None:
         w.add_key_length(head_dim(cfg))
         w.add_value_length(head_dim(cfg))
     w.add_vocab_size(cfg.vocab_size)
-    types = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
-             "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}
-    w.add_file_type(types[quantize])
+    w.add_file_type(gguf.LlamaFileType[_TYPES[quantize][1]])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 

@@ -37,13 +37,11 @@ class LlamaCppModel:
     max_batch = 1  # one sequence per llama.cpp context
 
     def __init__(self, path: Path, context: int, threads: int = 0):
-        import llama_cpp
-        from llama_cpp import Llama
-
-        self._api = llama_cpp
+        self._api = _module()
         threads = threads or os.cpu_count() or 1
-        self.llm = Llama(model_path=str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
-                         verbose=False)
+        self.llm = self._api.Llama(model_path=str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                                   verbose=False)
+        self.seen = torch.zeros(0, dtype=torch.long)  # the tokens llama.cpp holds in its KV cache
         # freed before the interpreter tears its modules down: llama-cpp-python's own finaliser, run later, prints a
         # traceback at exit (a weak reference: a model dropped earlier is freed as usual)
         atexit.register(_close, weakref.ref(self.llm))
@@ -51,12 +49,13 @@ class LlamaCppModel:
     def __call__(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_ignored
                  ) -> SimpleNamespace:
         row = input_ids[0] if attention_mask is None else input_ids[0][attention_mask[0].bool()]
-        ids = row.tolist()
-        have = self.llm.input_ids[:self.llm.n_tokens].tolist()
-        if len(ids) <= len(have) or ids[:len(have)] != have:  # another sequence: start again
+        n = len(self.seen)
+        if len(row) <= n or not torch.equal(row[:n], self.seen):  # another sequence: start again
             self.llm.reset()
-            have = []
-        self.llm.eval(ids[len(have):])
+            n = 0
+        self.seen = row[:0]  # until the evaluation succeeds
+        self.llm.eval(row[n:].tolist())
+        self.seen = row.clone()
         # the last evaluated position's logits, read from llama.cpp's context (Llama.scores holds them only with
         # logits_all, which would keep every position's)
         last = self._api.llama_get_logits_ith(self.llm.ctx, -1)
@@ -69,12 +68,10 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
     ``quantize`` (none: f32, f16, q8_0, q4_0 or q4_1), the export made once and kept in sparklm's cache."""
     from ..model.build import context_length
     from .generate import LoadedModel, model_dir, tokenizer_of
-    from .gguf_export import GGUF_FILE, QUANTS
+    from .gguf_export import checked_quant
 
     _module()
-    quant = "f32" if quantize == "none" else quantize
-    if quant not in QUANTS:
-        raise SparklmError(f"--quantize {quantize} with --backend llama.cpp: use none (f32), f16, q8_0, q4_0 or q4_1")
+    quant = checked_quant(quantize, "--backend llama.cpp")
     directory = model_dir(path, storage)
     gguf = cached_export(str(path), directory, quant, storage)
     tok, add_bos = tokenizer_of(directory)
@@ -82,7 +79,7 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
     # llama.cpp allocates its KV cache for the whole context at once: 2,048 tokens at most (SmolLM2's 8,192 would
     # take 380 MB); generation fits prompts to it as to any model's context
     context = min(int(context_length(config) or 2048), MAX_CONTEXT)
-    return LoadedModel(LlamaCppModel(gguf.parent / GGUF_FILE, context, threads), tok, str(directory), context, add_bos)
+    return LoadedModel(LlamaCppModel(gguf, context, threads), tok, str(directory), context, add_bos)
 
 
 def cached_export(path: str, directory: Path, quant: str, storage: StorageConfig | None) -> Path:
@@ -107,11 +104,12 @@ def content_key(directory: Path) -> str:
     """SHA-256 over a model directory's files (names and contents; an adapter's base directory too): the same model
     copied or renamed finds its export, a changed one does not. Each file's digest is remembered by (path, size,
     mtime), so a large model is read once."""
+    from ..model.build import ADAPTER_CONFIG
     from ..model.gguf import digest
 
     h = hashlib.sha256()
     dirs = [directory]
-    adapter = directory / "adapter_config.json"
+    adapter = directory / ADAPTER_CONFIG
     if adapter.is_file():
         base = json.loads(adapter.read_text()).get("base_model_name_or_path") or ""
         if Path(base).is_dir():
