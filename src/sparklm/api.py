@@ -153,14 +153,16 @@ def _generate(lm, prompts: str | list[str], sampling: dict[str, Any]) -> str | l
     return texts[0] if one and chosen.num_samples == 1 else texts
 
 
-def generate(model: str, prompts: str | list[str], **sampling: Any) -> str | list[str]:
+def generate(model: str, prompts: str | list[str], *, backend: str = "torch", quantize: str = "none",
+             **sampling: Any) -> str | list[str]:
     """Continuations of ``prompts`` by ``model`` (a run directory, an HF model directory, a GGUF file) in this
     process; ``sampling`` as ``sparklm generate``'s flags (``max_new_tokens``, ``temperature``, ``top_k``,
-    ``top_p``, ``min_p``, ``repetition_penalty``, ``num_samples``, ``seed``). For a DataFrame of prompts, on
-    Spark, use :func:`generate_dataframe`."""
-    from .infer.generate import load
+    ``top_p``, ``min_p``, ``repetition_penalty``, ``num_samples``, ``seed``); ``backend`` and ``quantize`` as its
+    ``--backend`` and ``--quantize`` ("llama.cpp": the model exported to GGUF once and decoded by llama.cpp). For a
+    DataFrame of prompts, on Spark, use :func:`generate_dataframe`."""
+    from .infer import backends
 
-    return _generate(load(str(model)), prompts, sampling)
+    return _generate(backends.load(str(model), backend=backend, quantize=quantize), prompts, sampling)
 
 
 def evaluate(model: str, source, *, max_length: int = 0, stride: int = 0, batch_size: int = 8,

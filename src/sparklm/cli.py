@@ -437,24 +437,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _generation_model(args: argparse.Namespace):
     """``generate``'s model on its backend: torch (optionally int8), an ONNX export, or llama.cpp."""
-    from .infer.generate import load
+    from .infer import backends
     from .infra.fs import effective
 
-    if args.backend == "onnx":
-        from .infer.export import load_onnx
-
-        return load_onnx(args.model, threads=args.threads)
     config, _ = _config(args)
-    if args.backend == "llama.cpp":
-        from .infer import llamacpp
-
-        return llamacpp.load(args.model, threads=args.threads, quantize=args.quantize,
-                             storage=effective(config.storage))
-    if args.quantize not in ("none", "int8"):
-        raise SparklmError(f"--quantize {args.quantize} applies to --backend llama.cpp",
-                           hint="the torch backend takes none or int8")
-    return load(args.model, threads=args.threads, quantize=args.quantize, storage=effective(config.storage),
-                device=args.device)
+    return backends.load(args.model, backend=args.backend, quantize=args.quantize, threads=args.threads,
+                        storage=effective(config.storage), device=args.device, batch_size=args.batch_size)
 
 
 def _generate_on_spark(args: argparse.Namespace, sampling) -> int:
@@ -467,8 +455,8 @@ def _generate_on_spark(args: argparse.Namespace, sampling) -> int:
     if not args.output:
         raise SparklmError("--input needs --output FILE (.jsonl or .parquet)")
     batch.check_output(args.output, args.overwrite)
-    if args.backend != "torch":
-        raise SparklmError("batch generation on Spark uses the torch backend", hint=f"drop --backend {args.backend}")
+    if args.backend == "onnx":
+        raise SparklmError("batch generation on Spark runs on torch or llama.cpp", hint="drop --backend onnx")
     from .infer.generate import model_uri
 
     config, _ = _config(args)
@@ -482,7 +470,8 @@ def _generate_on_spark(args: argparse.Namespace, sampling) -> int:
     df = df.repartition(min(len(prompts), spark.sparkContext.defaultParallelism))
     with progress.stage(spark, f"generate ({len(prompts)} prompts)", quiet=True):
         out = batch.generate_dataframe(df, model=args.model, id_col="id", output_col="text", sampling=sampling,
-                                       batch_size=args.batch_size, threads=args.threads, storage=config.storage)
+                                       batch_size=args.batch_size, threads=args.threads, storage=config.storage,
+                                       backend=args.backend, quantize=args.quantize)
         rows = [r.asDict() for r in out.select(*batch.OUTPUT_COLUMNS).collect()]
     rows.sort(key=lambda r: (r["id"], r["sample"]))
     batch.write_generations(rows, args.output)

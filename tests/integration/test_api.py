@@ -145,6 +145,7 @@ result = sparklm.fit(data=ds, output={str(tmp_path / "run")!r},
                                "train.batch_size": 4, "train.samples": 0, "train.dtype": "float32"}})
 text = result.generate("The", max_new_tokens=4, temperature=0)
 assert text == sparklm.generate(result.run_dir, "The", max_new_tokens=4, temperature=0)
+assert text == sparklm.generate(result.run_dir, "The", max_new_tokens=4, temperature=0, backend="llama.cpp")
 mark("<</sparklm>>")
 own_job()  # the bar is the user's again
 prompts = spark.createDataFrame([("a", "The"), ("b", "Москва")], "tag string, prompt string")

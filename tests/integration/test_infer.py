@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -18,10 +21,12 @@ from conftest import assert_one_line_interrupt, interrupt, make_text, run_sparkl
 from sparklm.infer.evaluate import windows
 from sparklm.infer.sampling import (
     Sampling,
+    draw,
     min_p_filter,
     next_tokens,
     repetition_penalty,
     row_generator,
+    softmax,
     top_k_filter,
     top_p_filter,
 )
@@ -31,17 +36,17 @@ from sparklm.infra.errors import SparklmError
 
 
 def test_top_k_keeps_the_k_largest():
-    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0, 2.0]])
-    kept = torch.isfinite(top_k_filter(logits, 2))
+    logits = np.array([[1.0, 5.0, 3.0, 4.0, 2.0]], dtype=np.float32)
+    kept = np.isfinite(top_k_filter(logits, 2))
     assert kept.tolist() == [[False, True, False, True, False]]
-    assert torch.equal(top_k_filter(logits, 0), logits)
+    assert np.array_equal(top_k_filter(logits, 0), logits)
 
 
 def test_top_p_keeps_the_smallest_nucleus():
-    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
-    assert torch.isfinite(top_p_filter(logits, 0.7)).tolist() == [[True, True, False, False]]
-    assert torch.isfinite(top_p_filter(logits, 0.81)).tolist() == [[True, True, True, False]]
-    assert torch.isfinite(top_p_filter(logits, 0.01)).tolist() == [[True, False, False, False]]  # never empty
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], dtype=np.float32))
+    assert np.isfinite(top_p_filter(logits, 0.7)).tolist() == [[True, True, False, False]]
+    assert np.isfinite(top_p_filter(logits, 0.81)).tolist() == [[True, True, True, False]]
+    assert np.isfinite(top_p_filter(logits, 0.01)).tolist() == [[True, False, False, False]]  # never empty
 
 
 ROW = st.lists(st.floats(-5, 5), min_size=2, max_size=30)  # one row of logits
@@ -49,8 +54,8 @@ ROW = st.lists(st.floats(-5, 5), min_size=2, max_size=30)  # one row of logits
 
 def _filtered(keep, values: list[float], p: float):
     """One row of logits, its probabilities, and which tokens the filter ``keep(logits, p)`` keeps."""
-    logits = torch.tensor([values])
-    return logits, logits.softmax(-1)[0], torch.isfinite(keep(logits, p))[0]
+    logits = np.array([values], dtype=np.float32)
+    return logits, softmax(logits)[0], np.isfinite(keep(logits, p))[0]
 
 
 @settings(max_examples=60, deadline=None)
@@ -73,7 +78,7 @@ def test_min_p_keeps_what_is_at_least_p_times_the_likeliest(values, p):
     assert kept[probs.argmax()]  # never empty
     threshold = p * probs.max()  # a token within rounding of it may fall either way
     assert kept[probs > threshold * (1 + 1e-5)].all() and not kept[probs < threshold * (1 - 1e-5)].any()
-    assert torch.equal(min_p_filter(logits, 0.0), logits)
+    assert np.array_equal(min_p_filter(logits, 0.0), logits)
 
 
 @pytest.mark.parametrize("k,top_p,min_p", [(50, 1.0, 0.1), (0, 0.9, 0.05), (20, 0.8, 0.3), (0, 1.0, 0.0)])
@@ -91,24 +96,42 @@ def test_filters_keep_what_transformers_keeps(k, top_p, min_p):
     hf = [TemperatureLogitsWarper(0.8)] + ([TopKLogitsWarper(k)] if k else []) + \
         ([TopPLogitsWarper(top_p)] if top_p < 1 else []) + ([MinPLogitsWarper(min_p)] if min_p else [])
     theirs = LogitsProcessorList(hf)(torch.zeros(16, 1, dtype=torch.long), logits.clone())
-    ours = min_p_filter(top_p_filter(top_k_filter(logits / 0.8, k), top_p), min_p)
-    assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs))
+    ours = min_p_filter(top_p_filter(top_k_filter(logits.numpy() / np.float32(0.8), k), top_p), min_p)
+    assert np.array_equal(np.isfinite(ours), torch.isfinite(theirs).numpy())
 
 
 def test_repetition_penalty_as_ctrl_defines_it():
-    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
-    previous = torch.tensor([[0, 1, 1, -1]])  # -1: padding, ignored
+    logits = np.array([[2.0, -2.0, 1.0, 0.5]], dtype=np.float32)
+    previous = np.array([[0, 1, 1, -1]])  # -1: padding, ignored
     out = repetition_penalty(logits, previous, 2.0)
     assert out.tolist() == [[1.0, -4.0, 1.0, 0.5]]
 
 
 def test_greedy_and_seeded_sampling():
-    logits = torch.tensor([[0.1, 3.0, 0.2], [2.0, 0.0, 0.1]])
+    logits = np.array([[0.1, 3.0, 0.2], [2.0, 0.0, 0.1]], dtype=np.float32)
     assert next_tokens(logits, Sampling(temperature=0), None).tolist() == [1, 0]
     s = Sampling(temperature=1.5, top_k=3)
-    a = next_tokens(logits.repeat(20, 1), s, [row_generator(7, i) for i in range(40)][:40])
-    b = next_tokens(logits.repeat(20, 1), s, [row_generator(7, i) for i in range(40)][:40])
-    assert torch.equal(a, b)
+    a = next_tokens(np.tile(logits, (20, 1)), s, [row_generator(7, i) for i in range(40)])
+    b = next_tokens(np.tile(logits, (20, 1)), s, [row_generator(7, i) for i in range(40)])
+    assert np.array_equal(a, b) and len(set(a[0::2].tolist())) > 1  # the same draws, and not one token always
+    c = next_tokens(np.tile(logits, (20, 1)), s, [row_generator(8, i) for i in range(40)])
+    assert not np.array_equal(a, c)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0, 1), min_size=1, max_size=12), st.integers(0, 2**32))
+def test_a_draw_never_picks_a_token_of_probability_zero(weights, seed):
+    probs = np.array(weights) / max(sum(weights), 1e-12)
+    if not probs.any():
+        return
+    assert probs[draw(probs, np.random.default_rng(seed))] > 0
+
+
+def test_draws_follow_the_probabilities():
+    probs = np.array([0.5, 0.0, 0.3, 0.2])
+    g = row_generator(1, 2, 3)
+    counts = np.bincount([draw(probs, g) for _ in range(20_000)], minlength=4) / 20_000
+    assert counts[1] == 0 and np.abs(counts - probs).max() < 0.02
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1),
@@ -399,12 +422,16 @@ def test_llama_cpp_backend_generates_what_torch_does(run_dir, tmp_path, monkeypa
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     prompts = ["The quick", "Once upon a time there was", "Москва"]
     fast, ref = llamacpp.load(str(run_dir), threads=2), gen.load(str(run_dir), threads=2)
+    assert isinstance(fast.tokenizer, llamacpp.PlainTokenizer)  # the export found it equal to transformers'
     for sampling in (Sampling(temperature=0, max_new_tokens=12),
                      Sampling(temperature=0.9, top_k=50, max_new_tokens=12, seed=5, num_samples=2)):
-        ours = gen.generate(fast, prompts, sampling=sampling)
         theirs = gen.generate(ref, prompts, sampling=sampling, batch_size=8)
-        assert [g.token_ids for g in ours] == [g.token_ids for g in theirs]
-        assert [g.text for g in ours] == [g.text for g in theirs]
+        for batch_size in (8, 2, 1):  # llama.cpp's rows decoded together, or one by one
+            ours = gen.generate(fast, prompts, sampling=sampling, batch_size=batch_size)
+            assert [g.token_ids for g in ours] == [g.token_ids for g in theirs]
+            assert [g.text for g in ours] == [g.text for g in theirs]
+    (long,) = gen.generate(fast, [make_text(30)], sampling=Sampling(temperature=0, max_new_tokens=8), warn=False)
+    assert long.truncated and long.prompt_tokens == fast.context - 8 and len(long.token_ids) >= 1
     (info,) = (tmp_path / "cache" / "sparklm" / "gguf").glob("*-f32-v*/info.json")
     stamp = info.stat().st_mtime_ns
     llamacpp.load(str(run_dir), threads=2)
@@ -417,6 +444,75 @@ def test_llama_cpp_backend_generates_what_torch_does(run_dir, tmp_path, monkeypa
     bad = run_sparklm("generate", str(run_dir), "--quantize", "q8_0", "--prompt", "x")
     assert bad.returncode == 2 and "applies to --backend llama.cpp" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_llama_cpp_generate_starts_without_torch_or_transformers(run_dir, tmp_path):
+    """Once exported, `generate --backend llama.cpp` imports neither torch nor transformers (the first token's
+    seconds on a small CPU): the context comes from the export's info.json, the tokenizer from `tokenizers`."""
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    args = ["generate", str(run_dir), "--backend", "llama.cpp", "--prompt", "The quick", "--temperature", "0",
+            "--max-new-tokens", "5"]
+    first = run_sparklm(*args, env=env)
+    assert first.returncode == 0 and "exporting" in first.stderr, first.stderr
+    again = subprocess.run([sys.executable, "-X", "importtime", "-m", "sparklm", *args], capture_output=True,
+                           text=True, env={**os.environ, **env}, timeout=300)
+    assert again.returncode == 0 and again.stdout == first.stdout, again.stderr[-2000:]
+    imported = {line.split("|")[-1].strip() for line in again.stderr.splitlines() if line.startswith("import time:")}
+    assert "llama_cpp" in imported and "tokenizers" in imported
+    assert not {"torch", "transformers"} & imported
+
+
+def test_plain_tokenizer_stands_in_only_where_it_equals_transformers(run_dir, tmp_path, monkeypatch):
+    """A tokenizer whose text transformers post-processes (clean-up of spaces before punctuation, which transformers
+    applies to a BPE only when forced) is not read plainly: the export's probes differ, and the llama.cpp backend
+    loads transformers' tokenizer instead."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from sparklm.infer import llamacpp
+
+    model = tmp_path / "model"
+    shutil.copytree(run_dir / "model", model)
+    assert llamacpp.plain_tokenizer_agrees(model, AutoTokenizer.from_pretrained(str(model)))
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps(
+        {**config, "clean_up_tokenization_spaces": True,
+         "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output": True}))
+    hf = AutoTokenizer.from_pretrained(str(model))
+    assert not llamacpp.plain_tokenizer_agrees(model, hf)
+    assert not llamacpp.plain_tokenizer_agrees(tmp_path / "nowhere", hf)  # no tokenizer.json
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    lm = llamacpp.load(str(model), threads=2)
+    assert not isinstance(lm.tokenizer, llamacpp.PlainTokenizer)
+    (g,) = generate_with(lm, "The quick")
+    assert len(g.token_ids) == 4
+
+
+def generate_with(lm, prompt: str):
+    from sparklm.infer.generate import generate
+
+    return generate(lm, [prompt], sampling=Sampling(temperature=0, max_new_tokens=4, min_new_tokens=4))
+
+
+def test_batch_generation_on_spark_with_llama_cpp_equals_torch(spark, run_dir):
+    """generate_dataframe(backend="llama.cpp"): each executor exports once and decodes with llama.cpp; in float32
+    the rows are the torch backend's, one by one, seeded."""
+    from sparklm.infer.batch import generate_dataframe
+    from sparklm.infer.generate import generate, load
+
+    s = Sampling(temperature=0.9, top_k=40, max_new_tokens=6, num_samples=2, seed=2)
+    rows = [(i, p) for i, p in enumerate(PROMPTS)]
+    df = spark.createDataFrame(rows, "id long, prompt string").repartition(2)
+    got = sorted((r.id, r.sample, r.generated) for r in
+                 generate_dataframe(df, model=str(run_dir), sampling=s, batch_size=3, backend="llama.cpp").collect())
+    lm = load(str(run_dir))
+    ref = sorted((g.key, g.sample, g.text) for i, p in rows for g in generate(lm, [p], keys=[i], sampling=s))
+    assert got == ref and len(got) == 8
+    with pytest.raises(SparklmError, match="use one of"):
+        generate_dataframe(df, model=str(run_dir), backend="llama.cpp", quantize="q2")
+    with pytest.raises(SparklmError, match="torch or llama.cpp"):
+        generate_dataframe(df, model=str(run_dir), backend="onnx")
 
 
 def test_llama_cpp_is_installed_by_the_test_extra():

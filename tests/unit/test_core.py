@@ -436,6 +436,23 @@ def test_ranks_whose_own_bf16_measurements_disagree_train_with_one_dtype_and_one
     assert host("fast", driver=False, given=driver)[1] == slow_given == "bfloat16 muon"  # given the driver's plan
 
 
+def test_a_peak_is_the_best_window_not_the_mean():
+    """A host busy for part of the measurement: the peak is the rate of its fastest window, not one average."""
+    import time
+
+    from sparklm.train.peak import best_rate
+
+    calls = []
+
+    def work():  # the first half of the calls are slowed by another process's burst
+        calls.append(1)
+        time.sleep(0.004 if len(calls) < 40 else 0.001)
+
+    rate = best_rate(work, 1.0, seconds=0.4, windows=8)
+    assert 600 < rate <= 1000  # ~1/0.001 s (sleep overshoots), not the mean ~1/0.0025
+    assert best_rate(lambda: time.sleep(0.05), 1.0, seconds=0.01, windows=2) > 0  # a call longer than a window
+
+
 def test_summary_peak_is_the_exact_reading_unless_an_earlier_segment_logged_more():
     rows = [{"rss_mb": 496.715}, {"rss_mb": None}]  # the CSV keeps 6 significant digits: 496.71484375 rounded up
     assert peak_mb(496.71484375, rows) == 496.71484375

@@ -91,6 +91,18 @@ def test_the_recorder_writes_one_kind_of_train_row_and_tracks_the_best():
     assert RunResult.from_json(result.to_json()) == result  # as a DDP rank's JSON brings it back
 
 
+def test_an_mfu_above_the_peak_warns_once_that_the_cached_peak_is_low():
+    sink = Rows()
+    rec = Recorder(sink, TrainConfig(), strategy="ddp", workers=1, epoch_tokens=1000, figures=LM_FIGURES)
+    rec.info({"params": 10, "flops_per_token": 60.0, "peak_flops": 1000.0, "dtype": "float32"}, 40)
+    for step, speed in ((1, 10.0), (2, 20.0), (3, 30.0), (4, 40.0)):  # MFU 60%, 120%, 180%, 240%
+        rec.train(step=step, tokens=100 * step, loss=2.0, lr=1e-3, grad_norm=0.5, tokens_per_s=speed, ms_per_step=5.0,
+                  rss_mb=100.0, peaks=[100.0], elapsed=1.0)
+    (warning,) = [r for r in sink.rows if isinstance(r, rows.Warn)]
+    assert sink.rows.index(warning) == 3 and "MFU 120% is above 100%" in warning.message  # after step 2's row
+    assert "peak.json" in warning.message
+
+
 def test_a_rank_that_records_nothing_still_decides_early_stopping():
     quiet = Recorder(None, TrainConfig(early_stop=1), strategy="ddp", workers=2, epoch_tokens=10, figures=LM_FIGURES)
     quiet.evaluation(1, 5, {"val_loss": 1.0})

@@ -13,6 +13,7 @@ from ..config import StorageConfig
 from ..infra.cache import process_local
 from ..infra.errors import SparklmError
 from ..infra.fs import effective, write_bytes
+from ..spark.frames import check_columns
 from ..spark.resources import task_device
 from ..spark.session import check_workers_python
 from .sampling import Sampling
@@ -37,7 +38,8 @@ def row_key(id_value, prompt: str | None) -> int:
 
 def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: str | None = None,
                        output_col: str = "generated", sampling: Sampling = Sampling(), batch_size: int = 8,
-                       threads: int = 0, storage: StorageConfig | None = None):
+                       threads: int = 0, storage: StorageConfig | None = None, backend: str = "torch",
+                       quantize: str = "none"):
     """``df`` with its columns kept and, per row and sample: ``sample``, ``output_col`` (the continuation),
     ``prompt_tokens``, ``new_tokens`` and ``truncated``; ``sampling.num_samples`` rows per input row.
 
@@ -46,6 +48,10 @@ def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: st
     seeded by (seed, the row's key, sample): the key is ``id_col``'s value (any type; by default the ``id``
     column if there is one), else the prompt, so the result does not depend on partitioning, batching or
     retries. A null or blank prompt gets a null continuation. Lazy: nothing runs until an action.
+
+    ``backend="llama.cpp"`` decodes on each executor's CPU with llama.cpp (``quantize`` none, f16, q8_0, q4_0 or
+    q4_1; each host exports the model to GGUF once, into its cache); "torch" (``quantize`` none or int8) runs on the
+    GPU Spark assigns a task, if any. Seeds give the same rows on either backend where the weights are the same.
     """
     from pyspark.sql import types as T
 
@@ -60,6 +66,14 @@ def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: st
              T.StructField("prompt_tokens", T.IntegerType()), T.StructField("new_tokens", T.IntegerType()),
              T.StructField("truncated", T.BooleanType())]
     check_columns(df, prompt_col, "prompt_col", added, "generate_dataframe")
+    if backend not in ("torch", "llama.cpp"):
+        raise SparklmError(f"backend {backend!r}: generate_dataframe runs on torch or llama.cpp")
+    if backend == "llama.cpp":
+        from .gguf_export import checked_quant
+
+        checked_quant(quantize, "backend llama.cpp")  # a bad value fails here, not in every task
+    elif quantize not in ("none", "int8"):
+        raise SparklmError(f"quantize {quantize!r} applies to backend llama.cpp", hint="torch takes none or int8")
     check_workers_python(df.sparkSession)
     storage = effective(storage or StorageConfig())
     model_path = model_uri(model, storage)  # a missing model fails here, not in a task
@@ -73,11 +87,13 @@ def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: st
     def run(batches):
         import pyarrow as pa
 
-        from .generate import generate, load
+        from . import backends
+        from .generate import generate
 
-        where = task_device()  # the GPU Spark handed this task, if any
-        lm = process_local(("model", model_path, threads, where),
-                           lambda: load(model_path, threads=threads, storage=storage, device=where))
+        where = "cpu" if backend == "llama.cpp" else task_device()  # the GPU Spark handed this task, if any
+        lm = process_local(("model", model_path, threads, where, backend, quantize, batch_size),
+                           lambda: backends.load(model_path, backend=backend, quantize=quantize, threads=threads,
+                                                storage=storage, device=where, batch_size=batch_size))
         for rb in batches:
             prompts = rb.column(prompt_col).to_pylist()
             ids = rb.column(id_col).to_pylist() if id_col else [None] * rb.num_rows
@@ -95,24 +111,6 @@ def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: st
             yield pa.RecordBatch.from_arrays([*table.columns, *extra.values()], [*table.schema.names, *extra])
 
     return df.mapInArrow(run, T.StructType([*df.schema.fields, *added]))
-
-
-def check_columns(df, text_col: str, flag: str, added: list, adder: str) -> None:
-    """One line unless ``df`` has a string column ``text_col`` (named by the argument ``flag``) and none of the
-    ``added`` fields (StructFields) that ``adder`` appends."""
-    from pyspark.sql import types as T
-
-    fields = {f.name: f.dataType for f in df.schema.fields}
-    if text_col not in fields:
-        raise SparklmError(f"the DataFrame has no column {text_col!r} (columns: {', '.join(df.columns) or 'none'})",
-                           hint=f"name the column with {flag}=")
-    if not isinstance(fields[text_col], T.StringType):
-        raise SparklmError(f"column {text_col!r} holds {fields[text_col].simpleString()}, not text",
-                           hint=f"cast it: df.withColumn({text_col!r}, F.col({text_col!r}).cast('string'))")
-    clash = [f.name for f in added if f.name in fields]
-    if clash:
-        raise SparklmError(f"the DataFrame already has column(s) {', '.join(map(repr, clash))}, which {adder} adds",
-                           hint="rename or drop them, or choose other output column names")
 
 
 def _context(model_path: str, storage: StorageConfig) -> int | None:

@@ -23,9 +23,9 @@ from ..config import StorageConfig
 from ..infra.cache import process_local
 from ..infra.errors import SparklmError
 from ..infra.fs import effective
+from ..spark.frames import check_columns
 from ..spark.resources import task_device
 from ..spark.session import check_workers_python
-from .batch import check_columns
 
 POOLINGS = ("mean", "cls", "last")
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from ..config import StorageConfig
@@ -205,9 +206,8 @@ def _quiet_toolchain() -> Iterator[None]:
 
 
 class OnnxModel:
-    """Runs an exported graph with onnxruntime behind the call signature generation uses."""
-
-    recomputes = True  # no KV cache: every step runs the whole sequence
+    """Runs an exported graph with onnxruntime: called as a causal LM is, and as generation's Decoder. The graph has
+    no KV cache, so every step runs the whole (context-bounded) sequence again."""
 
     def __init__(self, path: Path, threads: int = 0):
         _, ort = _onnx_modules()
@@ -220,6 +220,19 @@ class OnnxModel:
         (logits,) = self.session.run(["logits"], {"input_ids": input_ids.numpy().astype("int64"),
                                                   "attention_mask": attention_mask.numpy().astype("int64")})
         return SimpleNamespace(logits=torch.from_numpy(logits))
+
+    def start(self, ids: np.ndarray, mask: np.ndarray, new_tokens: int = 0) -> np.ndarray:
+        self.ids, self.mask = ids.astype(np.int64), mask.astype(np.int64)
+        return self._last()
+
+    def extend(self, chosen: np.ndarray) -> np.ndarray:
+        self.ids = np.concatenate([self.ids, chosen.astype(np.int64)[:, None]], axis=1)
+        self.mask = np.concatenate([self.mask, np.ones((len(chosen), 1), dtype=np.int64)], axis=1)
+        return self._last()
+
+    def _last(self) -> np.ndarray:
+        (logits,) = self.session.run(["logits"], {"input_ids": self.ids, "attention_mask": self.mask})
+        return logits[:, -1, :]
 
 
 def load_onnx(path: str, *, threads: int = 0):

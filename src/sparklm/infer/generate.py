@@ -3,6 +3,9 @@
 Prompts are left-padded into batches; every output row draws from its own seeded generator, so a
 prompt's text depends on (seed, prompt key, sample index) only, not on batching or on the machine
 that runs it (which is what makes batch generation on Spark equal one-by-one generation).
+
+The loop itself works on numpy arrays; a backend is a ``Decoder`` (a prompt's logits, then one token's at a time).
+torch is imported only by the torch backend, so llama.cpp starts without it.
 """
 
 from __future__ import annotations
@@ -10,14 +13,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+import numpy as np
 
 from ..config import StorageConfig
 from ..infra import progress
 from ..infra.errors import SparklmError
 from ..infra.fs import exists, is_remote, join, list_names, local_copy
-from .sampling import Sampling, next_tokens, row_generator
+from .sampling import Sampling, next_tokens, row_generator, softmax
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -78,6 +85,8 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
     activations quantized per batch) for CPU inference — on a trained 27M model 1.8x faster scoring
     at +0.4% perplexity here (BENCHMARKS.md).
     """
+    import torch
+
     from ..model import load_model
     from ..model.build import context_length
 
@@ -90,7 +99,7 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
 
         with warnings.catch_warnings():  # torch.ao.quantization announces its move to torchao
             warnings.simplefilter("ignore")
-            model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+            model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
     elif quantize != "none":
         raise SparklmError(f"--quantize {quantize}: the torch backend supports none or int8",
                            hint="int4 is available through `sparklm export --quantize int4` and --backend onnx")
@@ -119,6 +128,8 @@ def tokenizer_of(directory: Path) -> tuple[object, bool]:
 def inference_device(setting: str, *, cpu_only: bool = False) -> str:
     """Where inference runs: ``setting`` ("auto": CUDA where torch sees a GPU, unless ``cpu_only``: int8 dynamic
     quantization is a CPU kernel), checked."""
+    import torch
+
     if setting == "cpu" or (setting == "auto" and (cpu_only or not torch.cuda.is_available())):
         return "cpu"
     if setting == "auto":
@@ -152,7 +163,6 @@ def encode(lm: LoadedModel, prompt: str, max_new_tokens: int) -> tuple[list[int]
     return (ids[-keep:], True) if len(ids) > keep else (ids, False)
 
 
-@torch.no_grad()
 def generate(lm: LoadedModel, prompts: list[str], *, sampling: Sampling = Sampling(), keys: list[int] | None = None,
              batch_size: int = 8, show_top: int = 0, on_text: Callable[[int, str], None] | None = None,
              warn: bool = True) -> list[Generation]:
@@ -178,46 +188,88 @@ def generate(lm: LoadedModel, prompts: list[str], *, sampling: Sampling = Sampli
     return out
 
 
-def _generate_batch(lm: LoadedModel, prompts: list[list[int]], sampling: Sampling, gens: list[torch.Generator],
+class Decoder(Protocol):
+    """A backend as generation drives it: every row's next-token logits, as one float32 (B, V) array."""
+
+    def start(self, ids: np.ndarray, mask: np.ndarray, new_tokens: int) -> np.ndarray:
+        """The prompts (B, T), left-padded (``mask`` 0 on padding), before at most ``new_tokens`` more: the logits
+        after each row's last token."""
+
+    def extend(self, chosen: np.ndarray) -> np.ndarray:
+        """One more token per row (B,): the logits after it."""
+
+
+def decoder(model) -> Decoder:
+    """``model`` as a Decoder: a backend that is one already (llama.cpp, ONNX), or a torch causal LM."""
+    return model if hasattr(model, "extend") else TorchDecoder(model)
+
+
+class TorchDecoder:
+    """A torch causal LM with its KV cache: the prompt once, then one token per step. The model runs where it was
+    loaded; its logits come to the CPU for sampling, so a seed gives the same text on either device."""
+
+    def __init__(self, model):
+        import torch
+
+        self.torch, self.model = torch, model
+        self.dev = getattr(model, "device", None) or torch.device("cpu")
+        # Only the last position's logits are needed: skip the LM head for the rest of the prompt.
+        self.last_only = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+
+    def start(self, ids: np.ndarray, mask: np.ndarray, new_tokens: int = 0) -> np.ndarray:
+        torch = self.torch
+        self.attn = torch.from_numpy(mask.astype(np.int64))
+        self.positions = (self.attn.cumsum(-1) - 1).clamp(min=0)
+        return self._run(torch.from_numpy(ids.astype(np.int64)), **self.last_only)
+
+    def extend(self, chosen: np.ndarray) -> np.ndarray:
+        torch = self.torch
+        self.attn = torch.cat([self.attn, torch.ones((len(chosen), 1), dtype=torch.long)], dim=1)
+        self.positions = self.positions[:, -1:] + 1
+        return self._run(torch.from_numpy(chosen.astype(np.int64))[:, None], **_reuse_cache(self.out))
+
+    def _run(self, ids, **extra) -> np.ndarray:
+        with self.torch.no_grad():
+            self.out = self.model(input_ids=ids.to(self.dev), attention_mask=self.attn.to(self.dev),
+                                  position_ids=self.positions.to(self.dev), use_cache=True, **extra)
+        return self.out.logits[:, -1, :].float().cpu().numpy()
+
+
+def _generate_batch(lm: LoadedModel, prompts: list[list[int]], sampling: Sampling, gens: list[np.random.Generator],
                     show_top: int, stream) -> tuple[list[list[int]], list[list]]:
-    tok, model = lm.tokenizer, lm.model
+    tok = lm.tokenizer
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos if eos is not None else 0)
     vocab = len(tok)
     b, t = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((b, t), pad, dtype=torch.long)
-    attn = torch.zeros((b, t), dtype=torch.long)
+    ids = np.full((b, t), pad, dtype=np.int64)
+    mask = np.zeros((b, t), dtype=np.int64)
     for i, p in enumerate(prompts):  # left padding: every row's last prompt token is at the end
-        ids[i, t - len(p):] = torch.tensor(p)
-        attn[i, t - len(p):] = 1
-    positions = (attn.cumsum(-1) - 1).clamp(min=0)
-    previous = ids.masked_fill(attn == 0, -1)  # for the repetition penalty
-    # The model runs where it was loaded; choosing tokens stays on the CPU, with each row's own generator (a
-    # b x vocab copy per step), so a seed gives the same text on either device.
-    dev = getattr(model, "device", None) or torch.device("cpu")
-    # Only the last position's logits are needed: skip the LM head for the rest of the prompt.
-    last_only = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
-    out = model(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=positions.to(dev), use_cache=True,
-                **last_only)
+        ids[i, t - len(p):] = p
+        mask[i, t - len(p):] = 1
+    previous = np.where(mask == 0, -1, ids)  # for the repetition penalty
+    dec = decoder(lm.model)
+    logits = dec.start(ids, mask, sampling.max_new_tokens)
     new: list[list[int]] = [[] for _ in range(b)]
     tops: list[list] = [[] for _ in range(b)]
     texts = [""] * b
-    done = torch.zeros(b, dtype=torch.bool)
+    done = np.zeros(b, dtype=bool)
     for step in range(sampling.max_new_tokens):
-        logits = out.logits[:, -1, :].float().cpu()
-        if logits.size(-1) > vocab:  # embedding rows beyond the tokenizer (rounded-up tables) are never text
-            logits[:, vocab:] = float("-inf")
+        logits = np.array(logits, dtype=np.float32)  # a copy: the masks below must not write into a backend's buffer
+        if logits.shape[-1] > vocab:  # embedding rows beyond the tokenizer (rounded-up tables) are never text
+            logits[:, vocab:] = -np.inf
         if step < sampling.min_new_tokens and eos is not None:
-            logits[:, eos] = float("-inf")
+            logits[:, eos] = -np.inf
         chosen = next_tokens(logits, sampling, gens, previous)
         if show_top:
-            probs, top_ids = logits.softmax(-1).topk(show_top, dim=-1)
+            probs = softmax(logits)
+            top_ids = np.argsort(-probs, axis=-1, kind="stable")[:, :show_top]
         for i in range(b):
             if done[i]:
                 continue
             new[i].append(int(chosen[i]))
             if show_top:
-                tops[i].append([(tok.decode([int(j)]), float(p)) for p, j in zip(probs[i], top_ids[i])])
+                tops[i].append([(tok.decode([int(j)]), float(probs[i, j])) for j in top_ids[i]])
             if stream:
                 text = tok.decode(new[i], skip_special_tokens=True)
                 if len(text) > len(texts[i]) and not text.endswith("\ufffd"):  # whole characters only
@@ -227,18 +279,10 @@ def _generate_batch(lm: LoadedModel, prompts: list[list[int]], sampling: Samplin
             done |= chosen == eos
         if bool(done.all()):
             break
-        chosen = chosen.masked_fill(done, pad)  # finished rows only feed padding (as HF generate does)
-        attn = torch.cat([attn, torch.ones((b, 1), dtype=torch.long)], dim=1)
-        positions = positions[:, -1:] + 1
-        previous = torch.cat([previous, chosen[:, None]], dim=1)
-        ids = torch.cat([ids, chosen[:, None]], dim=1)
-        if getattr(model, "recomputes", False):  # a backend without a KV cache (ONNX): run it all again
-            out = model(input_ids=ids, attention_mask=attn)
-        else:
-            out = model(input_ids=chosen[:, None].to(dev), attention_mask=attn.to(dev), position_ids=positions.to(dev),
-                        use_cache=True, **_reuse_cache(out))
+        chosen = np.where(done, pad, chosen)  # finished rows only feed padding (as HF generate does)
+        previous = np.concatenate([previous, chosen[:, None]], axis=1)
+        logits = dec.extend(chosen)
     return new, tops
-
 
 def _reuse_cache(out) -> dict:
     """The keyword that hands a forward pass's KV cache to the next one, under the name the model returned it.

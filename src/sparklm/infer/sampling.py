@@ -2,6 +2,9 @@
 
 The order and meaning follow ``transformers``' logits processors (repetition penalty, then
 temperature, top-k, top-p, min-p), so a sparklm sample and an HF ``generate`` sample mean the same thing.
+
+They work on numpy arrays, not torch tensors: every backend's logits end on the CPU as one (B, V) array, and a backend
+that needs no torch (llama.cpp) then starts without importing it (~2 s of a first token's time on a small CPU).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from ..infra.errors import SparklmError
 
@@ -73,70 +76,85 @@ class Sampling:
         return dataclasses.replace(self, max_new_tokens=max(n, self.min_new_tokens))
 
 
-def repetition_penalty(logits: torch.Tensor, previous: torch.Tensor, penalty: float) -> torch.Tensor:
+def repetition_penalty(logits: np.ndarray, previous: np.ndarray, penalty: float) -> np.ndarray:
     """CTRL's penalty (as HF): for tokens already in ``previous`` (B, T), divide positive logits by
     ``penalty`` and multiply negative ones. ``previous`` may hold -1 for padding (ignored)."""
-    if penalty == 1.0 or previous.numel() == 0:
+    if penalty == 1.0 or previous.size == 0:
         return logits
-    counts = torch.zeros_like(logits).scatter_add_(1, previous.clamp(min=0), (previous >= 0).to(logits.dtype))
-    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
-    return torch.where(counts > 0, penalized, logits)
+    seen = np.zeros(logits.shape, dtype=bool)
+    rows = np.broadcast_to(np.arange(len(logits))[:, None], previous.shape)
+    valid = previous >= 0
+    seen[rows[valid], previous[valid]] = True
+    penalized = np.where(logits < 0, logits * penalty, logits / penalty)
+    return np.where(seen, penalized, logits).astype(logits.dtype, copy=False)
 
 
-def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+def top_k_filter(logits: np.ndarray, k: int) -> np.ndarray:
     """Keep the ``k`` largest logits per row (ties at the threshold stay), the rest become -inf."""
-    if k <= 0 or k >= logits.size(-1):
+    width = logits.shape[-1]
+    if k <= 0 or k >= width:
         return logits
-    threshold = torch.topk(logits, k, dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < threshold, float("-inf"))
+    threshold = np.partition(logits, width - k, axis=-1)[..., width - k:width - k + 1]
+    return np.where(logits < threshold, -np.inf, logits).astype(logits.dtype, copy=False)
 
 
-def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Probabilities over the last axis (-inf: probability 0)."""
+    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def top_p_filter(logits: np.ndarray, p: float) -> np.ndarray:
     """Nucleus filtering: keep the smallest set of most likely tokens whose probability reaches ``p``
     (always at least the most likely one); the rest become -inf."""
     if p >= 1.0:
         return logits
-    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-    cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    order = np.argsort(-logits, axis=-1, kind="stable")
+    sorted_probs = softmax(np.take_along_axis(logits, order, axis=-1))
     # Drop a token when the tokens ranked above it already reach p.
-    drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= p
+    drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= p
     drop_sorted[..., 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+    drop = np.zeros_like(drop_sorted)
+    np.put_along_axis(drop, order, drop_sorted, axis=-1)
+    return np.where(drop, -np.inf, logits).astype(logits.dtype, copy=False)
 
 
-def min_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+def min_p_filter(logits: np.ndarray, p: float) -> np.ndarray:
     """Min-p filtering: drop the tokens less likely than ``p`` times the row's likeliest one. Unlike a fixed
     top-k or top-p it cuts the tail hard where the model is sure (inside a word) and little where it is not."""
     if p <= 0.0:
         return logits
     # p(t) >= p * p(max)  <=>  logit(t) >= logit(max) + log(p): no softmax needed.
-    threshold = logits.max(dim=-1, keepdim=True).values + math.log(p)
-    return logits.masked_fill(logits < threshold, float("-inf"))
+    threshold = logits.max(axis=-1, keepdims=True) + math.log(p)
+    return np.where(logits < threshold, -np.inf, logits).astype(logits.dtype, copy=False)
 
 
-def next_tokens(logits: torch.Tensor, sampling: Sampling, generators: list[torch.Generator] | None,
-                previous: torch.Tensor | None = None) -> torch.Tensor:
+def next_tokens(logits: np.ndarray, sampling: Sampling, generators: list[np.random.Generator] | None,
+                previous: np.ndarray | None = None) -> np.ndarray:
     """One token id per row of ``logits`` (B, V). Each row draws from its own generator, so a row's
     text does not depend on which other rows share its batch."""
-    logits = logits.float()
+    logits = np.asarray(logits, dtype=np.float32)
     if previous is not None:
         logits = repetition_penalty(logits, previous, sampling.repetition_penalty)
     if sampling.greedy:
         return logits.argmax(-1)
-    logits = top_p_filter(top_k_filter(logits / sampling.temperature, sampling.top_k), sampling.top_p)
-    logits = min_p_filter(logits, sampling.min_p)
-    probs = logits.softmax(-1)
-    if generators is None:
-        return torch.multinomial(probs, 1).squeeze(1)
-    return torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=g)[0] for i, g in enumerate(generators)])
+    logits = top_p_filter(top_k_filter(logits / np.float32(sampling.temperature), sampling.top_k), sampling.top_p)
+    probs = softmax(min_p_filter(logits, sampling.min_p))
+    generators = generators or [np.random.default_rng() for _ in range(len(probs))]
+    return np.array([draw(row, g) for row, g in zip(probs, generators)], dtype=np.int64)
 
 
-def row_generator(seed: int, *key: int) -> torch.Generator:
+def draw(probs: np.ndarray, generator: np.random.Generator) -> int:
+    """One index drawn with probability ``probs`` (one uniform number from ``generator``): inverse CDF in float64,
+    so a token of probability 0 is never drawn."""
+    cdf = np.cumsum(probs, dtype=np.float64)
+    i = int(np.searchsorted(cdf, generator.random() * cdf[-1], side="right"))
+    return min(i, int(np.flatnonzero(probs)[-1]))  # u * total rounded up to the total: the last kept token
+
+
+def row_generator(seed: int, *key: int) -> np.random.Generator:
     """A generator for one output row, seeded from (seed, prompt key, sample index)."""
-    g = torch.Generator()
     h = seed
     for k in key:
         h = (h * 1_000_003 + k) % (2**63 - 1)
-    g.manual_seed(h)
-    return g
+    return np.random.Generator(np.random.PCG64(h))

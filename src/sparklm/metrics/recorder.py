@@ -130,6 +130,7 @@ class Recorder:
         self.best = Best(key=figures.loss)
         self.facts = rows.Info(strategy=strategy, workers=workers, total_steps=None)  # until info() is called
         self.has_facts = False
+        self.peak_warned = False
         self.peaks = [0.0] * workers  # each worker's peak resident memory so far, in rank order
         self.last_eval: dict = {}  # the figures of the last evaluation
         self.evaluated_at: int | None = None  # its step
@@ -179,6 +180,11 @@ class Recorder:
                          rss_mb=rss_mb, peak_rss_mb=max(p for p in peaks if p is not None),
                          rank_peak_rss_mb=rank_mb(peaks), elapsed=elapsed, workers=workers or self.workers)
         self.write(row)
+        if row.mfu > 1.0 and (f.peak_flops or 0) > 1.0 and not self.peak_warned:  # the peak is wrong, not the run
+            self.peak_warned = True
+            self.warn(f"MFU {row.mfu:.0%} is above 100%: the matmul peak it is measured against "
+                      f"({(f.peak_flops or 0) / 1e9:.1f} GFLOP/s) is too low, measured while the host was busy; "
+                      "delete peak.json in sparklm's cache on the workers' hosts (~/.cache/sparklm) to measure it again")
         return row
 
     def evaluation(self, step: int, tokens: int, figures: dict, *, counts: bool = True) -> bool:

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..config import ModelConfig, StorageConfig
 from ..infra.errors import SparklmError
 from ..infra.fs import verify_checksums
 
+if TYPE_CHECKING:  # torch is imported where a model is built or loaded: llama.cpp's generate reads files here only
+    import torch
+
 
 def build_model(cfg: ModelConfig, *, vocab_size: int, context: int, bos_id: int, eos_id: int, pad_id: int,
                 seed: int = 0) -> torch.nn.Module:
     """A fresh causal LM from config: Llama (RMSNorm, RoPE, SwiGLU, SDPA) or GPT-2, seeded."""
+    import torch
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     if cfg.n_embd % cfg.n_head:
@@ -44,6 +47,7 @@ def load_model(directory: str, *, dtype: torch.dtype | None = None, storage: Sto
                ) -> torch.nn.Module:
     """Load a causal LM: an HF model directory (safetensors weights only; nothing is unpickled), a LoRA adapter
     directory (its base loaded and the adapter merged in), on local disk or an object store, or a .gguf file."""
+    import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
