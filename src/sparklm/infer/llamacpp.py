@@ -37,7 +37,10 @@ class LlamaCppModel:
 
     def __init__(self, path: Path, context: int, threads: int = 0, max_batch: int = 8):
         api = self.api = _module()
-        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's load log, as Llama(verbose=False)
+        # llama.cpp's own log off: the binding maps llama.cpp's levels one step off (its warnings arrive as errors,
+        # e.g. "special_eos_id is not in special_eog_ids" for any EOS text llama.cpp does not know by name);
+        # a failure here is raised as sparklm's own line instead
+        logging.getLogger("llama-cpp-python").setLevel(logging.CRITICAL)
         _backend_init(api)
         self.threads = threads or os.cpu_count() or 1
         self.context, self.max_batch, self.cells = context, max_batch, 0
