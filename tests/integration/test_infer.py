@@ -426,7 +426,7 @@ def test_llama_cpp_backend_generates_what_torch_does(run_dir, tmp_path, monkeypa
     for sampling in (Sampling(temperature=0, max_new_tokens=12),
                      Sampling(temperature=0.9, top_k=50, max_new_tokens=12, seed=5, num_samples=2)):
         theirs = gen.generate(ref, prompts, sampling=sampling, batch_size=8)
-        for batch_size in (8, 2, 1):  # llama.cpp's rows decoded together, or one by one
+        for batch_size in (1, 8, 2):  # one by one, then rows decoded together (its KV cache made again, larger)
             ours = gen.generate(fast, prompts, sampling=sampling, batch_size=batch_size)
             assert [g.token_ids for g in ours] == [g.token_ids for g in theirs]
             assert [g.text for g in ours] == [g.text for g in theirs]

@@ -33,7 +33,7 @@ class LlamaCppModel:
     Driven through llama-cpp-python's low-level API (its ``Llama`` class holds one sequence): a batch of rows is one
     ``llama_decode`` per step, the rows' tokens side by side, which on 2 cores decodes 8 rows ~3× faster in all
     than one after another. The KV cache is sized to what a batch needs (rows × (prompt + new tokens)), made again
-    only when a later batch needs more."""
+    only when a later batch needs more rows or tokens."""
 
     def __init__(self, path: Path, context: int, threads: int = 0, max_batch: int = 8):
         api = self.api = _module()
@@ -43,7 +43,7 @@ class LlamaCppModel:
         logging.getLogger("llama-cpp-python").setLevel(logging.CRITICAL)
         _backend_init(api)
         self.threads = threads or os.cpu_count() or 1
-        self.context, self.max_batch, self.cells = context, max_batch, 0
+        self.context, self.max_batch, self.cells, self.rows = context, max_batch, 0, 0
         # freed by a finaliser, which also runs at exit before the interpreter tears its modules down
         self.res: dict = {"model": api.llama_model_load_from_file(str(path).encode(), api.llama_model_default_params())}
         weakref.finalize(self, _free, api, self.res)
@@ -64,25 +64,26 @@ class LlamaCppModel:
         return self._decode(entries)
 
     def _fit(self, rows: int, length: int) -> None:
-        """A context holding ``max_batch`` sequences of ``length`` tokens (rounded up to 256, at most the model's
-        context): the one there, or a larger one."""
+        """A context holding ``rows`` sequences of ``length`` tokens (rounded up to 256, at most the model's context):
+        the one there, or a larger one (a one-prompt command holds one sequence's cache, not ``max_batch``'s)."""
         if rows > self.max_batch:
             raise ValueError(f"{rows} rows in one batch: this llama.cpp model decodes at most {self.max_batch}")
         cells = min(-(-length // 256) * 256, -(-self.context // 256) * 256)
-        if cells <= self.cells:
+        if cells <= self.cells and rows <= self.rows:
             return
         api = self.api
         _free(api, self.res, keep_model=True)
+        self.cells, self.rows = max(cells, self.cells), max(rows, self.rows)
         params = api.llama_context_default_params()
-        params.n_ctx = params.n_batch = cells * self.max_batch
-        params.n_seq_max, params.kv_unified = self.max_batch, False  # each row its own cells
+        params.n_ctx = params.n_batch = self.cells * self.rows
+        params.n_seq_max, params.kv_unified = self.rows, False  # each row its own cells
         params.n_threads = params.n_threads_batch = self.threads
         self.res["ctx"] = api.llama_init_from_model(self.res["model"], params)
         if not self.res["ctx"]:
+            self.cells = self.rows = 0  # nothing held: the next batch tries again
             raise SparklmError(f"llama.cpp could not allocate a context of {params.n_ctx} tokens",
                                hint="lower --batch-size or --max-new-tokens")
         self.res["batch"] = api.llama_batch_init(params.n_batch, 0, 1)
-        self.cells = cells
 
     def _decode(self, entries: list[tuple[int, int, int, bool]]) -> np.ndarray:
         """One llama_decode of ``entries`` (token, position, row, wants logits); the logits asked for, in order."""
@@ -92,8 +93,9 @@ class LlamaCppModel:
             batch.token[j], batch.pos[j], batch.logits[j] = token, pos, logits
             batch.n_seq_id[j], batch.seq_id[j][0] = 1, row
         code = self.api.llama_decode(self.res["ctx"], batch)
-        if code != 0:
-            raise RuntimeError(f"llama_decode failed with code {code}")
+        if code != 0:  # 1: no room in the KV cache, which _fit sized; <0: llama.cpp failed
+            raise SparklmError(f"llama.cpp could not decode a batch of {len(entries)} tokens (llama_decode {code})",
+                               hint="lower --batch-size, or use --backend torch")
         n = sum(e[3] for e in entries)
         # llama.cpp's output buffer, one row per token that asked: copied, it is overwritten by the next decode
         return np.ctypeslib.as_array(self.api.llama_get_logits(self.res["ctx"]), shape=(n, self.n_vocab)).copy()
