@@ -19,14 +19,12 @@ def load(path: str, *, backend: str = "torch", quantize: str = "none", threads: 
     none, f16, q8_0, q4_0 or q4_1, at most ``batch_size`` rows decoded together; on the CPU)."""
     if backend not in BACKENDS:
         raise SparklmError(f"backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    check_quantize(backend, quantize)
     if backend == "llama.cpp":
         if device not in ("auto", "cpu"):
             raise SparklmError(f"--backend llama.cpp runs on the CPU, not {device}",
                                hint="--device cpu, or --backend torch")
         return llamacpp.load(path, threads=threads, quantize=quantize, storage=storage, batch_size=batch_size)
-    if quantize not in ("none", "int8"):
-        raise SparklmError(f"--quantize {quantize} applies to --backend llama.cpp",
-                           hint="the torch backend takes none or int8")
     if backend == "onnx":
         if quantize != "none":
             raise SparklmError("an ONNX export is quantized when it is made, not when it runs",
@@ -35,3 +33,15 @@ def load(path: str, *, backend: str = "torch", quantize: str = "none", threads: 
 
         return load_onnx(path, threads=threads)
     return generate.load(path, threads=threads, quantize=quantize, storage=storage, device=device)
+
+
+def check_quantize(backend: str, quantize: str) -> None:
+    """One line unless ``quantize`` is one that ``backend`` runs: llama.cpp's GGUF blocks, or torch's none/int8 (an
+    ONNX export's own check, that it was quantized when exported, is load's)."""
+    if backend == "llama.cpp":
+        from .gguf_export import checked_quant
+
+        checked_quant(quantize, "--backend llama.cpp")
+    elif quantize not in ("none", "int8"):
+        raise SparklmError(f"--quantize {quantize} applies to --backend llama.cpp",
+                           hint="the torch backend takes none or int8")

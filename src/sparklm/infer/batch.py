@@ -68,12 +68,9 @@ def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: st
     check_columns(df, prompt_col, "prompt_col", added, "generate_dataframe")
     if backend not in ("torch", "llama.cpp"):
         raise SparklmError(f"backend {backend!r}: generate_dataframe runs on torch or llama.cpp")
-    if backend == "llama.cpp":
-        from .gguf_export import checked_quant
+    from .backends import check_quantize
 
-        checked_quant(quantize, "backend llama.cpp")  # a bad value fails here, not in every task
-    elif quantize not in ("none", "int8"):
-        raise SparklmError(f"quantize {quantize!r} applies to backend llama.cpp", hint="torch takes none or int8")
+    check_quantize(backend, quantize)  # a bad value fails here, not in every task
     check_workers_python(df.sparkSession)
     storage = effective(storage or StorageConfig())
     model_path = model_uri(model, storage)  # a missing model fails here, not in a task

@@ -115,7 +115,8 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
 def _own_memory(model) -> None:
     """Copy the tensors that stay float (embedding, norms) out of the safetensors file's mapping, so that the mapping
     closes: quantizing read every float weight through it, and its pages, counted in the process's RSS, would stay
-    resident for as long as one tensor still points into it (SmolLM2 int8: 1,166 MB resident, 758 MB after this; the peak, while quantizing, stays ~1.2-1.3 GB)."""
+    resident for as long as one tensor still points into it (SmolLM2 int8: 1,166 MB resident, 794 MB after this;
+    the peak, while quantizing, stays ~1.3 GB)."""
     copies: dict[int, object] = {}  # tensors that share storage (tied weights) stay shared
     for t in [*model.parameters(), *model.buffers()]:
         if t.data_ptr() not in copies:
@@ -201,7 +202,8 @@ def generate(lm: LoadedModel, prompts: list[str], *, sampling: Sampling = Sampli
 
 
 class Decoder(Protocol):
-    """A backend as generation drives it: every row's next-token logits, as one float32 (B, V) array."""
+    """A backend as generation drives it: every row's next-token logits, as one float32 (B, V) array (which may be a
+    view of the backend's own buffer, valid until its next call)."""
 
     def start(self, ids: np.ndarray, mask: np.ndarray, new_tokens: int) -> np.ndarray:
         """The prompts (B, T), left-padded (``mask`` 0 on padding), before at most ``new_tokens`` more: the logits
@@ -267,7 +269,8 @@ def _generate_batch(lm: LoadedModel, prompts: list[list[int]], sampling: Samplin
     texts = [""] * b
     done = np.zeros(b, dtype=bool)
     for step in range(sampling.max_new_tokens):
-        logits = np.array(logits, dtype=np.float32)  # a copy: the masks below must not write into a backend's buffer
+        # a copy: the masks below must not write into a backend's buffer, which its next step overwrites (llama.cpp)
+        logits = np.array(logits, dtype=np.float32)
         if logits.shape[-1] > vocab:  # embedding rows beyond the tokenizer (rounded-up tables) are never text
             logits[:, vocab:] = -np.inf
         if step < sampling.min_new_tokens and eos is not None:

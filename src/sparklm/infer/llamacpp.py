@@ -97,8 +97,9 @@ class LlamaCppModel:
             raise SparklmError(f"llama.cpp could not decode a batch of {len(entries)} tokens (llama_decode {code})",
                                hint="lower --batch-size, or use --backend torch")
         n = sum(e[3] for e in entries)
-        # llama.cpp's output buffer, one row per token that asked: copied, it is overwritten by the next decode
-        return np.ctypeslib.as_array(self.api.llama_get_logits(self.res["ctx"]), shape=(n, self.n_vocab)).copy()
+        # a view of llama.cpp's output buffer, one row per token that asked; the generation loop copies it before the
+        # next decode overwrites it
+        return np.ctypeslib.as_array(self.api.llama_get_logits(self.res["ctx"]), shape=(n, self.n_vocab))
 
 
 def load(path: str, *, threads: int = 0, quantize: str = "none", storage: StorageConfig | None = None,
