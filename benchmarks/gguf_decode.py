@@ -5,6 +5,7 @@ ships as and HF `generate` (issue 53, item 1).
     .venv/bin/python benchmarks/gguf_decode.py --batch              # also eight rows decoded together
     .venv/bin/python benchmarks/gguf_decode.py --model RUN --batch  # a sparklm run's model instead of SmolLM2
     .venv/bin/python benchmarks/gguf_decode.py --score              # scoring (eval's work): torch against llama.cpp
+    .venv/bin/python benchmarks/gguf_decode.py --hf-best            # HF with a static cache, and compiled, too
     .venv/bin/python benchmarks/gguf_decode.py --parity RUN/model   # a sparklm model's f32 export against torch
 
 Set-up (the benchmark's own, outside the project's dependencies; done once):
@@ -142,7 +143,10 @@ def run_llama_cpp_batched(path: str, new: int, threads: int) -> dict:
     return {"prompt": prompts[0], "tokens": rows[0], "first": first, "new": new * BATCH}
 
 
-def run_hf(new: int, threads: int, batch: int = 1) -> dict:
+def run_hf(new: int, threads: int, batch: int = 1, cache: str = "dynamic", compiled: bool = False) -> dict:
+    """HF `generate`, greedy: its default (dynamic cache, eager), or its CPU recipe for speed: a static cache, and
+    the forward compiled by `torch.compile` (fullgraph). A compiled run generates once untimed first, with the same
+    shapes, so that the clock sees the compiled graphs only; its compile time is reported apart."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -154,6 +158,16 @@ def run_hf(new: int, threads: int, batch: int = 1) -> dict:
         tok.pad_token = tok.eos_token
     enc = tok(PROMPTS[:batch], return_tensors="pt", padding=True)
     ids = enc["input_ids"]
+    options = {"max_new_tokens": new, "do_sample": False, "pad_token_id": tok.pad_token_id, "min_new_tokens": new}
+    if cache == "static":
+        options["cache_implementation"] = "static"
+    warm = {}
+    if compiled:
+        model.forward = torch.compile(model.forward, fullgraph=True)
+        start = time.time()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=enc["attention_mask"], **options)
+        warm = {"compile_s": time.time() - start, "start": time.time()}
     stamps = []
 
     class Stamp:  # a streamer: put() is called with the prompt, then with each new token
@@ -164,12 +178,9 @@ def run_hf(new: int, threads: int, batch: int = 1) -> dict:
             pass
 
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=enc["attention_mask"], max_new_tokens=new, do_sample=False,
-                             streamer=Stamp(), pad_token_id=tok.pad_token_id,
-                             **({"min_new_tokens": new} if batch > 1 else {}))
+        out = model.generate(ids, attention_mask=enc["attention_mask"], streamer=Stamp(), **options)
     return {"prompt": ids[0][enc["attention_mask"][0].bool()].tolist(), "tokens": out[0, ids.shape[1]:].tolist(),
-            "first": stamps[1],
-            "new": len(out[0, ids.shape[1]:]) * batch}
+            "first": stamps[1], "new": len(out[0, ids.shape[1]:]) * batch, **warm}
 
 
 def run_sparklm(backend: str, quant: str, new: int, threads: int, batch: int = 1) -> dict:
@@ -252,7 +263,8 @@ def one(name: str, path: str, new: int, threads: int) -> None:
         _, backend, quant, *batch = name.split()
         r = run_sparklm(backend, quant, new, threads, BATCH if batch else 1)
     elif name.startswith("HF"):
-        r = run_hf(new, threads, BATCH if name.endswith("B8") else 1)
+        r = run_hf(new, threads, BATCH if name.endswith("B8") else 1, cache="static" if "static" in name else "dynamic",
+                   compiled="compiled" in name)
     else:
         r = run_llama_cpp_batched(path, new, threads) if name.endswith("B8") else run_llama_cpp(path, new, threads)
     end = time.time()
@@ -262,7 +274,8 @@ def one(name: str, path: str, new: int, threads: int) -> None:
     who = resource.RUSAGE_CHILDREN if r.get("child_rss") else resource.RUSAGE_SELF
     print(json.dumps({"name": name, "wall_s": end - start, "first_token_s": r["first"] - start,
                       "decode_tok_s": (n - rows) / (end - r["first"]) if n > rows else 0.0, "tokens": r["tokens"],
-                      "prompt": r["prompt"], "peak_rss_mb": resource.getrusage(who).ru_maxrss / 1024}))
+                      "prompt": r["prompt"], "peak_rss_mb": resource.getrusage(who).ru_maxrss / 1024,
+                      "compile_s": r.get("compile_s", 0.0)}))
 
 
 def parity(model: str, new: int) -> None:
@@ -329,6 +342,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", action="store_true", help="also the contenders at batch 8 (decode tok/s of all rows)")
     ap.add_argument("--model", metavar="RUN", help="a sparklm run (or HF model directory) instead of SmolLM2")
+    ap.add_argument("--hf-best", action="store_true",
+                    help="HF at its best CPU settings (static cache; compiled) against sparklm's backends, batch 1")
     ap.add_argument("--score", action="store_true", help="scoring (eval's work) on torch against llama.cpp, only")
     ap.add_argument("--parity", metavar="MODEL", help="a sparklm model's f32 GGUF in llama.cpp against torch")
     ap.add_argument("--one", nargs=2, metavar=("NAME", "PATH"), help=argparse.SUPPRESS)
@@ -361,6 +376,10 @@ def main() -> None:
         files.update({"llama.cpp f32 B8": files["llama.cpp sparklm f32"],
                       f"{four_bit} B8": files[four_bit], "HF generate fp32 B8": "",
                       "sparklm torch none B8": "", "sparklm llama.cpp none B8": "", "sparklm llama.cpp q4_1 B8": ""})
+    if args.hf_best:  # HF's own CPU recipe for speed against sparklm's torch (fp32, int8) and llama.cpp backends
+        files = {"HF generate fp32": "", "HF static fp32": "", "HF static compiled fp32": "",
+                 "sparklm torch none": "", "sparklm torch int8": "",
+                 "sparklm llama.cpp none": "", "sparklm llama.cpp q4_1": ""}
     runs: dict[str, list[dict]] = {n: [] for n in files}
     for _ in range(args.repeats):  # interleaved: each round runs every contender once
         for name, path in files.items():
@@ -371,15 +390,18 @@ def main() -> None:
             runs[name].append(json.loads(p.stdout.strip().splitlines()[-1]))
     hf = runs["HF generate fp32"][0]
     print(f"prompt: {PROMPT!r}, {args.new_tokens} greedy tokens, {args.threads} threads, median of {args.repeats}")
-    print("| contender | wall | first token | decode tok/s | peak RSS | prompt ids as HF's | tokens differ from HF's at |")
-    print("|---|---|---|---|---|---|---|")
+    print("(a compiled contender is timed from after one untimed warm-up generation; its compile time is apart)")
+    print("| contender | wall | first token | decode tok/s | peak RSS | compile | prompt ids as HF's | "
+          "tokens differ from HF's at |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, rs in runs.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "first_token_s", "decode_tok_s",
-                                                                 "peak_rss_mb")}
+        med = {k: statistics.median(r.get(k, 0.0) for r in rs) for k in ("wall_s", "first_token_s", "decode_tok_s",
+                                                                          "peak_rss_mb", "compile_s")}
         print(f"| {name} | {med['wall_s']:.2f} s | {med['first_token_s']:.2f} s | {med['decode_tok_s']:.1f} | "
-              f"{med['peak_rss_mb']:,.0f} MB | {'yes' if rs[0]['prompt'] == hf['prompt'] else 'no'} | "
+              f"{med['peak_rss_mb']:,.0f} MB | {med['compile_s']:.0f} s | "
+              f"{'yes' if rs[0]['prompt'] == hf['prompt'] else 'no'} | "
               f"{first_difference(rs[0]['tokens'], hf['tokens'])} |")
-    (BENCH / "gguf_decode.json").write_text(json.dumps(runs, indent=1))
+    (BENCH / f"gguf_decode{'_hf_best' if args.hf_best else ''}.json").write_text(json.dumps(runs, indent=1))
 
 
 if __name__ == "__main__":

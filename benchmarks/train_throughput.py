@@ -1,6 +1,7 @@
 """Benchmark: sparklm's training step against a minimal plain-PyTorch nanoGPT-style loop, side by side.
 
     .venv/bin/python benchmarks/train_throughput.py [--steps 24] [--repeats 3]
+    .venv/bin/python benchmarks/train_throughput.py --compile-ab "main 4L/256" "~10M 8L/320"  # torch.compile only
 
 Every measurement runs in a fresh process, the contenders interleaved (plain, sparklm, plain, ...),
 and the median of the repeats is reported: on this machine one run can be 10-20% off the next.
@@ -39,7 +40,8 @@ from sparklm.config import from_dict  # noqa: E402
 from sparklm.metrics.sinks import read_metrics  # noqa: E402
 from sparklm.train.peak import matmul_peak  # noqa: E402
 
-SIZES = {"4L/128": {"n_layer": 4, "n_head": 4, "n_embd": 128}, "~10M 8L/320": {"n_layer": 8, "n_head": 8, "n_embd": 320}}
+SIZES = {"4L/128": {"n_layer": 4, "n_head": 4, "n_embd": 128}, "~10M 8L/320": {"n_layer": 8, "n_head": 8, "n_embd": 320},
+         "main 4L/256": {"n_layer": 4, "n_head": 4, "n_embd": 256}}  # the main job's fitted shape
 BATCH, SEQ, THREADS = 16, 256, 2
 
 
@@ -163,6 +165,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--work", default=str(ROOT / ".bench"))
+    ap.add_argument("--compile-ab", nargs="+", metavar="SIZE", choices=list(SIZES),
+                    help="only: eager against torch.compile (sparklm's Llama) beside the plain loop, at these sizes")
     ap.add_argument("--one", nargs=3, metavar=("KIND", "SIZE", "DTYPE"), help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -180,6 +184,8 @@ def main() -> None:
     peaks = {d: matmul_peak(THREADS, d) for d in ("float32", "bfloat16")}
     print(f"matmul peak on {THREADS} threads: fp32 {peaks['float32'] / 1e9:.0f} GFLOP/s, "
           f"bf16 {peaks['bfloat16'] / 1e9:.0f} GFLOP/s", flush=True)
+    if args.compile_ab:
+        return compile_ab(args.compile_ab, args.steps, args.repeats, data, peaks["float32"], work)
     kinds = ["plain", "sparklm-gpt2", "sparklm-llama", "plain+allocator"]
     cases = [("4L/128", "float32", kinds, args.repeats), ("~10M 8L/320", "float32", kinds, args.repeats),
              # bf16 autocast measured slower than fp32 on this CPU (see the peaks): one round, small model
@@ -225,6 +231,34 @@ def main() -> None:
     (work / "train_throughput.json").write_text(json.dumps(
         {"peaks": peaks, "results": {f"{n} {d}": r for (n, d), r in results.items()}, "compiled": compiled,
          "spark": spark_runs}, indent=2, default=str))
+
+
+def compile_ab(sizes: list[str], steps: int, repeats: int, data: Path, peak: float, work: Path) -> None:
+    """sparklm's Llama loop eager and with ``train.compile``, beside the plain loop, fp32, interleaved: steady
+    tokens/s (median of the repeats), MFU against the fp32 peak, and the seconds to the first step (compile time)."""
+    kinds = ["plain", "sparklm-llama", "sparklm-llama-compile"]
+    out = {}
+    for size_name in sizes:
+        runs: dict = {k: [] for k in kinds}
+        for r in range(repeats):
+            for kind in kinds:
+                runs[kind].append(measure(kind, size_name, "float32", steps, data))
+                print(f"{size_name} {kind} #{r + 1}: {runs[kind][-1]['tokens_per_s']:,.0f} tok/s", flush=True)
+        out[size_name] = runs
+    print(f"\nfp32 peak {peak / 1e9:.1f} GFLOP/s; median of {repeats}; {steps} steps of {BATCH} × {SEQ}")
+    print("| size | plain tok/s (MFU) | sparklm eager tok/s (vs plain, MFU) | sparklm compiled tok/s (vs eager, MFU) "
+          "| first step eager / compiled |")
+    print("|---|---|---|---|---|")
+    for size_name, runs in out.items():
+        p, e, c = (median_of(runs[k]) for k in kinds)
+        print(f"| {size_name} | {p['tokens_per_s']:,.0f} ({p['tokens_per_s'] * p['flops_per_token'] / peak:.0%}) | "
+              f"{e['tokens_per_s']:,.0f} ({e['tokens_per_s'] / p['tokens_per_s']:.2f}×, "
+              f"{e['tokens_per_s'] * e['flops_per_token'] / peak:.0%}) | {c['tokens_per_s']:,.0f} "
+              f"({c['tokens_per_s'] / e['tokens_per_s']:.2f}×, {c['tokens_per_s'] * c['flops_per_token'] / peak:.0%}) | "
+              f"{e['first_step_s']:.1f} / {c['first_step_s']:.1f} s |")
+        each = {k: ", ".join(f"{x['tokens_per_s']:,.0f}" for x in runs[k]) for k in kinds}
+        print("  runs: " + "; ".join(f"{k} {v}" for k, v in each.items()))
+    (work / "train_compile_ab.json").write_text(json.dumps(out, indent=2, default=str))
 
 
 def plain_params(size: dict) -> int:

@@ -222,6 +222,13 @@ def test_int8_quantized_generation(run_dir):
     with torch.no_grad():
         a, b = fp32.model(input_ids=ids).logits, int8.model(input_ids=ids).logits
     assert (a - b).abs().max() < 0.1 * a.abs().max()  # close, not equal: weights are int8
+    import warnings
+
+    with warnings.catch_warnings():  # layer by layer, it is torch's own quantize_dynamic, number for number
+        warnings.simplefilter("ignore")
+        ref = torch.ao.quantization.quantize_dynamic(fp32.model, {torch.nn.Linear}, dtype=torch.qint8)
+    with torch.no_grad():
+        assert torch.equal(ref(input_ids=ids).logits, b)
     (g,) = generate(int8, ["The quick"], sampling=Sampling(temperature=0, max_new_tokens=5))
     assert len(g.token_ids) >= 1
 

@@ -95,12 +95,9 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
     directory = model_dir(path, storage)
     model = load_model(str(directory), storage=storage).eval()
     if quantize == "int8":
-        import warnings
+        from .int8 import quantize as to_int8
 
-        with warnings.catch_warnings():  # torch.ao.quantization announces its move to torchao
-            warnings.simplefilter("ignore")
-            model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
-        _own_memory(model)
+        to_int8(model)
     elif quantize != "none":
         raise SparklmError(f"--quantize {quantize}: the torch backend supports none or int8",
                            hint="int4 is available through `sparklm export --quantize int4` and --backend onnx")
@@ -110,18 +107,6 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
     tok, add_bos = tokenizer_of(directory)
     context = context_length(model.config) or 2048
     return LoadedModel(model, tok, str(directory), int(context), add_bos)
-
-
-def _own_memory(model) -> None:
-    """Copy the tensors that stay float (embedding, norms) out of the safetensors file's mapping, so that the mapping
-    closes: quantizing read every float weight through it, and its pages, counted in the process's RSS, would stay
-    resident for as long as one tensor still points into it (SmolLM2 int8: 1,166 MB resident, 794 MB after this;
-    the peak, while quantizing, stays ~1.3 GB)."""
-    copies: dict[int, object] = {}  # tensors that share storage (tied weights) stay shared
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.data_ptr() not in copies:
-            copies[t.data_ptr()] = t.data.clone()
-        t.data = copies[t.data_ptr()]
 
 
 def tokenizer_of(directory: Path) -> tuple[object, bool]:
