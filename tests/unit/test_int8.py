@@ -33,3 +33,15 @@ def test_release_drops_a_mapped_tensors_pages_and_keeps_its_neighbours(tmp_path)
     assert before - 4 * 1024 - 8 <= after <= before - 4 * 1024 + 8  # a's whole pages gone, b's kept
     assert torch.equal(loaded["b"], b)
     assert torch.equal(loaded["a"], a)  # clean file pages: read from the file again, unchanged
+
+
+def test_shares_bytes_finds_a_tied_head_and_overlapping_views_only():
+    from sparklm.infer.int8 import shares_bytes
+
+    embedding = torch.nn.Embedding(64, 16)
+    head = torch.nn.Linear(16, 64, bias=False)
+    head.weight = embedding.weight  # tied, as most small LMs are
+    assert shares_bytes(head.weight, [embedding.weight])
+    whole = torch.zeros(8, 1024)
+    assert shares_bytes(whole[2:4], [whole[3:6]]) and not shares_bytes(whole[2:4], [whole[4:6], torch.zeros(3)])
+    assert not shares_bytes(whole[2:4], [whole[4:4]])  # an empty view holds no bytes

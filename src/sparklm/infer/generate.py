@@ -1,6 +1,6 @@
 """Text generation with a KV cache: one process, any local HF causal LM or a sparklm run directory.
 
-Prompts are left-padded into batches; every output row draws from its own seeded generator, so a
+Prompts are left-padded into batches, those of like length together; every output row draws from its own seeded generator, so a
 prompt's text depends on (seed, prompt key, sample index) only, not on batching or on the machine
 that runs it (which is what makes batch generation on Spark equal one-by-one generation).
 
@@ -173,17 +173,29 @@ def generate(lm: LoadedModel, prompts: list[str], *, sampling: Sampling = Sampli
         if truncated and warn:
             progress.warn(f"prompt {key} is longer than the context: kept its last {len(ids)} tokens")
         rows += [(key, s, prompt, ids, truncated) for s in range(sampling.num_samples)]
-    out: list[Generation] = []
+    out: list[Generation | None] = [None] * len(rows)
     batch_size = min(batch_size, getattr(lm.model, "max_batch", batch_size))  # llama.cpp: one row at a time
+    # Prompts of like length batch together (less left padding to compute); a row's text does not depend on its
+    # batch (its own generator, its own mask), and the results come back in the prompts' order.
+    order = bucketed(rows, batch_size)
     for start in range(0, len(rows), batch_size):
-        batch = rows[start:start + batch_size]
+        picked = order[start:start + batch_size]
+        batch = [rows[i] for i in picked]
         gens = [row_generator(sampling.seed, key, s) for key, s, *_ in batch]
-        stream = (lambda i, piece, base=start: on_text(base + i, piece)) if on_text else None
+        stream = (lambda i, piece, where=picked: on_text(where[i], piece)) if on_text else None
         ids, tops = _generate_batch(lm, [r[3] for r in batch], sampling, gens, show_top, stream)
-        for (key, s, prompt, prompt_ids, truncated), new, top in zip(batch, ids, tops):
+        for i, (key, s, prompt, prompt_ids, truncated), new, top in zip(picked, batch, ids, tops):
             text = lm.tokenizer.decode(new, skip_special_tokens=True)
-            out.append(Generation(key, s, prompt, text, new, len(prompt_ids), truncated, top))
+            out[i] = Generation(key, s, prompt, text, new, len(prompt_ids), truncated, top)
     return out
+
+
+def bucketed(rows: list[tuple], batch_size: int) -> list[int]:
+    """The order rows are generated in: by prompt length (stable) when there is more than one batch, so that each
+    batch pads its prompts to a length near theirs; as given otherwise (one batch pads to its longest either way)."""
+    if len(rows) <= batch_size:
+        return list(range(len(rows)))
+    return sorted(range(len(rows)), key=lambda i: len(rows[i][3]))
 
 
 class Decoder(Protocol):

@@ -29,9 +29,8 @@ def quantize(model: torch.nn.Module) -> torch.nn.Module:
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
     from torch.ao.quantization import default_dynamic_qconfig
 
-    users: dict[int, int] = {}  # data pointer -> how many parameters use it (a tied head shares the embedding's)
-    for _, p in model.named_parameters(remove_duplicate=False):
-        users[p.data_ptr()] = users.get(p.data_ptr(), 0) + 1
+    # every module's own tensors, a tied one under each module that holds it (the embedding and the head)
+    owned = [(m, t) for m in model.modules() for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]]
     mapped = file_mappings()
     with warnings.catch_warnings():  # torch.ao.quantization announces its move to torchao
         warnings.simplefilter("ignore")
@@ -42,7 +41,8 @@ def quantize(model: torch.nn.Module) -> torch.nn.Module:
                 child.qconfig = default_dynamic_qconfig
                 setattr(parent, name, DynamicLinear.from_float(child))
                 weight = child.weight
-                if users[weight.data_ptr()] == 1 and weight.is_contiguous() and in_mappings(weight, mapped):
+                others = [t for m, t in owned if m is not child]
+                if weight.is_contiguous() and in_mappings(weight, mapped) and not shares_bytes(weight, others):
                     release(weight)
     _own_memory(model)
     return model
@@ -65,17 +65,30 @@ def file_mappings() -> list[tuple[int, int]]:
 
 def in_mappings(t: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
     """Whether ``t``'s bytes lie inside one of ``ranges`` (a mapped file, so its pages can be dropped safely)."""
-    start = t.data_ptr()
-    end = start + t.numel() * t.element_size()
+    start, end = _span(t)
     return any(a <= start and end <= b for a, b in ranges)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+def shares_bytes(t: torch.Tensor, others: list[torch.Tensor]) -> bool:
+    """Whether any of ``others`` overlaps ``t``'s bytes (a head tied to its embedding shares them)."""
+    start, end = _span(t)
+    for other in others:
+        a, b = _span(other)
+        if other.numel() and a < end and start < b:
+            return True
+    return False
 
 
 def release(t: torch.Tensor) -> None:
     """Drop from this process the whole pages that lie inside ``t``'s bytes (the pages at its ends may hold a
     neighbour's bytes too, and stay). Only for a contiguous tensor in a file mapping that nothing uses any more."""
     page = mmap.PAGESIZE
-    start = -(-t.data_ptr() // page) * page
-    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    first, last = _span(t)
+    start, end = -(-first // page) * page, last // page * page
     if end > start:
         _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
 
