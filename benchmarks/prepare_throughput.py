@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+T0 = time.time()
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 SOURCES = ["tinyshakespeare.txt", "the_adventures_of_sherlock_holmes.txt", "the_adventures_of_tom_sawyer.txt",
@@ -116,8 +119,9 @@ def timed_prepare(corpus: Path, out: Path, flags: list[str]) -> tuple[float, dic
     return wall, peak, json.loads((out / "manifest.json").read_text())
 
 
-def run_sparklm(corpus: Path, out: Path, tokenizer: Path | None = None) -> dict:
+def run_sparklm(corpus: Path, out: Path, tokenizer: Path | None = None, ahead: bool = True) -> dict:
     tok = ["--tokenizer", str(tokenizer)] if tokenizer else ["--vocab-size", "4096"]
+    os.environ["SPARKLM_SAMPLE_AHEAD"] = "1" if ahead else "0"  # the prepare process inherits it
     wall, peak, m = timed_prepare(corpus, out, ["--no-dedup", *tok, "--master", "local[2]", "--set", "spark.ui=false"])
     text_bytes = sum(s["text_bytes"] for s in m["splits"].values())
     tokens = sum(s["tokens"] for s in m["splits"].values())
@@ -175,9 +179,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[10, 100], help="corpus sizes in MB")
     ap.add_argument("--work", default=str(ROOT / ".bench"), help="scratch directory")
+    ap.add_argument("--ahead-ab", type=int, metavar="MB",
+                    help="only: prepare training its tokenizer, sampled while Spark starts (the default) or by a Spark "
+                         "job first (SPARKLM_SAMPLE_AHEAD=0), against datasets.map in a fresh process; interleaved")
+    ap.add_argument("--repeats", type=int, default=3, help="--ahead-ab's rounds")
+    ap.add_argument("--datasets-one", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.datasets_one:  # one datasets.map run in this fresh process: its whole wall time and its map alone
+        t0 = time.time()
+        r = run_datasets(paragraphs(Path(args.datasets_one[0])), Path(args.datasets_one[1]))
+        print(json.dumps({**r, "process_s": time.time() - T0, "after_start_s": time.time() - t0}))
+        return
     work = Path(args.work)
     work.mkdir(exist_ok=True)
+    if args.ahead_ab:
+        return ahead_ab(args.ahead_ab, args.repeats, work)
     results = {}
     for size in args.sizes:
         corpus = build_corpus(size, work)
@@ -211,6 +227,34 @@ def main() -> None:
               f"({g['tokens_s_excl_jvm']:,.0f}) | {a['mb_s']:.2f} | {b['mb_s']:.2f} | {r['given_ratio_vs_tokenizers']:.2f}× "
               f"| {r['given_ratio_vs_datasets']:.2f}× | {p['driver_mb']:.0f} / {p['jvm_mb']:.0f} / {p['workers_mb']:.0f} |")
     (work / "prepare_throughput.json").write_text(json.dumps(results, indent=2, default=float))
+
+
+def ahead_ab(size: int, repeats: int, work: Path) -> None:
+    corpus = build_corpus(size, work)
+    out = work / f"prepared-{size}mb"
+    runs: dict[str, list[dict]] = {"ahead": [], "spark job": [], "datasets.map": []}
+    for r in range(repeats):
+        runs["ahead"].append(run_sparklm(corpus, out, ahead=True))
+        runs["spark job"].append(run_sparklm(corpus, out, ahead=False))
+        p = subprocess.run([sys.executable, __file__, "--datasets-one", str(corpus), str(out)], capture_output=True,
+                           text=True, check=True)
+        runs["datasets.map"].append(json.loads(p.stdout.strip().splitlines()[-1]))
+        print(f"round {r + 1}: ahead {runs['ahead'][-1]['wall_s']:.1f} s, spark job {runs['spark job'][-1]['wall_s']:.1f} s, "
+              f"datasets.map {runs['datasets.map'][-1]['seconds']:.1f} s (process {runs['datasets.map'][-1]['process_s']:.1f} s)",
+              flush=True)
+    med = statistics.median
+    mb = runs["ahead"][0]["text_bytes"] / 1e6
+    d_map, d_all = med(r["seconds"] for r in runs["datasets.map"]), med(r["process_s"] for r in runs["datasets.map"])
+    print(f"\n{size} MB corpus ({mb:.1f} MB of text), --no-dedup, BPE 4096 trained by sparklm (datasets.map: the "
+          f"tokenizer given), local[2], median of {repeats}")
+    print("| contender | wall | MB/s | vs datasets.map (map only) | vs datasets.map (whole process) |")
+    print("|---|---|---|---|---|")
+    for name in ("ahead", "spark job"):
+        w = med(r["wall_s"] for r in runs[name])
+        print(f"| sparklm, sample {'read while Spark starts' if name == 'ahead' else 'read by a Spark job'} | "
+              f"{w:.1f} s | {mb / w:.2f} | {d_map / w:.2f}× | {d_all / w:.2f}× |")
+    print(f"| datasets.map(num_proc=2) | map {d_map:.1f} s, process {d_all:.1f} s | {mb / d_map:.2f} | 1.00× | 1.00× |")
+    (work / "prepare_ahead_ab.json").write_text(json.dumps(runs, indent=2, default=float))
 
 
 if __name__ == "__main__":

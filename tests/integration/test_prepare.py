@@ -127,6 +127,44 @@ def test_chunked_reading_equals_whole_file(spark, tmp_path, config):
     assert len(a["splits"]["train"]["files"]) >= 2  # byte ranges went to several write tasks
 
 
+def test_the_tokenizer_read_ahead_while_spark_starts_is_the_spark_jobs(spark, tmp_path, config, monkeypatch):
+    import subprocess
+    import sys
+
+    from sparklm.data import passes, sample_ahead, sources
+    from sparklm.data.spark_engine import SparkSource
+
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    for i in range(5):  # ~5 MB of 1 MB files, a 1 MB sample: some units read, a fraction of their documents
+        (inputs / f"in{i}.txt").write_text(make_text(9000, seed=20 + i))
+    cfg = dataclasses.replace(config, data=dataclasses.replace(config.data, dedup=False, split_mb=1),
+                              tokenizer=dataclasses.replace(config.tokenizer, sample_mb=1))
+    units = sources.plan_units([str(inputs)], group="auto", data=cfg.data, storage=cfg.storage)
+    chosen = passes.sample_units([units], 1)
+    assert 1 < len(chosen) < len(units)
+    ours = sample_ahead.sample_of(chosen, cfg)
+    theirs = SparkSource.of_files(spark, passes.bins(chosen, 2), cfg.data, cfg.storage).scan(cfg, sample_only=True).sample
+    assert 0 < len(ours) < sum(1 for _ in sources.documents(chosen, cfg.data, cfg.storage))  # a fraction
+    assert sorted(ours) == sorted(theirs)
+
+    started = []
+    real_start = sample_ahead.start
+    monkeypatch.setattr(sample_ahead, "start", lambda *a: started.append(1) or real_start(*a))
+    ahead = prepare([str(inputs)], output=str(tmp_path / "ahead"), config=cfg, spark=spark).manifest
+    assert started == [1]
+    monkeypatch.setenv("SPARKLM_SAMPLE_AHEAD", "0")
+    on_spark = prepare([str(inputs)], output=str(tmp_path / "spark"), config=cfg, spark=spark).manifest
+    assert started == [1]
+    monkeypatch.delenv("SPARKLM_SAMPLE_AHEAD")
+    failing = sample_ahead.Ahead(subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"], stdout=subprocess.PIPE,
+                                                  text=True))
+    monkeypatch.setattr(sample_ahead, "start", lambda *a: failing)  # a child that fails: the Spark job reads instead
+    fallback = prepare([str(inputs)], output=str(tmp_path / "fallback"), config=cfg, spark=spark).manifest
+    assert ahead["tokenizer"]["sha256"] == on_spark["tokenizer"]["sha256"] == fallback["tokenizer"]["sha256"]
+    assert ahead["splits"] == on_spark["splits"] == fallback["splits"]
+
+
 def test_explicit_validation_and_a_loaded_tokenizer(spark, tmp_path, config):
     import datasets
 

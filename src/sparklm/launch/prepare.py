@@ -23,7 +23,7 @@ from collections import defaultdict
 import pyarrow.fs as pafs
 
 from ..config import Config, flatten
-from ..data import beam_engine, labelled, passes, sources
+from ..data import beam_engine, labelled, passes, sample_ahead, sources
 from ..data import tokenizer as tokenizers_mod
 from ..data.manifest import FORMAT, MANIFEST, SPLITS, PreparedDataset, load_prepared
 from ..data.packing import PackSpec
@@ -64,7 +64,7 @@ def prepare(
 
 def _prepare(inputs, *, output: str, config: Config | None, validation_inputs, overwrite: bool, spark,
              described: str | None) -> PreparedDataset:
-    from ..spark.session import check_shared, check_workers_python, get_session
+    from ..spark.session import check_shared, check_workers_python, get_session, planned_master
 
     config = config or Config()
     config = config.replace(storage=effective(config.storage))
@@ -94,34 +94,43 @@ def _prepare(inputs, *, output: str, config: Config | None, validation_inputs, o
     _check_output(fs, out_path, output, overwrite)
     for name in remove_stale(output, storage, before=started):
         progress.info(f"[dim]removed {name}, left by an earlier prepare that did not finish[/dim]")
-    if frame:
-        spark, spark_start = frames[0][0].sparkSession, 0.0
-        check_workers_python(spark)  # the user's session: its Python workers must import sparklm
-        check_shared(spark, {"output": output})
-        source = _frame_source(spark, frames, data)
-        name = described or "dataframe"
-        inputs, validation_inputs = [name], [f"{name} (validation)"] if len(frames) > 1 else []
-    else:
-        units = sources.plan_units(inputs, group="train" if validation_inputs else "auto", data=data, storage=storage)
-        units += sources.plan_units(list(validation_inputs), group="validation", data=data, storage=storage)
-        if data.engine == "beam":
-            source, spark_start = beam_engine.BeamSource(units, config), 0.0
-        else:
-            t_spark = time.time()
-            spark = spark() if callable(spark) else get_session(config.spark, spark=spark)  # started after the checks
-            check_shared(spark, {"input": str(inputs[0]), "output": output})
-            spark_start = time.time() - t_spark
-            tasks = passes.read_tasks(data, spark.sparkContext.defaultParallelism)
-            source = SparkSource.of_files(spark, passes.bins(units, tasks), data, storage)
-    tracking = trackers.open_trackers(config, trackers.Context(
-        command="prepare", run_dir=output, storage=storage, params={k: v for k, v in flatten(config.to_saved()).items() if k.split(".")[0] in ("data", "tokenizer")}))
+    ahead = None  # the tokenizer's sample read and trained in a child process while Spark starts
     try:
-        with trackers.failed_on_error(tracking):
-            dataset = _run(source, config, inputs, list(validation_inputs), output, started, spark_start)
+        if frame:
+            spark, spark_start = frames[0][0].sparkSession, 0.0
+            check_workers_python(spark)  # the user's session: its Python workers must import sparklm
+            check_shared(spark, {"output": output})
+            source = _frame_source(spark, frames, data)
+            name = described or "dataframe"
+            inputs, validation_inputs = [name], [f"{name} (validation)"] if len(frames) > 1 else []
+        else:
+            units = sources.plan_units(inputs, group="train" if validation_inputs else "auto", data=data, storage=storage)
+            units += sources.plan_units(list(validation_inputs), group="validation", data=data, storage=storage)
+            if data.engine == "beam":
+                source, spark_start = beam_engine.BeamSource(units, config), 0.0
+            else:
+                t_spark = time.time()
+                if sample_ahead.wanted(config, frame=False, master=planned_master(config.spark, None if callable(spark)
+                                                                                   else spark)):
+                    ahead = sample_ahead.start(units, config)  # the tokenizer trained while the JVM starts
+                spark = spark() if callable(spark) else get_session(config.spark, spark=spark)  # started after the checks
+                check_shared(spark, {"input": str(inputs[0]), "output": output})
+                spark_start = time.time() - t_spark
+                tasks = passes.read_tasks(data, spark.sparkContext.defaultParallelism)
+                source = SparkSource.of_files(spark, passes.bins(units, tasks), data, storage)
+        tracking = trackers.open_trackers(config, trackers.Context(
+            command="prepare", run_dir=output, storage=storage, params={k: v for k, v in flatten(config.to_saved()).items() if k.split(".")[0] in ("data", "tokenizer")}))
+        try:
+            with trackers.failed_on_error(tracking):
+                dataset = _run(source, config, inputs, list(validation_inputs), output, started, spark_start,
+                               ahead)
+        finally:
+            source.release()
+        trackers.finish_all(tracking, trackers.Outcome(ok=True, summary=trackers.manifest_figures(dataset.manifest)))
+        return dataset
     finally:
-        source.release()
-    trackers.finish_all(tracking, trackers.Outcome(ok=True, summary=trackers.manifest_figures(dataset.manifest)))
-    return dataset
+        if ahead is not None:
+            ahead.cancel()
 
 
 def is_dataframe(value) -> bool:
@@ -165,7 +174,7 @@ def _frame_source(spark, frames: list[tuple[object, str]], data) -> SparkSource:
 
 
 def _run(source: passes.Engine, config: Config, inputs: list[str], validation_inputs: list[str], output: str,
-         started: float, spark_start: float) -> PreparedDataset:
+         started: float, spark_start: float, ahead: sample_ahead.Ahead | None = None) -> PreparedDataset:
     """Both passes over ``source`` (Spark's or Beam's), then the atomic commit of the dataset at ``output``."""
     data, storage = config.data, config.storage
     fs, out_path = resolve(output, storage)
@@ -182,9 +191,13 @@ def _run(source: passes.Engine, config: Config, inputs: list[str], validation_in
                 stats = _stats(scanned.agg, source.count, data.encoding)
                 if scanned.class_counts is not None:
                     classes = _classes(scanned.class_counts, scanned.cut, data)
-            else:
-                scanned = _tokenizer_sample(source, config, staging)
-            spec = _tokenizer(source, scanned.sample, config)
+            ready = None
+            if ahead is not None:
+                with source.stage(f"train tokenizer (vocab {config.tokenizer.vocab_size}, sampled while Spark started)"):
+                    ready = ahead.result()  # None: the child failed, and the Spark job reads the sample instead
+            if not full_scan:
+                scanned = passes.Scanned() if ready else _tokenizer_sample(source, config, staging)
+            spec = ready or _tokenizer(source, scanned.sample, config)
             if data.format == "chat" and not spec.chat_template:
                 raise SparklmError(f"tokenizer {config.tokenizer.path} has no chat template to render --format chat "
                                    "records with", hint="use a model's tokenizer directory whose tokenizer_config.json "

@@ -1,0 +1,99 @@
+"""The tokenizer's sample read, and its BPE trained, while Spark starts.
+
+Without dedup, prepare reads a few units (chosen by hash) for the tokenizer's sample, trains the BPE, then makes its
+one pass. On a local master the first two steps run in a child process started before the JVM, so that they take
+the seconds the driver would spend waiting for Spark (100 MB: ~10 s of a ~47 s prepare). The child runs the pure
+functions the Spark job runs (``sources.documents`` → ``passes.scan_rows`` → ``tokenizer.train``) over the same
+units, so the tokenizer is the same (tested). Anything the child cannot do (an unreadable file, a crash) sends
+prepare back to the Spark job, whose errors are the usual one-line ones.
+
+A child process and not a thread: pyspark forks the JVM with a ``preexec_fn``, which is unsafe beside a running
+thread. The child gets its settings on stdin and answers on stdout (JSON; no file, nothing unpickled); object-store
+credentials reach it as they reach Spark's workers, through the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+from ..config import Config, from_dict
+from . import labelled, passes, sources
+from . import tokenizer as tokenizers_mod
+
+_SAMPLE = passes.SCAN_COLUMNS.index("sample")
+
+
+def wanted(config: Config, *, frame: bool, master: str) -> bool:
+    """Whether prepare trains its tokenizer on a sample read ahead: files on Spark in local mode, a tokenizer to
+    train, no full scan (dedup or a class split read everything first). ``SPARKLM_SAMPLE_AHEAD=0`` turns it off."""
+    data = config.data
+    return (not frame and data.engine == "spark" and master.startswith("local") and not config.tokenizer.path
+            and not data.dedup and labelled.labels_of(data) != "class"
+            and os.environ.get("SPARKLM_SAMPLE_AHEAD", "1") != "0")
+
+
+def sample_of(units: list[sources.ReadUnit], config: Config) -> list[str]:
+    """The tokenizer's sample from ``units``: what the Spark job over the same units collects (the training
+    documents whose content hash falls in the sampled fraction)."""
+    fraction = passes.sample_fraction(config, passes.planned_bytes([units]))
+    rows = passes.scan_rows(sources.documents(units, config.data, config.storage), config.data, fraction)
+    return [row[_SAMPLE] for row in rows if row[_SAMPLE] is not None]
+
+
+class Ahead:
+    """The child process at work; :meth:`result` waits for its tokenizer (None: it failed, use Spark)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+
+    def result(self) -> tokenizers_mod.TokenizerSpec | None:
+        with self.proc.stdout:  # stdin was written and closed at the start
+            out = self.proc.stdout.read()
+        if self.proc.wait():
+            return None
+        try:
+            return tokenizers_mod.TokenizerSpec(**json.loads(out))
+        except (ValueError, TypeError):
+            return None
+
+    def cancel(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout and not self.proc.stdout.closed:
+            self.proc.stdout.close()
+
+
+def start(units: list[sources.ReadUnit], config: Config) -> Ahead | None:
+    """Start the child on the units chosen for the sample (None where it cannot start)."""
+    chosen = passes.sample_units([units], config.tokenizer.sample_mb)
+    payload = json.dumps({"config": config.to_saved(), "units": [dataclasses.asdict(u) for u in chosen]})
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+    except OSError:
+        return None
+    try:  # a pipe holds the payload (a list of units and the settings: kilobytes) without waiting for the child
+        proc.stdin.write(payload)
+        proc.stdin.close()
+    except OSError:
+        proc.kill()
+        proc.wait()
+        return None
+    return Ahead(proc)
+
+
+def main() -> None:
+    payload = json.loads(sys.stdin.read())
+    config = from_dict(payload["config"])
+    units = [sources.ReadUnit(**u) for u in payload["units"]]
+    spec = tokenizers_mod.train(sample_of(units, config), config.tokenizer)
+    sys.stdout.write(json.dumps(dataclasses.asdict(spec)))
+
+
+if __name__ == "__main__":
+    main()
