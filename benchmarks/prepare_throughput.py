@@ -105,11 +105,12 @@ class PeakRSS:
         return {k: round(v, 1) for k, v in self.peak.items()}
 
 
-def timed_prepare(corpus: Path, out: Path, flags: list[str]) -> tuple[float, dict, dict]:
+def timed_prepare(corpus: Path, out: Path, flags: list[str], env: dict | None = None) -> tuple[float, dict, dict]:
     """`sparklm prepare CORPUS -o OUT --overwrite FLAGS` in a fresh process: (wall seconds, peak RSS, manifest)."""
     cmd = [sys.executable, "-m", "sparklm", "prepare", str(corpus), "-o", str(out), "--overwrite", *flags]
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
     mem = PeakRSS(proc.pid)
     _, err = proc.communicate()
     wall = time.time() - t0
@@ -121,8 +122,8 @@ def timed_prepare(corpus: Path, out: Path, flags: list[str]) -> tuple[float, dic
 
 def run_sparklm(corpus: Path, out: Path, tokenizer: Path | None = None, ahead: bool = True) -> dict:
     tok = ["--tokenizer", str(tokenizer)] if tokenizer else ["--vocab-size", "4096"]
-    os.environ["SPARKLM_SAMPLE_AHEAD"] = "1" if ahead else "0"  # the prepare process inherits it
-    wall, peak, m = timed_prepare(corpus, out, ["--no-dedup", *tok, "--master", "local[2]", "--set", "spark.ui=false"])
+    wall, peak, m = timed_prepare(corpus, out, ["--no-dedup", *tok, "--master", "local[2]", "--set", "spark.ui=false"],
+                                  {"SPARKLM_SAMPLE_AHEAD": "1" if ahead else "0"})
     text_bytes = sum(s["text_bytes"] for s in m["splits"].values())
     tokens = sum(s["tokens"] for s in m["splits"].values())
     t = m["timing"]

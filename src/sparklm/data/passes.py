@@ -80,6 +80,12 @@ def hash_split(unit: sources.ReadUnit, dig: bytes, val_fraction: float) -> str:
     return "validation" if clean.is_validation(dig, val_fraction) else "train"
 
 
+def full_scan(data) -> bool:
+    """Whether prepare reads everything once before writing: duplicates and a class split are known only after a
+    look at all (else one pass writes, after a sample for the tokenizer)."""
+    return data.dedup or labelled.labels_of(data) == "class"
+
+
 def sample_fraction(config: Config, planned_bytes: int) -> float:
     """The share of training documents (by content hash) that the tokenizer is trained on."""
     if config.tokenizer.path:

@@ -21,18 +21,16 @@ import subprocess
 import sys
 
 from ..config import Config, from_dict
-from . import labelled, passes, sources
+from . import passes, sources
 from . import tokenizer as tokenizers_mod
 
 _SAMPLE = passes.SCAN_COLUMNS.index("sample")
 
 
-def wanted(config: Config, *, frame: bool, master: str) -> bool:
-    """Whether prepare trains its tokenizer on a sample read ahead: files on Spark in local mode, a tokenizer to
-    train, no full scan (dedup or a class split read everything first). ``SPARKLM_SAMPLE_AHEAD=0`` turns it off."""
-    data = config.data
-    return (not frame and data.engine == "spark" and master.startswith("local") and not config.tokenizer.path
-            and not data.dedup and labelled.labels_of(data) != "class"
+def wanted(config: Config, master: str) -> bool:
+    """Whether prepare, reading files on Spark, trains its tokenizer on a sample read ahead: in local mode, with a
+    tokenizer to train and no full scan first. ``SPARKLM_SAMPLE_AHEAD=0`` turns it off."""
+    return (master.startswith("local") and not config.tokenizer.path and not passes.full_scan(config.data)
             and os.environ.get("SPARKLM_SAMPLE_AHEAD", "1") != "0")
 
 
@@ -77,7 +75,7 @@ def start(units: list[sources.ReadUnit], config: Config) -> Ahead | None:
                                 stderr=subprocess.DEVNULL, text=True)
     except OSError:
         return None
-    try:  # a pipe holds the payload (a list of units and the settings: kilobytes) without waiting for the child
+    try:  # the child reads all of stdin first: a payload larger than the pipe waits only for its start
         proc.stdin.write(payload)
         proc.stdin.close()
     except OSError:

@@ -1,7 +1,7 @@
 """Text generation with a KV cache: one process, any local HF causal LM or a sparklm run directory.
 
-Prompts are left-padded into batches, those of like length together; every output row draws from its own seeded generator, so a
-prompt's text depends on (seed, prompt key, sample index) only, not on batching or on the machine
+Prompts are left-padded into batches, those of like length together; every output row draws from its own seeded
+generator, so a prompt's text depends on (seed, prompt key, sample index) only, not on batching or on the machine
 that runs it (which is what makes batch generation on Spark equal one-by-one generation).
 
 The loop itself works on numpy arrays; a backend is a ``Decoder`` (a prompt's logits, then one token's at a time).

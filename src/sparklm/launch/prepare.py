@@ -110,8 +110,7 @@ def _prepare(inputs, *, output: str, config: Config | None, validation_inputs, o
                 source, spark_start = beam_engine.BeamSource(units, config), 0.0
             else:
                 t_spark = time.time()
-                if sample_ahead.wanted(config, frame=False, master=planned_master(config.spark, None if callable(spark)
-                                                                                   else spark)):
+                if sample_ahead.wanted(config, planned_master(config.spark, None if callable(spark) else spark)):
                     ahead = sample_ahead.start(units, config)  # the tokenizer trained while the JVM starts
                 spark = spark() if callable(spark) else get_session(config.spark, spark=spark)  # started after the checks
                 check_shared(spark, {"input": str(inputs[0]), "output": output})
@@ -184,18 +183,17 @@ def _run(source: passes.Engine, config: Config, inputs: list[str], validation_in
         fs.create_dir(staged, recursive=True)
         with source.errors():
             classes = None
-            # duplicates and classes are known after a look at all
-            full_scan = data.dedup or labelled.labels_of(data) == "class"
+            full_scan, ready = passes.full_scan(data), None
             if full_scan:
                 scanned = source.scan(config, sample_only=False, staging=staging)
                 stats = _stats(scanned.agg, source.count, data.encoding)
                 if scanned.class_counts is not None:
                     classes = _classes(scanned.class_counts, scanned.cut, data)
-            ready = None
-            if ahead is not None:
-                with source.stage(f"train tokenizer (vocab {config.tokenizer.vocab_size}, sampled while Spark started)"):
-                    ready = ahead.result()  # None: the child failed, and the Spark job reads the sample instead
-            if not full_scan:
+            else:
+                if ahead is not None:  # None back: the child failed, and the Spark job reads the sample instead
+                    with source.stage(f"train tokenizer (vocab {config.tokenizer.vocab_size}, sampled while Spark "
+                                      "started)"):
+                        ready = ahead.result()
                 scanned = passes.Scanned() if ready else _tokenizer_sample(source, config, staging)
             spec = ready or _tokenizer(source, scanned.sample, config)
             if data.format == "chat" and not spec.chat_template:
