@@ -5,7 +5,7 @@ ships as and HF `generate` (issue 53, item 1).
     .venv/bin/python benchmarks/gguf_decode.py --batch              # also eight rows decoded together
     .venv/bin/python benchmarks/gguf_decode.py --model RUN --batch  # a sparklm run's model instead of SmolLM2
     .venv/bin/python benchmarks/gguf_decode.py --score              # scoring (eval's work): torch against llama.cpp
-    .venv/bin/python benchmarks/gguf_decode.py --hf-best            # HF with a static cache, and compiled, too
+    .venv/bin/python benchmarks/gguf_decode.py --hf-best            # HF compiled with a static cache, fp32 and bf16
     .venv/bin/python benchmarks/gguf_decode.py --parity RUN/model   # a sparklm model's f32 export against torch
 
 Set-up (the benchmark's own, outside the project's dependencies; done once):
@@ -17,7 +17,7 @@ Set-up (the benchmark's own, outside the project's dependencies; done once):
 
 Contenders, each in a fresh process, interleaved, median of --repeats: llama.cpp on the shipped Q4_1 file, llama.cpp
 on sparklm's f32 / q8_0 / q4_1 exports, HF `generate` in float32 on the imported model, and sparklm's own generation
-(its loader and loop, as `sparklm generate` runs them) on the torch backend and on `--backend llama.cpp` (f32 and
+(its loader and loop, as `sparklm generate` runs them) on the torch backend (float32, int8, int4) and on `--backend llama.cpp` (f32 and
 q4_1), and the command `sparklm generate --backend llama.cpp --quantize q4_1` itself, timed from its start to the first
 text it streams (sparklm's tokens are forced to --new-tokens, EOS masked). One prompt, greedy,
 --new-tokens tokens. Reported: the whole process's wall time, seconds from the process's start to the first new
@@ -143,16 +143,17 @@ def run_llama_cpp_batched(path: str, new: int, threads: int) -> dict:
     return {"prompt": prompts[0], "tokens": rows[0], "first": first, "new": new * BATCH}
 
 
-def run_hf(new: int, threads: int, batch: int = 1, cache: str = "dynamic", compiled: bool = False) -> dict:
+def run_hf(new: int, threads: int, batch: int = 1, cache: str = "dynamic", compiled: bool = False,
+           dtype: str = "fp32") -> dict:
     """HF `generate`, greedy: its default (dynamic cache, eager), or its CPU recipe for speed: a static cache, and
-    the forward compiled by `torch.compile` (fullgraph). A compiled run generates once untimed first, with the same
+    the forward compiled by `torch.compile` (fullgraph); in float32, or bfloat16 (on a CPU fast at it). A compiled run generates once untimed first, with the same
     shapes, so that the clock sees the compiled graphs only; its compile time is reported apart."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(str(HF_DIR), local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(str(HF_DIR), local_files_only=True, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(HF_DIR), local_files_only=True, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32).eval()
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -264,7 +265,7 @@ def one(name: str, path: str, new: int, threads: int) -> None:
         r = run_sparklm(backend, quant, new, threads, BATCH if batch else 1)
     elif name.startswith("HF"):
         r = run_hf(new, threads, BATCH if name.endswith("B8") else 1, cache="static" if "static" in name else "dynamic",
-                   compiled="compiled" in name)
+                   compiled="compiled" in name, dtype="bf16" if "bf16" in name else "fp32")
     else:
         r = run_llama_cpp_batched(path, new, threads) if name.endswith("B8") else run_llama_cpp(path, new, threads)
     end = time.time()
@@ -365,7 +366,7 @@ def main() -> None:
     files = {**{k: str(v) for k, v in setup().items()}, "HF generate fp32": "", "sparklm torch none": ""}
     if args.score:
         return score(files, env, args)
-    for q in ("none", "q4_1"):  # `sparklm generate --backend llama.cpp`: its cached export made here, not timed
+    for q in ("none", "q8_0", "q4_1"):  # `sparklm generate --backend llama.cpp`: its cached export made here, not timed
         # in a child process: a forked child's peak RSS starts from its parent's, so the parent stays small
         subprocess.run([sys.executable, "-c", f"from sparklm.infer import llamacpp; llamacpp.load({str(HF_DIR)!r}, "
                         f"quantize={q!r})"], env=env, check=True)
@@ -375,11 +376,13 @@ def main() -> None:
         four_bit = "llama.cpp sparklm q4_1" if MODEL else "llama.cpp shipped Q4_1"
         files.update({"llama.cpp f32 B8": files["llama.cpp sparklm f32"],
                       f"{four_bit} B8": files[four_bit], "HF generate fp32 B8": "",
-                      "sparklm torch none B8": "", "sparklm llama.cpp none B8": "", "sparklm llama.cpp q4_1 B8": ""})
-    if args.hf_best:  # HF's own CPU recipe for speed against sparklm's torch (fp32, int8) and llama.cpp backends
-        files = {"HF generate fp32": "", "HF static fp32": "", "HF static compiled fp32": "",
-                 "sparklm torch none": "", "sparklm torch int8": "",
-                 "sparklm llama.cpp none": "", "sparklm llama.cpp q4_1": ""}
+                      "sparklm torch none B8": "", "sparklm torch int4 B8": "", "sparklm llama.cpp none B8": "",
+                      "sparklm llama.cpp q4_1 B8": ""})
+    if args.hf_best:  # HF's own CPU recipe for speed (fp32 and bf16) against sparklm's torch and llama.cpp backends
+        files = {"HF generate fp32": "", "HF generate bf16": "", "HF static compiled fp32": "",
+                 "HF static compiled bf16": "", "sparklm torch none": "", "sparklm torch int8": "",
+                 "sparklm torch int4": "", "sparklm llama.cpp none": "", "sparklm llama.cpp q8_0": "",
+                 "sparklm llama.cpp q4_1": ""}
     runs: dict[str, list[dict]] = {n: [] for n in files}
     for _ in range(args.repeats):  # interleaved: each round runs every contender once
         for name, path in files.items():

@@ -130,9 +130,9 @@ def _add_inference(sub) -> None:
                    help="llama.cpp: the model exported to GGUF once (cached) and decoded by llama.cpp on the CPU "
                         "(pip install 'sparklm[llamacpp]')")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto: CUDA where torch sees a GPU")
-    g.add_argument("--quantize", choices=["none", "int8", "f16", "q8_0", "q4_0", "q4_1"], default="none",
-                   help="torch backend: int8 (dynamic int8 Linear layers for CPU inference); llama.cpp backend: f16, "
-                        "q8_0, q4_0 or q4_1 (GGUF blocks)")
+    g.add_argument("--quantize", choices=["none", "int8", "int4", "f16", "q8_0", "q4_0", "q4_1"], default="none",
+                   help="torch backend, on the CPU: int8 (dynamic int8 Linear layers) or int4 (4-bit weights, groups "
+                        "of 32); llama.cpp backend: f16, q8_0, q4_0 or q4_1 (GGUF blocks)")
     g.add_argument("--batch-size", type=int, default=8, metavar="N")
     g.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads (default: all)")
     _common(g)

@@ -236,6 +236,27 @@ def test_int8_quantized_generation(run_dir):
     assert len(g.token_ids) >= 1
 
 
+def test_int4_quantized_generation(run_dir):
+    from sparklm.infer.generate import generate, load
+    from sparklm.infer.quantize import Int4Linear
+    from sparklm.infer.torch_decode import LlamaDecoder
+
+    fp32, int4 = load(str(run_dir)), load(str(run_dir), quantize="int4")
+    packed = [m for m in int4.model.modules() if type(m) is Int4Linear]
+    assert packed and all(type(m) is Int4Linear or m.in_features % 32 or m.out_features % 16
+                          for m in int4.model.modules() if isinstance(m, (torch.nn.Linear, Int4Linear)))
+    ids = torch.tensor([[1, 5, 9, 200, 17, 3]])
+    with torch.no_grad():
+        a, b = fp32.model(input_ids=ids).logits, int4.model(input_ids=ids).logits
+    assert (a - b).abs().max() < 0.25 * a.abs().max()  # close, not equal: weights in 4 bits
+    s = Sampling(temperature=0, max_new_tokens=6)
+    gens = generate(int4, PROMPTS, sampling=s, batch_size=4)
+    assert [g.token_ids for g in gens] == [generate(int4, [p], sampling=s)[0].token_ids for p in PROMPTS]
+    from sparklm.infer.generate import decoder
+
+    assert isinstance(decoder(int4.model), LlamaDecoder)
+
+
 def test_show_top_and_truncation_and_bad_prompts(run_dir):
     from sparklm.infer.generate import generate, load
 
@@ -396,6 +417,8 @@ def test_cli_generate_streams_and_writes(run_dir, tmp_path):
     again = run_sparklm("generate", str(run_dir), "--prompt", "The quick", "--temperature", "0", "--max-new-tokens", "5")
     assert again.stdout == out.stdout
     q = run_sparklm("generate", str(run_dir), "--prompt", "The quick", "--max-new-tokens", "5", "--quantize", "int8")
+    assert q.returncode == 0 and q.stdout.startswith("The quick") and "Warning" not in q.stderr, q.stderr
+    q = run_sparklm("generate", str(run_dir), "--prompt", "The quick", "--max-new-tokens", "5", "--quantize", "int4")
     assert q.returncode == 0 and q.stdout.startswith("The quick") and "Warning" not in q.stderr, q.stderr
     (tmp_path / "p.txt").write_text("The quick\nMoskva\n")
     res = run_sparklm("generate", str(run_dir), "--prompt-file", str(tmp_path / "p.txt"), "--num-samples", "2",

@@ -1,5 +1,5 @@
-"""The backends generation runs on, loaded by one function: torch (a KV-cached HF model, optionally dynamic int8, on
-the CPU or a GPU), an ONNX export (onnxruntime), or llama.cpp (a GGUF export, on the CPU). Each gives a
+"""The backends generation runs on, loaded by one function: torch (a KV-cached HF model, optionally int8 or int4 on
+the CPU, or on a GPU), an ONNX export (onnxruntime), or llama.cpp (a GGUF export, on the CPU). Each gives a
 ``generate.LoadedModel`` whose model generation drives as a ``generate.Decoder``."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ BACKENDS = ("torch", "onnx", "llama.cpp")
 
 def load(path: str, *, backend: str = "torch", quantize: str = "none", threads: int = 0,
          storage: StorageConfig | None = None, device: str = "auto", batch_size: int = 8) -> LoadedModel:
-    """The model generation runs on ``backend``: torch (``quantize`` none or int8, on ``device``), an ONNX export
+    """The model generation runs on ``backend``: torch (``quantize`` none, int8 or int4; int8 and int4 on the CPU), an ONNX export
     (``path`` is its directory; quantized when exported), or llama.cpp (the model exported to GGUF once, ``quantize``
     none, f16, q8_0, q4_0 or q4_1, at most ``batch_size`` rows decoded together; on the CPU)."""
     if backend not in BACKENDS:
@@ -36,12 +36,11 @@ def load(path: str, *, backend: str = "torch", quantize: str = "none", threads: 
 
 
 def check_quantize(backend: str, quantize: str) -> None:
-    """One line unless ``quantize`` is one that ``backend`` runs: llama.cpp's GGUF blocks, or torch's none/int8 (an
+    """One line unless ``quantize`` is one that ``backend`` runs: llama.cpp's GGUF blocks, or torch's none/int8/int4 (an
     ONNX export's own check, that it was quantized when exported, is load's)."""
     if backend == "llama.cpp":
         from .gguf_export import checked_quant
 
         checked_quant(quantize, "--backend llama.cpp")
-    elif quantize not in ("none", "int8"):
-        raise SparklmError(f"--quantize {quantize} applies to --backend llama.cpp",
-                           hint="the torch backend takes none or int8")
+    elif backend == "torch":
+        generate.check_quantize(quantize)

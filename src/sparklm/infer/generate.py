@@ -81,32 +81,39 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
     """Load a model and its tokenizer (safetensors only: nothing is unpickled); ``path`` may be on an object store.
     ``device``: "cpu", "cuda" (or "cuda:N"), or auto: CUDA where torch sees a GPU.
 
-    ``quantize="int8"``: torch's dynamic int8 quantization of every Linear layer (weights int8,
-    activations quantized per batch) for CPU inference — on a trained 27M model 1.8x faster scoring
-    at +0.4% perplexity here (BENCHMARKS.md).
+    ``quantize``: "int8", torch's dynamic int8 quantization of every Linear layer (weights int8, activations
+    quantized per batch) — on a trained 27M model 1.8x faster scoring at +0.4% perplexity here (BENCHMARKS.md); or
+    "int4", 4-bit weights in groups of 32 on torch's packed int4 CPU kernel (``quantize.py``). Both CPU only.
     """
     import torch
 
     from ..model import load_model
     from ..model.build import context_length
 
+    check_quantize(quantize)
     if threads:
         torch.set_num_threads(threads)
     directory = model_dir(path, storage)
+    where = inference_device(device, cpu_only=quantize != "none")
     model = load_model(str(directory), storage=storage).eval()
-    if quantize == "int8":
-        from .int8 import quantize as to_int8
+    if quantize != "none":
+        from .quantize import quantize as quantized
 
-        to_int8(model)
-    elif quantize != "none":
-        raise SparklmError(f"--quantize {quantize}: the torch backend supports none or int8",
-                           hint="int4 is available through `sparklm export --quantize int4` and --backend onnx")
-    where = inference_device(device, cpu_only=quantize == "int8")
+        quantized(model, quantize)
     if where != "cpu":
         model = model.to(where)
     tok, add_bos = tokenizer_of(directory)
     context = context_length(model.config) or 2048
     return LoadedModel(model, tok, str(directory), int(context), add_bos)
+
+
+QUANTIZE = ("none", "int8", "int4")  # the torch backend's --quantize
+
+
+def check_quantize(quantize: str) -> None:
+    if quantize not in QUANTIZE:
+        raise SparklmError(f"--quantize {quantize} applies to --backend llama.cpp",
+                           hint="the torch backend takes none, int8 or int4")
 
 
 def tokenizer_of(directory: Path) -> tuple[object, bool]:
@@ -124,8 +131,8 @@ def tokenizer_of(directory: Path) -> tuple[object, bool]:
 
 
 def inference_device(setting: str, *, cpu_only: bool = False) -> str:
-    """Where inference runs: ``setting`` ("auto": CUDA where torch sees a GPU, unless ``cpu_only``: int8 dynamic
-    quantization is a CPU kernel), checked."""
+    """Where inference runs: ``setting`` ("auto": CUDA where torch sees a GPU, unless ``cpu_only``: the quantized
+    layers are CPU kernels), checked."""
     import torch
 
     if setting == "cpu" or (setting == "auto" and (cpu_only or not torch.cuda.is_available())):
@@ -138,7 +145,7 @@ def inference_device(setting: str, *, cpu_only: bool = False) -> str:
         raise SparklmError(f"device {setting}: torch sees no CUDA GPU here",
                            hint="install a CUDA build of torch (docs/gpus.md), or --device cpu")
     if cpu_only:
-        raise SparklmError("--quantize int8 runs on the CPU only", hint="--device cpu, or --quantize none on a GPU")
+        raise SparklmError("--quantize int8 and int4 run on the CPU only", hint="--device cpu, or --quantize none on a GPU")
     return setting
 
 
@@ -211,39 +218,13 @@ class Decoder(Protocol):
 
 
 def decoder(model) -> Decoder:
-    """``model`` as a Decoder: a backend that is one already (llama.cpp, ONNX), or a torch causal LM."""
-    return model if hasattr(model, "extend") else TorchDecoder(model)
+    """``model`` as a Decoder: a backend that is one already (llama.cpp, ONNX), a Llama-family model on the CPU
+    (``torch_decode.LlamaDecoder``: the same logits with less overhead per step), or any other torch causal LM."""
+    if hasattr(model, "extend"):
+        return model
+    from . import torch_decode  # torch: imported by the torch backend only
 
-
-class TorchDecoder:
-    """A torch causal LM with its KV cache: the prompt once, then one token per step. The model runs where it was
-    loaded; its logits come to the CPU for sampling, so a seed gives the same text on either device."""
-
-    def __init__(self, model):
-        import torch
-
-        self.torch, self.model = torch, model
-        self.dev = getattr(model, "device", None) or torch.device("cpu")
-        # Only the last position's logits are needed: skip the LM head for the rest of the prompt.
-        self.last_only = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
-
-    def start(self, ids: np.ndarray, mask: np.ndarray, new_tokens: int = 0) -> np.ndarray:
-        torch = self.torch
-        self.attn = torch.from_numpy(mask.astype(np.int64))
-        self.positions = (self.attn.cumsum(-1) - 1).clamp(min=0)
-        return self._run(torch.from_numpy(ids.astype(np.int64)), **self.last_only)
-
-    def extend(self, chosen: np.ndarray) -> np.ndarray:
-        torch = self.torch
-        self.attn = torch.cat([self.attn, torch.ones((len(chosen), 1), dtype=torch.long)], dim=1)
-        self.positions = self.positions[:, -1:] + 1
-        return self._run(torch.from_numpy(chosen.astype(np.int64))[:, None], **_reuse_cache(self.out))
-
-    def _run(self, ids, **extra) -> np.ndarray:
-        with self.torch.no_grad():
-            self.out = self.model(input_ids=ids.to(self.dev), attention_mask=self.attn.to(self.dev),
-                                  position_ids=self.positions.to(self.dev), use_cache=True, **extra)
-        return self.out.logits[:, -1, :].float().cpu().numpy()
+    return torch_decode.LlamaDecoder(model) if torch_decode.supports(model) else torch_decode.TorchDecoder(model)
 
 
 def _generate_batch(lm: LoadedModel, prompts: list[list[int]], sampling: Sampling, gens: list[np.random.Generator],
@@ -295,24 +276,3 @@ def _generate_batch(lm: LoadedModel, prompts: list[list[int]], sampling: Samplin
         previous = np.concatenate([previous, chosen[:, None]], axis=1)
         logits = dec.extend(chosen)
     return new, tops
-
-def _reuse_cache(out) -> dict:
-    """The keyword that hands a forward pass's KV cache to the next one, under the name the model returned it.
-
-    transformers 5.x renamed ``past_key_values`` to ``cache`` (the old name warns, then goes); older versions
-    know only ``past_key_values``. The output's own field says which one this model speaks.
-    """
-    for name in ("cache", "past_key_values"):
-        if name in getattr(out, "keys", lambda: ())():
-            return {name: out[name]}
-    return {}
-
-
-def _accepts(model, name: str) -> bool:
-    import inspect
-
-    forward = getattr(model, "forward", None)
-    try:
-        return forward is not None and name in inspect.signature(forward).parameters
-    except (TypeError, ValueError):
-        return False

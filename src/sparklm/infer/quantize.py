@@ -1,0 +1,216 @@
+"""The torch backend's quantized Linear layers for CPU inference, made one layer at a time so that the float
+weights leave memory as their quantized copies arrive.
+
+- ``int8``: torch's dynamic int8 Linear (int8 weights, activations quantized per batch), the layers and numbers of
+  ``torch.ao.quantization.quantize_dynamic``.
+- ``int4``: weights only, 4 bits in groups of 32 along the input, each group with its own scale and minimum (the
+  layout of GGUF's q4_1), multiplied by torch's packed int4 CPU kernel (``_weight_int4pack_mm_for_cpu``, the one
+  torchao's CPU int4 uses) with bfloat16 activations: its float32 path is scalar, ~25x slower at batch 1. A decoding
+  step reads every weight once, so at batch 1 its time follows the weights' bytes: SmolLM2-135M's Linear layers
+  take 45 ms in float32 and 5.8 ms in int4 on 2 cores here (BENCHMARKS.md).
+
+A model loaded from safetensors holds its float weights as pages of the file's mapping: they count in the process's
+RSS once read, and stay until the last tensor of the file is freed. ``quantize_dynamic`` reads every weight before
+any is dropped, so the int8 model peaked above the float one (SmolLM2-135M: 1.3 GB against fp32's 1.0). Here each
+layer's float weight, once quantized, gives its pages back with ``madvise(MADV_DONTNEED)``: torch has no call that
+drops part of a mapped storage, and the pages are clean file pages, so dropping them loses nothing (they are read
+from the file again if anything touched them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import warnings
+
+import torch
+
+from ..infra.errors import SparklmError
+
+KINDS = ("int8", "int4")
+GROUP = 32  # int4: input values per scale and minimum (q4_1's block)
+_MADV_DONTNEED = 4  # Linux; the same value on every architecture torch ships for
+
+
+def quantize(model: torch.nn.Module, kind: str = "int8") -> torch.nn.Module:
+    """Replace the ``nn.Linear`` layers of ``model`` in place with ``kind``'s (see the module's text). int8 takes
+    every Linear; int4 those whose shape its kernel packs (outputs a multiple of 16, inputs of 32), the rest stay
+    float. The float tensors that stay (embeddings, norms) are copied out of the file's mapping, so it closes."""
+    if kind not in KINDS:
+        raise SparklmError(f"--quantize {kind}: the torch backend quantizes to {' or '.join(KINDS)}")
+    if kind == "int4" and not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+        raise SparklmError(f"--quantize int4 needs torch's packed int4 CPU kernel, which torch {torch.__version__} "
+                           "lacks", hint="torch >= 2.6, or --quantize int8")
+    # every module's own tensors, a tied one under each module that holds it (the embedding and the head)
+    owned = [(m, t) for m in model.modules() for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]]
+    mapped = file_mappings()
+    with warnings.catch_warnings():  # torch.ao.quantization announces its move to torchao
+        warnings.simplefilter("ignore")
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is not torch.nn.Linear:
+                    continue
+                quantized = _int8(child) if kind == "int8" else Int4Linear.packable(child) and Int4Linear.from_linear(child)
+                if not quantized:
+                    continue
+                setattr(parent, name, quantized)
+                weight = child.weight
+                others = [t for m, t in owned if m is not child]
+                if weight.is_contiguous() and in_mappings(weight, mapped) and not shares_bytes(weight, others):
+                    release(weight)
+    _own_memory(model)
+    return model
+
+
+def _int8(linear: torch.nn.Linear) -> torch.nn.Module:
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+    from torch.ao.quantization import default_dynamic_qconfig
+
+    linear.qconfig = default_dynamic_qconfig
+    return DynamicLinear.from_float(linear)
+
+
+def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight`` (N, K) in 4 bits, groups of ``GROUP`` along K: codes 0..15 (N, K) and each group's scale and value
+    of code 8 (N, K / GROUP), both bfloat16 as the kernel reads them; a weight is ``(code - 8) * scale + zero``.
+    The scale spans the group's least to greatest value in 15 steps (asymmetric, as q4_1)."""
+    n, k = weight.shape
+    groups = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    # a constant group: any scale is exact; the smallest normal bfloat16 keeps the division finite
+    scale = ((high - low) / 15).clamp(min=torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
+    zero = (low + 8 * scale.float()).to(torch.bfloat16)
+    codes = ((groups - zero.float()[..., None]) / scale.float()[..., None] + 8).round_().clamp_(0, 15)
+    return codes.reshape(n, k).to(torch.uint8), scale, zero
+
+
+def int4_dequantized(weight: torch.Tensor) -> torch.Tensor:
+    """The float32 values ``weight`` has once in 4 bits (what an ``Int4Linear`` multiplies by)."""
+    codes, scale, zero = int4_groups(weight)
+    n, k = weight.shape
+    groups = (codes.reshape(n, k // GROUP, GROUP).float() - 8) * scale.float()[..., None] + zero.float()[..., None]
+    return groups.reshape(n, k)
+
+
+class Int4Linear(torch.nn.Module):
+    """A Linear layer with 4-bit weights (``int4_groups``), packed for torch's int4 CPU kernel; its input is rounded
+    to bfloat16 for the kernel and its output comes back in the input's dtype."""
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, in_features: int,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, packed.shape[0]
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", scales_zeros)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear) -> Int4Linear:
+        codes, scale, zero = int4_groups(linear.weight)
+        # the kernel's form: packed codes, and per (group, output) the scale and the value of code 8
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        scales_zeros = torch.stack([scale.t(), zero.t()], -1).contiguous()
+        return cls(packed, scales_zeros, linear.in_features, linear.bias)
+
+    @classmethod
+    def joined(cls, layers: list[Int4Linear]) -> Int4Linear | None:
+        """One layer whose outputs are ``layers``' side by side (layers that read the same input), with their own
+        numbers; None where their packs cannot be stacked: the kernel packs output rows in blocks (64 with AVX-512
+        here), so stacked packs equal the stacked weights' pack only where each layer but the last fills whole
+        blocks."""
+        block = pack_block()
+        if not block or any(m.out_features % block for m in layers[:-1]) or len({m.in_features for m in layers}) > 1:
+            return None
+        bias = None if all(m.bias is None for m in layers) else torch.cat(
+            [m.bias if m.bias is not None else torch.zeros(m.out_features) for m in layers])
+        return cls(torch.cat([m.packed for m in layers]),
+                   torch.cat([m.scales_zeros for m in layers], dim=1).contiguous(), layers[0].in_features, bias)
+
+    @staticmethod
+    def packable(linear: torch.nn.Linear) -> bool:
+        return linear.out_features % 16 == 0 and linear.in_features % GROUP == 0 and linear.weight.device.type == "cpu"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits=4, group={GROUP}"
+
+
+@functools.cache
+def pack_block() -> int:
+    """The rows the int4 packing works in on this CPU (0: none found), found by packing two layers apart and
+    together: the layout is the kernel's own and differs between instruction sets."""
+    gen = torch.Generator().manual_seed(0)
+    for block in (16, 32, 64, 128, 256):
+        codes = torch.randint(0, 16, (2 * block, 2 * GROUP), generator=gen, dtype=torch.int32)
+        pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+        if torch.equal(torch.cat([pack(codes[:block], 1), pack(codes[block:], 1)]), pack(codes, 1)):
+            return block
+    return 0
+
+
+def file_mappings() -> list[tuple[int, int]]:
+    """The address ranges of this process's mappings of files (from /proc/self/maps); empty where there is none."""
+    ranges = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith("/"):
+                    start, end = fields[0].split("-")
+                    ranges.append((int(start, 16), int(end, 16)))
+    except OSError:  # not Linux: nothing is released, the result is the same
+        return []
+    return ranges
+
+
+def in_mappings(t: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
+    """Whether ``t``'s bytes lie inside one of ``ranges`` (a mapped file, so its pages can be dropped safely)."""
+    start, end = _span(t)
+    return any(a <= start and end <= b for a, b in ranges)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+def shares_bytes(t: torch.Tensor, others: list[torch.Tensor]) -> bool:
+    """Whether any of ``others`` overlaps ``t``'s bytes (a head tied to its embedding shares them)."""
+    start, end = _span(t)
+    for other in others:
+        a, b = _span(other)
+        if other.numel() and a < end and start < b:
+            return True
+    return False
+
+
+def release(t: torch.Tensor) -> None:
+    """Drop from this process the whole pages that lie inside ``t``'s bytes (the pages at its ends may hold a
+    neighbour's bytes too, and stay). Only for a contiguous tensor in a file mapping that nothing uses any more."""
+    page = mmap.PAGESIZE
+    first, last = _span(t)
+    start, end = -(-first // page) * page, last // page * page
+    if end > start:
+        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+
+
+@functools.cache
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+def _own_memory(model: torch.nn.Module) -> None:
+    """Copy the tensors that stay float (embedding, norms) out of the file's mapping, so that it closes once the
+    loader lets go (a tensor still pointing into it keeps every page read so far resident)."""
+    copies: dict[int, torch.Tensor] = {}  # tensors that share storage (tied weights) stay shared
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() not in copies:
+            copies[t.data_ptr()] = t.data.clone()
+        t.data = copies[t.data_ptr()]

@@ -1,0 +1,106 @@
+"""quantize.release drops a finished tensor's pages of a mapped safetensors file, and only those."""
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from sparklm.infer.quantize import file_mappings, in_mappings, release
+
+
+def _resident_kb(path) -> int:
+    """This process's resident kB of its mappings of ``path`` (from /proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:
+                inside = len(fields) == 6 and fields[5] == str(path)
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
+def test_release_drops_a_mapped_tensors_pages_and_keeps_its_neighbours(tmp_path):
+    path = tmp_path / "w.safetensors"
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)  # 4 MiB each
+    save_file({"a": a, "b": b}, str(path))
+    loaded = load_file(str(path))  # safetensors maps the file: its tensors are views of the mapping
+    assert in_mappings(loaded["a"], file_mappings()) and not in_mappings(a, file_mappings())
+    assert float(loaded["a"].sum()) == float(a.sum()) and float(loaded["b"].sum()) == float(b.sum())  # read: resident
+    before = _resident_kb(path)
+    assert before >= 8 * 1024 - 8
+    release(loaded["a"])
+    after = _resident_kb(path)
+    assert before - 4 * 1024 - 8 <= after <= before - 4 * 1024 + 8  # a's whole pages gone, b's kept
+    assert torch.equal(loaded["b"], b)
+    assert torch.equal(loaded["a"], a)  # clean file pages: read from the file again, unchanged
+
+
+def test_shares_bytes_finds_a_tied_head_and_overlapping_views_only():
+    from sparklm.infer.quantize import shares_bytes
+
+    embedding = torch.nn.Embedding(64, 16)
+    head = torch.nn.Linear(16, 64, bias=False)
+    head.weight = embedding.weight  # tied, as most small LMs are
+    assert shares_bytes(head.weight, [embedding.weight])
+    whole = torch.zeros(8, 1024)
+    assert shares_bytes(whole[2:4], [whole[3:6]]) and not shares_bytes(whole[2:4], [whole[4:6], torch.zeros(3)])
+    assert not shares_bytes(whole[2:4], [whole[4:4]])  # an empty view holds no bytes
+
+
+# -- int4 (weights in 4 bits, torch's packed CPU kernel) -----------------------------------------
+
+
+def test_int4_layer_multiplies_by_its_dequantized_weights():
+    from sparklm.infer.quantize import GROUP, Int4Linear, int4_dequantized, int4_groups
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 48)
+    codes, scale, zero = int4_groups(linear.weight)
+    assert codes.shape == (48, 96) and int(codes.max()) <= 15 and scale.shape == zero.shape == (48, 96 // GROUP)
+    deq = int4_dequantized(linear.weight)
+    steps = scale.float().repeat_interleave(GROUP, dim=1)
+    assert bool(((deq - linear.weight).abs() <= 0.51 * steps + 1e-6).all())  # within half a step of each group
+    layer = Int4Linear.from_linear(linear)
+    x = torch.randn(5, 3, 96)
+    ref = torch.nn.functional.linear(x.bfloat16().float(), deq, linear.bias)
+    y = layer(x)
+    assert y.shape == (5, 3, 48) and y.dtype == torch.float32
+    assert (y - ref).abs().max() < 1e-2 * ref.abs().max()  # the kernel's output is bfloat16
+    constant = torch.nn.Linear(32, 16, bias=False)
+    torch.nn.init.constant_(constant.weight, 0.25)
+    assert torch.equal(int4_dequantized(constant.weight), constant.weight)  # a constant group is exact
+
+
+def test_int4_layers_joined_equal_the_joined_weights_packed():
+    from sparklm.infer.quantize import Int4Linear, pack_block
+
+    block = pack_block()
+    assert block in (16, 32, 64, 128, 256)
+    torch.manual_seed(1)
+    parts = [torch.nn.Linear(64, n, bias=False) for n in (block, 2 * block, 16)]
+    joined = Int4Linear.joined([Int4Linear.from_linear(p) for p in parts])
+    whole = torch.nn.Linear(64, 3 * block + 16, bias=False)
+    whole.weight.data = torch.cat([p.weight.data for p in parts])
+    alone = Int4Linear.from_linear(whole)
+    assert torch.equal(joined.packed, alone.packed) and torch.equal(joined.scales_zeros, alone.scales_zeros)
+    x = torch.randn(2, 64)
+    assert torch.equal(joined(x), torch.cat([Int4Linear.from_linear(p)(x) for p in parts], dim=-1))
+    if block > 16:  # a layer that ends inside a block: its pack cannot be stacked
+        assert Int4Linear.joined([Int4Linear.from_linear(torch.nn.Linear(64, 16)) for _ in range(2)]) is None
+
+
+def test_int4_quantizes_the_layers_its_kernel_packs_and_keeps_the_rest():
+    from sparklm.infer.quantize import Int4Linear, quantize
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(), torch.nn.Linear(48, 40))  # 48 % 32 != 0
+    x = torch.randn(3, 64)
+    before = model(x)
+    quantize(model, "int4")
+    assert type(model[0]) is Int4Linear and type(model[2]) is torch.nn.Linear
+    assert (model(x) - before).abs().max() < 0.1 * before.abs().max()
+    import pytest
+
+    from sparklm.infra.errors import SparklmError
+
+    with pytest.raises(SparklmError, match="int8 or int4"):
+        quantize(model, "int2")
