@@ -363,7 +363,8 @@ def main() -> None:
         return parity(args.parity, 48)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(LLAMA_CPP), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": str(args.threads)}
-    files = {**{k: str(v) for k, v in setup().items()}, "HF generate fp32": "", "sparklm torch none": ""}
+    files = {**{k: str(v) for k, v in setup().items()}, "HF generate fp32": "", "sparklm torch none": "",
+             "sparklm torch int8": "", "sparklm torch int4": ""}
     if args.score:
         return score(files, env, args)
     for q in ("none", "q8_0", "q4_1"):  # `sparklm generate --backend llama.cpp`: its cached export made here, not timed
