@@ -1,6 +1,8 @@
 """Benchmark: `sparklm prepare` throughput against raw `tokenizers` and HF `datasets.map`, side by side.
 
     .venv/bin/python benchmarks/prepare_throughput.py --sizes 10 100
+    .venv/bin/python benchmarks/prepare_throughput.py --scale 100 10000            # prepare alone, tokenizer given
+    .venv/bin/python benchmarks/prepare_throughput.py --scale 100 10000 --train    # ... and training it
 
 For each size, a corpus is built from ../shared/data (books and WikiText repeated as separate files;
 dedup is turned off so repeats count), then on the same machine and threads:
@@ -184,6 +186,10 @@ def main() -> None:
                     help="only: prepare training its tokenizer, sampled while Spark starts (the default) or by a Spark "
                          "job first (SPARKLM_SAMPLE_AHEAD=0), against datasets.map in a fresh process; interleaved")
     ap.add_argument("--repeats", type=int, default=3, help="--ahead-ab's rounds")
+    ap.add_argument("--scale", type=int, nargs="+", metavar="MB",
+                    help="only: sparklm prepare at each size (tokenizer given; trained with --train), its wall time, "
+                         "MB/s and each role's peak RSS, sampled from /proc every 0.2 s")
+    ap.add_argument("--train", action="store_true", help="--scale: prepare trains its tokenizer (BPE 4096)")
     ap.add_argument("--datasets-one", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.datasets_one:  # one datasets.map run in this fresh process: its whole wall time and its map alone
@@ -195,6 +201,8 @@ def main() -> None:
     work.mkdir(exist_ok=True)
     if args.ahead_ab:
         return ahead_ab(args.ahead_ab, args.repeats, work)
+    if args.scale:
+        return scale(args.scale, args.train, work)
     results = {}
     for size in args.sizes:
         corpus = build_corpus(size, work)
@@ -228,6 +236,32 @@ def main() -> None:
               f"({g['tokens_s_excl_jvm']:,.0f}) | {a['mb_s']:.2f} | {b['mb_s']:.2f} | {r['given_ratio_vs_tokenizers']:.2f}× "
               f"| {r['given_ratio_vs_datasets']:.2f}× | {p['driver_mb']:.0f} / {p['jvm_mb']:.0f} / {p['workers_mb']:.0f} |")
     (work / "prepare_throughput.json").write_text(json.dumps(results, indent=2, default=float))
+
+
+def scale(sizes: list[int], train: bool, work: Path) -> None:
+    """prepare alone at each size, one run each (a 10 GB run is ~30 min here): whether the time grows linearly and
+    the largest process's memory stays flat. The tokenizer given is one trained on the smallest corpus."""
+    tokenizer = work / f"prepared-{min(sizes)}mb" / "tokenizer.json"
+    if not train and not tokenizer.exists():
+        run_sparklm(build_corpus(min(sizes), work), tokenizer.parent)
+    rows = {}
+    for size in sizes:
+        corpus = build_corpus(size, work)
+        out = work / f"prepared-scale-{size}mb"
+        print(f"[{size} MB] sparklm prepare, tokenizer {'trained' if train else 'given'} …", flush=True)
+        rows[size] = run_sparklm(corpus, out, tokenizer=None if train else tokenizer)
+        shutil.rmtree(out, ignore_errors=True)  # 10 GB of text is ~5 GB of Parquet
+        print(json.dumps(rows[size], default=float), flush=True)
+    print(f"\nsparklm prepare --no-dedup, tokenizer {'trained (BPE 4096)' if train else 'given (BPE 4096)'}, local[2]")
+    print("| corpus | text | wall | MB/s end to end | MB/s after Spark's start | tokens/s | peak RSS driver / JVM / "
+          "Python workers (sum) |")
+    print("|---|---|---|---|---|---|---|")
+    for size, r in rows.items():
+        p = r["peak_rss"]
+        print(f"| {size:,} MB | {r['text_bytes'] / 1e6:,.0f} MB | {r['wall_s'] / 60:.1f} min | {r['mb_s_end_to_end']:.2f} "
+              f"| {r['mb_s_excl_jvm']:.2f} | {r['tokens_s_excl_jvm']:,.0f} | {p['driver_mb']:.0f} / {p['jvm_mb']:.0f} / "
+              f"{p['workers_mb']:.0f} MB |")
+    (work / f"prepare_scale{'_train' if train else ''}.json").write_text(json.dumps(rows, indent=2, default=float))
 
 
 def ahead_ab(size: int, repeats: int, work: Path) -> None:
