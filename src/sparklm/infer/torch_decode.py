@@ -58,7 +58,7 @@ class TorchDecoder:
 
     def start(self, ids: np.ndarray, mask: np.ndarray, new_tokens: int = 0) -> np.ndarray:
         self.attn = torch.from_numpy(mask.astype(np.int64))
-        self.positions = (self.attn.cumsum(-1) - 1).clamp(min=0)
+        self.positions = _positions(self.attn)
         return self._run(torch.from_numpy(ids.astype(np.int64)), **self.last_only)
 
     def extend(self, chosen: np.ndarray) -> np.ndarray:
@@ -82,11 +82,11 @@ class LlamaDecoder:
         self.joined = [_joined(layer) for layer in self.inner.layers]
 
     def start(self, ids: np.ndarray, mask: np.ndarray, new_tokens: int) -> np.ndarray:
-        ids_t, self.mask = torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask.astype(bool))
-        positions = (self.mask.long().cumsum(-1) - 1).clamp(min=0)
+        attn = torch.from_numpy(mask.astype(np.int64))
+        positions = _positions(attn)
         with torch.inference_mode():
-            out = self.model(input_ids=ids_t, attention_mask=self.mask.long(), position_ids=positions, use_cache=True,
-                             logits_to_keep=1)
+            out = self.model(input_ids=torch.from_numpy(ids.astype(np.int64)), attention_mask=attn,
+                             position_ids=positions, use_cache=True, logits_to_keep=1)
         (cache,) = reuse_cache(out).values()
         b, t = ids.shape
         self.keys, self.values = [], []
@@ -97,14 +97,15 @@ class LlamaDecoder:
                 full[:, :, :t] = filled
                 store.append(full)
         self.filled, self.positions = t, positions[:, -1:]
-        self.padded = not bool(self.mask.all())
+        # the keys' mask for the whole cache, new tokens included; only a batch with left padding needs one
+        self.mask = torch.cat([attn.bool(), torch.ones((b, new_tokens), dtype=torch.bool)], dim=1) \
+            if not bool(attn.all()) else None
         return out.logits[:, -1, :].float().numpy()
 
     def extend(self, chosen: np.ndarray) -> np.ndarray:
         if self.filled == self.keys[0].shape[2]:
             raise RuntimeError("the decoder's cache is full: start() was given fewer new tokens than were asked for")
         self.positions = self.positions + 1
-        self.mask = torch.cat([self.mask, torch.ones((len(chosen), 1), dtype=torch.bool)], dim=1)
         with torch.inference_mode():
             logits = self._step(torch.from_numpy(chosen.astype(np.int64))[:, None])
         self.filled += 1
@@ -115,8 +116,7 @@ class LlamaDecoder:
         x = inner.embed_tokens(ids)
         b = x.shape[0]
         cos, sin = inner.rotary_emb(x, self.positions)
-        # the left padding of a batch's prompts stays masked; one row, or none padded, needs no mask
-        mask = self.mask[:, None, None, :] if self.padded else None
+        mask = None if self.mask is None else self.mask[:, None, None, :t + 1]
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -161,6 +161,11 @@ def _joined(layer) -> tuple[_Joined | None, _Joined | None]:
         product = Int4Linear.joined(group) if all(type(m) is Int4Linear for m in group) else None
         out.append(product and _Joined(product, group))
     return out[0], out[1]
+
+
+def _positions(attn: torch.Tensor) -> torch.Tensor:
+    """Each token's position in its row of a left-padded batch (padding at 0; it is masked anyway)."""
+    return (attn.cumsum(-1) - 1).clamp(min=0)
 
 
 def _layer_cache(cache, i: int) -> tuple[torch.Tensor, torch.Tensor]:
