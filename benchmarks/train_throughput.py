@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/train_throughput.py [--steps 24] [--repeats 3]
     .venv/bin/python benchmarks/train_throughput.py --compile-ab "main 4L/256" "~10M 8L/320"  # torch.compile only
+    .venv/bin/python benchmarks/train_throughput.py --compile-ab "main 4L/256" --dtype bfloat16 --optimizer adamw
 
 Every measurement runs in a fresh process, the contenders interleaved (plain, sparklm, plain, ...),
 and the median of the repeats is reported: on this machine one run can be 10-20% off the next.
@@ -61,10 +62,13 @@ def tokens_of(data: Path) -> np.ndarray:
     return np.asarray(t.column("input_ids").combine_chunks().flatten(), dtype=np.int64)
 
 
-def plain(size: dict, tokens: np.ndarray, dtype: torch.dtype, steps: int) -> dict:
+def plain(size: dict, tokens: np.ndarray, dtype: torch.dtype, steps: int, compile: bool = False) -> dict:
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=SEQ, vocab_size=4096, **size))
+    flops = model.flops_per_token()
+    if compile:  # nanoGPT's own default (train.py: compile = True)
+        model = torch.compile(model)
     rng = np.random.default_rng(0)
 
     def batch():
@@ -76,18 +80,19 @@ def plain(size: dict, tokens: np.ndarray, dtype: torch.dtype, steps: int) -> dic
     times = train_steps(model, batch, steps=steps, lr=1e-3, dtype=dtype)
     dt = float(np.median(times[steps // 4:]))
     tps = BATCH * SEQ / dt
-    return {"tokens_per_s": tps, "ms_per_step": dt * 1000, "flops_per_token": model.flops_per_token(),
-            "params": sum(p.numel() for p in model.parameters())}
+    return {"tokens_per_s": tps, "ms_per_step": dt * 1000, "flops_per_token": flops,
+            "params": sum(p.numel() for p in model.parameters()), "first_step_s": times[0]}
 
 
-def settings(size: dict, arch: str, dtype: str, steps: int, compile: bool = False) -> dict:
+def settings(size: dict, arch: str, dtype: str, steps: int, compile: bool = False, optimizer: str = "adamw") -> dict:
     return {"model": {"arch": arch, **size},
             "train": {"batch_size": BATCH, "max_steps": steps, "eval_every": 0, "eval_batches": 1, "log_every": 5,
                       "checkpoint_every": 0, "dtype": dtype, "threads": THREADS, "samples": 0, "warmup_steps": 5,
-                      "compile": compile}}
+                      "compile": compile, "optimizer": optimizer}}
 
 
-def sparklm_loop(size: dict, arch: str, dtype: str, steps: int, data: Path, compile: bool = False) -> dict:
+def sparklm_loop(size: dict, arch: str, dtype: str, steps: int, data: Path, compile: bool = False,
+                 optimizer: str = "adamw") -> dict:
     from sparklm.data.manifest import load_prepared, load_tokenizer
     from sparklm.metrics.sinks import CsvSink, JsonSink, Sinks, metric_columns
     from sparklm.model.figures import LM_FIGURES
@@ -97,7 +102,7 @@ def sparklm_loop(size: dict, arch: str, dtype: str, steps: int, data: Path, comp
     with tempfile.TemporaryDirectory() as run:
         t0 = time.time()
         sinks = Sinks([CsvSink(f"{run}/metrics.csv", metric_columns(LM_FIGURES), {"train", "eval"}), JsonSink(f"{run}/run_info.json")])
-        train(from_dict(settings(size, arch, dtype, steps, compile)), ds, load_tokenizer(ds), run,
+        train(from_dict(settings(size, arch, dtype, steps, compile, optimizer)), ds, load_tokenizer(ds), run,
               rank=Rank(threads=THREADS), sink=sinks)
         sinks.close()
         rows = read_metrics(Path(run) / "metrics.csv")
@@ -133,24 +138,24 @@ def _steady(rows: list[dict]) -> dict:
             "peak_rss_mb": max(r["rss_mb"] for r in train)}
 
 
-def one(kind: str, size_name: str, dtype: str, steps: int, data: Path) -> dict:
+def one(kind: str, size_name: str, dtype: str, steps: int, data: Path, optimizer: str = "adamw") -> dict:
     """One measurement, in this (fresh) process."""
     size = SIZES[size_name]
-    if kind in ("plain", "plain+allocator"):
+    if kind in ("plain", "plain+allocator", "plain-compile"):
         if kind == "plain+allocator":
             from sparklm.train.device import keep_freed_memory
 
             keep_freed_memory()
-        return plain(size, tokens_of(data), getattr(torch, dtype), steps)
+        return plain(size, tokens_of(data), getattr(torch, dtype), steps, compile=kind == "plain-compile")
     if kind == "spark":
         return sparklm_spark(size, "llama", dtype, steps, data)
     arch = {"sparklm-gpt2": "gpt2", "sparklm-llama": "llama", "sparklm-llama-compile": "llama"}[kind]
-    return sparklm_loop(size, arch, dtype, steps, data, compile=kind.endswith("compile"))
+    return sparklm_loop(size, arch, dtype, steps, data, compile=kind.endswith("compile"), optimizer=optimizer)
 
 
-def measure(kind: str, size_name: str, dtype: str, steps: int, data: Path) -> dict:
+def measure(kind: str, size_name: str, dtype: str, steps: int, data: Path, optimizer: str = "adamw") -> dict:
     out = subprocess.run([sys.executable, __file__, "--one", kind, size_name, dtype, "--steps", str(steps),
-                          "--data", str(data)], capture_output=True, text=True)
+                          "--data", str(data), "--optimizer", optimizer], capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{kind} {size_name} {dtype} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -166,14 +171,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--work", default=str(ROOT / ".bench"))
     ap.add_argument("--compile-ab", nargs="+", metavar="SIZE", choices=list(SIZES),
-                    help="only: eager against torch.compile (sparklm's Llama) beside the plain loop, at these sizes")
+                    help="only: sparklm's Llama eager and compiled beside the plain loop (eager and compiled), at these "
+                         "sizes")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                    help="--compile-ab: the dtype of every contender (auto: what sparklm's train.dtype auto picks here); "
+                         "the plain loop also runs in float32, as a plain PyTorch loop does by default")
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "muon", "auto"],
+                    help="sparklm's train.optimizer (the plain loop runs AdamW); auto: sparklm's default")
     ap.add_argument("--one", nargs=3, metavar=("KIND", "SIZE", "DTYPE"), help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         import resource
 
-        result = one(*args.one, args.steps, Path(args.data))
+        result = one(*args.one, args.steps, Path(args.data), args.optimizer)
         if args.one[0] != "spark":  # this process's peak (the Spark run's rank is another process)
             result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps(result))
@@ -185,7 +196,10 @@ def main() -> None:
     print(f"matmul peak on {THREADS} threads: fp32 {peaks['float32'] / 1e9:.0f} GFLOP/s, "
           f"bf16 {peaks['bfloat16'] / 1e9:.0f} GFLOP/s", flush=True)
     if args.compile_ab:
-        return compile_ab(args.compile_ab, args.steps, args.repeats, data, peaks["float32"], work)
+        from sparklm.train.peak import compute_dtype
+
+        dtype = compute_dtype(args.dtype, THREADS)
+        return compile_ab(args.compile_ab, args.steps, args.repeats, data, peaks, dtype, args.optimizer)
     kinds = ["plain", "sparklm-gpt2", "sparklm-llama", "plain+allocator"]
     cases = [("4L/128", "float32", kinds, args.repeats), ("~10M 8L/320", "float32", kinds, args.repeats),
              # bf16 autocast measured slower than fp32 on this CPU (see the peaks): one round, small model
@@ -233,32 +247,37 @@ def main() -> None:
          "spark": spark_runs}, indent=2, default=str))
 
 
-def compile_ab(sizes: list[str], steps: int, repeats: int, data: Path, peak: float, work: Path) -> None:
-    """sparklm's Llama loop eager and with ``train.compile``, beside the plain loop, fp32, interleaved: steady
-    tokens/s (median of the repeats), MFU against the fp32 peak, and the seconds to the first step (compile time)."""
-    kinds = ["plain", "sparklm-llama", "sparklm-llama-compile"]
+def compile_ab(sizes: list[str], steps: int, repeats: int, data: Path, peaks: dict, dtype: str, optimizer: str
+               ) -> None:
+    """sparklm's Llama loop eager and with ``train.compile`` beside the plain loop eager and compiled, all in ``dtype``,
+    and the plain loop in float32 (a plain PyTorch loop's default), interleaved: steady tokens/s (median of the
+    repeats), MFU against the measured peak of the dtype each ran in, and the seconds to the first step (compile
+    time)."""
+    cases = [("plain", "float32"), ("plain", dtype), ("plain-compile", dtype), ("sparklm-llama", dtype),
+             ("sparklm-llama-compile", dtype)]
+    cases = list(dict.fromkeys(cases))  # float32: the first two are one
     out = {}
     for size_name in sizes:
-        runs: dict = {k: [] for k in kinds}
+        runs: dict = {c: [] for c in cases}
         for r in range(repeats):
-            for kind in kinds:
-                runs[kind].append(measure(kind, size_name, "float32", steps, data))
-                print(f"{size_name} {kind} #{r + 1}: {runs[kind][-1]['tokens_per_s']:,.0f} tok/s", flush=True)
+            for kind, dt in cases:
+                runs[(kind, dt)].append(measure(kind, size_name, dt, steps, data, optimizer))
+                print(f"{size_name} {kind} {dt} #{r + 1}: {runs[(kind, dt)][-1]['tokens_per_s']:,.0f} tok/s", flush=True)
         out[size_name] = runs
-    print(f"\nfp32 peak {peak / 1e9:.1f} GFLOP/s; median of {repeats}; {steps} steps of {BATCH} × {SEQ}")
-    print("| size | plain tok/s (MFU) | sparklm eager tok/s (vs plain, MFU) | sparklm compiled tok/s (vs eager, MFU) "
-          "| first step eager / compiled |")
-    print("|---|---|---|---|---|")
+    print("\npeaks (GFLOP/s): " + ", ".join(f"{d} {p / 1e9:.0f}" for d, p in peaks.items()) +
+          f"; sparklm's optimizer {optimizer}, the plain loop's AdamW; median of {repeats}; {steps} steps of "
+          f"{BATCH} × {SEQ}")
+    print("| size | contender | dtype | tok/s | vs plain fp32 | vs plain same dtype | MFU | first step |")
+    print("|---|---|---|---|---|---|---|---|")
     for size_name, runs in out.items():
-        p, e, c = (median_of(runs[k]) for k in kinds)
-        print(f"| {size_name} | {p['tokens_per_s']:,.0f} ({p['tokens_per_s'] * p['flops_per_token'] / peak:.0%}) | "
-              f"{e['tokens_per_s']:,.0f} ({e['tokens_per_s'] / p['tokens_per_s']:.2f}×, "
-              f"{e['tokens_per_s'] * e['flops_per_token'] / peak:.0%}) | {c['tokens_per_s']:,.0f} "
-              f"({c['tokens_per_s'] / e['tokens_per_s']:.2f}×, {c['tokens_per_s'] * c['flops_per_token'] / peak:.0%}) | "
-              f"{e['first_step_s']:.1f} / {c['first_step_s']:.1f} s |")
-        each = {k: ", ".join(f"{x['tokens_per_s']:,.0f}" for x in runs[k]) for k in kinds}
-        print("  runs: " + "; ".join(f"{k} {v}" for k, v in each.items()))
-    (work / "train_compile_ab.json").write_text(json.dumps(out, indent=2, default=str))
+        med = {c: median_of(v) for c, v in runs.items()}
+        base32, base = med[("plain", "float32")]["tokens_per_s"], med[("plain", dtype)]["tokens_per_s"]
+        for (kind, dt), m in med.items():
+            tps = m["tokens_per_s"]
+            print(f"| {size_name} | {kind} | {dt} | {tps:,.0f} | {tps / base32:.2f}× | "
+                  f"{tps / base:.2f}× | {tps * m['flops_per_token'] / peaks[dt]:.0%} | {m['first_step_s']:.1f} s |")
+        print("  runs: " + "; ".join(f"{k} {d} " + ", ".join(f"{x['tokens_per_s']:,.0f}" for x in v)
+                                     for (k, d), v in runs.items()))
 
 
 def plain_params(size: dict) -> int:

@@ -94,3 +94,25 @@ def test_a_rank_places_itself_on_the_gpu_spark_assigned():
     dev = device.select("cuda", "bfloat16").placed("0", 3)
     assert dev.where == "cuda:0" and dev.zeros(2).device.type == "cuda" and dev.peak_flops(1) > 1e12
     assert torch.backends.cuda.matmul.allow_tf32
+
+
+def test_compile_auto_only_where_it_was_measured_to_pay():
+    """train.compile auto: on for a causal LM trained from scratch with DDP on a GPU in bf16/fp16 whose time budget is
+    at least 15 minutes; off for a short run, the CPU (measured: too little gain), rounds, pretrained or LoRA."""
+    def settled(**train):
+        raw = {"train": {"device": "cuda", "time_budget": 3600.0, **train.pop("train", {})}, **train}
+        return resolve.settings(from_dict(raw), 4).train.compile
+
+    assert settled() == "on"  # bf16 on CUDA, an hour
+    assert settled(train={"dtype": "float16"}) == "on"
+    assert settled(train={"time_budget": 360.0}) == "off"  # 6 minutes: the first step comes soon
+    assert settled(train={"time_budget": 0.0, "max_steps": 10**6}) == "off"  # steps say nothing of its length
+    assert settled(train={"device": "cpu", "dtype": "bfloat16"}) == "off"
+    assert settled(train={"device": "cpu", "dtype": "float32"}) == "off"
+    assert settled(train={"strategy": "diloco"}) == "off"  # every round's task would compile again
+    assert settled(model={"init_from": "some/model"}) == "off"
+    assert settled(lora={"r": 8}, model={"init_from": "some/model"}) == "off"
+    assert settled(model={"task": "classify"}) == "off"
+    assert settled(train={"compile": "on", "device": "cpu", "time_budget": 0.0}) == "on"  # a setting is kept
+    assert settled(train={"compile": False}) == "off"  # TOML's false, as before the setting had "auto"
+    assert settled(train={"compile": True, "dtype": "float32"}) == "on"

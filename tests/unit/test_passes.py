@@ -3,6 +3,8 @@ functions."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from sparklm.config import from_dict
@@ -56,3 +58,13 @@ def test_the_beam_engine_checks_its_options_before_any_work():
         beam_engine.check(from_dict({"beam": {"options": {"num_workers": "0"}}}), frame=False)
     with pytest.raises(SparklmError, match="DataFrame"):
         beam_engine.check(from_dict({}), frame=True)
+
+
+def test_a_write_task_tokenizes_on_its_share_of_the_cpus(monkeypatch):
+    """The tokenizer's thread pool is sized to the task's CPUs (spark.task.cpus), unless the user sized it."""
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+    passes.share_cpus(1)
+    assert os.environ["RAYON_NUM_THREADS"] == "1"
+    monkeypatch.setenv("RAYON_NUM_THREADS", "6")
+    passes.share_cpus(2)
+    assert os.environ["RAYON_NUM_THREADS"] == "6"

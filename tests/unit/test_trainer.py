@@ -77,3 +77,26 @@ def test_a_trainer_steps_evaluates_and_resumes_bitwise_without_spark(setup, tmp_
     assert _steps(again, 3) == rest  # the same losses, bit for bit: weights, optimizer state and data position
     for (name, a), b in zip(trainer.model.state_dict().items(), again.model.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+def test_a_compiled_trainer_learns_as_the_eager_one_and_resumes(setup, tmp_path):
+    """train.compile on (auto turns it on for long bf16 runs): the compiled network's losses follow the eager
+    network's (its loss is the model's own, unchunked), and its checkpoint is the plain model's, which a new compiled
+    Trainer resumes from bit for bit."""
+    from dataclasses import replace
+
+    config, data, spec = setup
+    torch.set_num_threads(1)
+    compiled_config = config.replace(train=replace(config.train, compile="on"))
+    eager, compiled = Trainer(config, data, spec), Trainer(compiled_config, data, spec)
+    for t in (eager, compiled):
+        t.wrap()
+    assert compiled.net is not compiled.model  # the compiled wrapper steps; the model is saved
+    assert _steps(compiled, 3) == pytest.approx(_steps(eager, 3), rel=1e-3)
+    compiled.save(str(tmp_path))
+    rest = _steps(compiled, 3)
+    again = Trainer(compiled_config, data, spec)
+    assert again.restore(str(tmp_path)) and again.state.step == 3
+    again.wrap()
+    assert _steps(again, 3) == rest

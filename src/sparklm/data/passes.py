@@ -10,6 +10,7 @@ functions of a task's documents and the plan the driver decided, so that both en
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
@@ -231,6 +232,14 @@ def gather(reports: Iterable[dict]) -> tuple[dict[str, list[dict]], list[dict]]:
 
 
 _TOKENIZERS: dict[tuple, object] = {}
+
+
+def share_cpus(cpus: int) -> None:
+    """Tokenize on ``cpus`` threads (a Spark task's CPUs) in this worker process. ``tokenizers`` parallelises a batch
+    over a rayon pool as large as the host by default, so tasks running side by side oversubscribe it: on local[2],
+    two workers of one thread each tokenized 5-8% faster than two of two threads (BENCHMARKS.md). The pool reads
+    the setting when this process first tokenizes; one the user set is kept."""
+    os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, cpus)))
 
 
 def tokenizer_for(spec: tokenizers_mod.TokenizerSpec, *, specials: bool = False, encoder: bool = False):

@@ -137,6 +137,7 @@ class SparkSource:
             from pyspark import TaskContext
 
             ctx = TaskContext.get()
+            passes.share_cpus(ctx.cpus())
             name = passes.part_name(ctx.partitionId(), str(ctx.attemptNumber()))
             yield from passes.write_part(read(it), name, plan_bc.value, losers_bc.value)
 

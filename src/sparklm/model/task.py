@@ -126,7 +126,7 @@ class CausalLM:
 
     @classmethod
     def from_config(cls, config: Config, *, sampling: Any = None, samples: Callable | None = None) -> CausalLM:
-        return cls(base=config.model.init_from, chunk=config.train.loss_chunk, compiled=config.train.compile,
+        return cls(base=config.model.init_from, chunk=config.train.loss_chunk, compiled=config.train.compile == "on",
                    sampling=sampling, samples=samples)
 
     def build(self, config: Config, spec: TokenizerSpec, context: int) -> torch.nn.Module:
@@ -180,7 +180,9 @@ class CausalLM:
             with torch.no_grad():
                 want = batch.labels[:, 1:]
                 keep = want != IGNORE
-                tally[0] += (out.logits[:, :-1].argmax(-1)[keep] == want[keep]).sum()
+                # max's indices, not argmax: the same first-maximum index, and on the CPU 4x faster on bf16 logits
+                # (argmax converts them; 30 against 7 ms for 16 x 256 x 4096, ~5% of a compiled bf16 step)
+                tally[0] += (out.logits[:, :-1].max(-1).indices[keep] == want[keep]).sum()
                 tally[1] += keep.sum()
         if n == 0:
             return out.logits.sum() * 0.0

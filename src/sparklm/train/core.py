@@ -211,7 +211,7 @@ class Trainer:
     def wrap(self) -> None:
         """The network the steps run: DDP across the ranks (the collectives say), compiled where train.compile says."""
         self.net = self.comm.wrap(self.model, self.device)
-        if self.tc.compile:
+        if self.tc.compile == "on":
             self.net = torch.compile(self.net)
 
     def gather_peaks(self) -> list[float]:

@@ -204,6 +204,25 @@ def base_in_bf16(config) -> bool:
     return bool(config.lora.r) and config.lora.base_dtype == "bfloat16"
 
 
+def chunks_loss(tc) -> bool:
+    """Whether training may compute the LM head's loss in chunks: not where ``train.loss_chunk`` is -1, nor for a
+    compiled model (the chunked loss's hook does not survive compiling: it computes the whole micro-batch's logits)."""
+    return tc.loss_chunk >= 0 and tc.compile != "on"
+
+
+def footprints(tc, shapes: Shapes, seq_len: int, activation_bytes: int) -> tuple[Footprint, Footprint | None]:
+    """The footprint as ``tc`` (train settings) computes the LM head's loss, and the unchunked one where the plan
+    may pick either (None: it may not)."""
+    chunked = chunks_loss(tc)
+    fp = footprint(shapes, seq_len=seq_len, activation_bytes=activation_bytes,
+                   loss_chunk=chunk_size(shapes.vocab, tc.loss_chunk) if chunked else None)
+    # loss_chunk 0: the whole micro-batch's logits when they fit (the same step time or a little less than the
+    # chunked loss, BENCHMARKS.md), the chunked loss when they do not
+    whole = (footprint(shapes, seq_len=seq_len, activation_bytes=activation_bytes, loss_chunk=None)
+             if tc.loss_chunk == 0 and chunked else None)
+    return fp, whole
+
+
 def plan_for(config, shapes: Shapes, seq_len: int, spark) -> MemoryPlan:
     """The memory plan of a training job on ``spark`` for a model of ``shapes`` (driver side, before any task
     starts)."""
@@ -215,12 +234,7 @@ def plan_for(config, shapes: Shapes, seq_len: int, spark) -> MemoryPlan:
     bf16_base = base_in_bf16(config)
     if bf16_base:  # the frozen weights at 2 bytes instead of 4
         shapes = replace(shapes, weight_bytes=shapes.weight_bytes - 2 * (shapes.params - shapes.trainable))
-    act = 2 if bf16_base else 4
-    fp = footprint(shapes, seq_len=seq_len, activation_bytes=act,
-                   loss_chunk=chunk_size(shapes.vocab, tc.loss_chunk) if tc.loss_chunk >= 0 else None)
-    # loss_chunk 0: the whole micro-batch's logits when they fit (the same step time or a little less than the
-    # chunked loss, BENCHMARKS.md), the chunked loss when they do not
-    whole = footprint(shapes, seq_len=seq_len, activation_bytes=act, loss_chunk=None) if tc.loss_chunk == 0 else None
+    fp, whole = footprints(tc, shapes, seq_len, activation_bytes=2 if bf16_base else 4)
     if source.startswith("spark.executor.pyspark.memory"):
         fp = replace(fp, address_space=ADDRESS_SPACE)
         whole = whole and replace(whole, address_space=ADDRESS_SPACE)
@@ -233,8 +247,9 @@ def plan_for(config, shapes: Shapes, seq_len: int, spark) -> MemoryPlan:
         fixes.append("--grad-checkpoint auto")
     fixes += ["shorter sequences (prepare --seq-len)", "more memory per rank (--memory-limit, "
               "spark.executor.pyspark.memory, or a larger executor)"]
-    return plan(fp, limit, batch_size=tc.batch_size, grad_accum=tc.grad_accum, checkpointing=tc.grad_checkpoint,
-                source=source, fixes=fixes, whole=whole)
+    planned = plan(fp, limit, batch_size=tc.batch_size, grad_accum=tc.grad_accum, checkpointing=tc.grad_checkpoint,
+                   source=source, fixes=fixes, whole=whole)
+    return planned if chunks_loss(tc) else replace(planned, chunked=False)
 
 
 def unplanned(tc) -> MemoryPlan:
