@@ -199,7 +199,7 @@ def main() -> None:
         from sparklm.train.peak import compute_dtype
 
         dtype = compute_dtype(args.dtype, THREADS)
-        return compile_ab(args.compile_ab, args.steps, args.repeats, data, peaks, dtype, args.optimizer)
+        return compile_ab(args.compile_ab, args.steps, args.repeats, data, peaks, dtype, args.optimizer, work)
     kinds = ["plain", "sparklm-gpt2", "sparklm-llama", "plain+allocator"]
     cases = [("4L/128", "float32", kinds, args.repeats), ("~10M 8L/320", "float32", kinds, args.repeats),
              # bf16 autocast measured slower than fp32 on this CPU (see the peaks): one round, small model
@@ -247,8 +247,8 @@ def main() -> None:
          "spark": spark_runs}, indent=2, default=str))
 
 
-def compile_ab(sizes: list[str], steps: int, repeats: int, data: Path, peaks: dict, dtype: str, optimizer: str
-               ) -> None:
+def compile_ab(sizes: list[str], steps: int, repeats: int, data: Path, peaks: dict, dtype: str, optimizer: str,
+               work: Path) -> None:
     """sparklm's Llama loop eager and with ``train.compile`` beside the plain loop eager and compiled, all in ``dtype``,
     and the plain loop in float32 (a plain PyTorch loop's default), interleaved: steady tokens/s (median of the
     repeats), MFU against the measured peak of the dtype each ran in, and the seconds to the first step (compile
@@ -278,6 +278,8 @@ def compile_ab(sizes: list[str], steps: int, repeats: int, data: Path, peaks: di
                   f"{tps / base:.2f}× | {tps * m['flops_per_token'] / peaks[dt]:.0%} | {m['first_step_s']:.1f} s |")
         print("  runs: " + "; ".join(f"{k} {d} " + ", ".join(f"{x['tokens_per_s']:,.0f}" for x in v)
                                      for (k, d), v in runs.items()))
+    (work / "train_compile_ab.json").write_text(json.dumps(
+        {size: {f"{k} {d}": v for (k, d), v in runs.items()} for size, runs in out.items()}, indent=2, default=str))
 
 
 def plain_params(size: dict) -> int:

@@ -51,7 +51,8 @@ def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: st
 
     ``backend="llama.cpp"`` decodes on each executor's CPU with llama.cpp (``quantize`` none, f16, q8_0, q4_0 or
     q4_1; each host exports the model to GGUF once, into its cache); "torch" (``quantize`` none, int8 or int4) runs
-    on the GPU Spark assigns a task, if any (int8 and int4 on the CPU). Seeds give the same rows on either backend where the weights are the same.
+    on the GPU Spark assigns a task, if any (int8 and int4 on the CPU). Seeds give the same rows on either backend
+    where the weights are the same.
     """
     from pyspark.sql import types as T
 

@@ -112,7 +112,8 @@ class MemoryPlan:
 
 
 def plan(fp: Footprint, limit: int | None, *, batch_size: int, grad_accum: int, checkpointing: str = "auto",
-         source: str = "", fixes: list[str] | None = None, whole: Footprint | None = None) -> MemoryPlan:
+         source: str = "", fixes: list[str] | None = None, whole: Footprint | None = None,
+         chunked: bool = True) -> MemoryPlan:
     """The micro-batch, accumulation and checkpointing that fit ``limit`` bytes per rank (pure).
 
     The sequences a rank takes per step (``batch_size × grad_accum``) stay the same: the micro-batch is their
@@ -120,13 +121,15 @@ def plan(fp: Footprint, limit: int | None, *, batch_size: int, grad_accum: int, 
     when no micro-batch fits without). With no limit, or the configured settings fitting, they are kept.
     ``whole``: the footprint with the unchunked LM-head loss, chosen when the configured settings fit with it
     (the chunked loss, ``fp``, is then not needed; otherwise it comes first, before any shrinking).
-    ``fixes``: what would lower the estimate, named in the error when nothing fits."""
+    ``fixes``: what would lower the estimate, named in the error when nothing fits. ``chunked``: whether ``fp``
+    computes the loss in chunks (:func:`chunks_loss`)."""
     per_step = batch_size * grad_accum
     sizes = [m for m in range(batch_size, 0, -1) if per_step % m == 0]
     options = {"on": [True], "off": [False], "auto": [False, True]}[checkpointing]
     if limit is None:
         ckpt = checkpointing == "on"
-        return MemoryPlan(batch_size, grad_accum, ckpt, fp.peak(batch_size, ckpt), None, source or "none")
+        return MemoryPlan(batch_size, grad_accum, ckpt, fp.peak(batch_size, ckpt), None, source or "none",
+                          chunked=chunked)
     budget = limit * HEADROOM
     ckpt = checkpointing == "on"
     if whole is not None and whole.peak(batch_size, ckpt) <= budget:
@@ -135,7 +138,8 @@ def plan(fp: Footprint, limit: int | None, *, batch_size: int, grad_accum: int, 
         for m in sizes:
             if fp.peak(m, ckpt) <= budget:
                 shrunk = (m, ckpt) != (batch_size, checkpointing == "on")
-                return MemoryPlan(m, per_step // m, ckpt, fp.peak(m, ckpt), limit, source, hand_back=shrunk)
+                return MemoryPlan(m, per_step // m, ckpt, fp.peak(m, ckpt), limit, source, hand_back=shrunk,
+                                  chunked=chunked)
     least = min(fp.peak(1, c) for c in options)
     hint = "; ".join(fixes or []) or "give each rank more memory"
     raise SparklmError(f"training does not fit in each rank's {limit / GB:.2f} GB ({source}): even a micro-batch of "
@@ -247,14 +251,14 @@ def plan_for(config, shapes: Shapes, seq_len: int, spark) -> MemoryPlan:
         fixes.append("--grad-checkpoint auto")
     fixes += ["shorter sequences (prepare --seq-len)", "more memory per rank (--memory-limit, "
               "spark.executor.pyspark.memory, or a larger executor)"]
-    planned = plan(fp, limit, batch_size=tc.batch_size, grad_accum=tc.grad_accum, checkpointing=tc.grad_checkpoint,
-                   source=source, fixes=fixes, whole=whole)
-    return planned if chunks_loss(tc) else replace(planned, chunked=False)
+    return plan(fp, limit, batch_size=tc.batch_size, grad_accum=tc.grad_accum, checkpointing=tc.grad_checkpoint,
+                source=source, fixes=fixes, whole=whole, chunked=chunks_loss(tc))
 
 
 def unplanned(tc) -> MemoryPlan:
     """The settings as they are, where no limit is known or nothing was planned (a worker driven directly)."""
-    return MemoryPlan(tc.batch_size, tc.grad_accum, tc.grad_checkpoint == "on", 0, None, "none")
+    return MemoryPlan(tc.batch_size, tc.grad_accum, tc.grad_checkpoint == "on", 0, None, "none",
+                      chunked=chunks_loss(tc))
 
 
 def apply(config, p: MemoryPlan):

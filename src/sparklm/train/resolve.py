@@ -109,16 +109,16 @@ def optimizer(tc: TrainConfig, threads: int, *, pretrained: bool) -> str:
     return "muon" if bf16_fast(threads) else "adamw"
 
 
-def compiled(config: Config, dtype_name: str) -> str:
+def compiled(tc: TrainConfig, config: Config) -> str:
     """``train.compile``; auto is on only where it was measured to pay: a causal LM trained from scratch (no
     pretrained base, no LoRA) with DDP on a GPU, in bfloat16 or float16, for a time budget of at least
     :data:`COMPILE_MIN_BUDGET` seconds. On the CPU it gained too little for its half minute (see above), a round of
-    averaging or DiLoCo would compile again in every round's task, and a short run wants its first step soon."""
-    tc = config.train
+    averaging or DiLoCo would compile again in every round's task, and a short run wants its first step soon.
+    ``tc``: the training settings with the device and dtype decided; ``config``: the model and LoRA settings."""
     if tc.compile != "auto":
         return tc.compile
     fresh = config.model.task == "causal-lm" and not config.model.init_from and not config.lora.r
-    pays = (tc.device == "cuda" and dtype_name in ("bfloat16", "float16") and tc.time_budget >= COMPILE_MIN_BUDGET)
+    pays = tc.device == "cuda" and tc.dtype in ("bfloat16", "float16") and tc.time_budget >= COMPILE_MIN_BUDGET
     return "on" if fresh and tc.strategy == "ddp" and pays else "off"
 
 
@@ -167,7 +167,7 @@ def settings(config: Config, n_threads: int) -> Config:
     if tc.device == "auto":  # a worker driven directly (plan.local): this machine decides; the launcher's device()
         tc = replace(tc, device="cuda" if cuda_gpus() else "cpu")
     tc = replace(tc, dtype=dtype(tc.dtype, tc.device, n_threads))
-    train = replace(tc, threads=n_threads, lr=peak_lr(config), compile=compiled(config, tc.dtype),
+    train = replace(tc, threads=n_threads, lr=peak_lr(config), compile=compiled(tc, config),
                     optimizer=optimizer(tc, n_threads, pretrained=bool(config.model.init_from)),
                     rounds=rounds(tc.rounds, tc.strategy))
     lora = replace(config.lora, base_dtype=lora_base_dtype(config.lora, train.dtype))
