@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/prepare_throughput.py --sizes 10 100
     .venv/bin/python benchmarks/prepare_throughput.py --scale 100 10000            # prepare alone, tokenizer given
     .venv/bin/python benchmarks/prepare_throughput.py --scale 100 10000 --train    # ... and training it
+    .venv/bin/python benchmarks/prepare_throughput.py --scale 1000 --allocator system  # on glibc's malloc
 
 For each size, a corpus is built from ../shared/data (books and WikiText repeated as separate files;
 dedup is turned off so repeats count), then on the same machine and threads:
@@ -122,9 +123,11 @@ def timed_prepare(corpus: Path, out: Path, flags: list[str], env: dict | None = 
     return wall, peak, json.loads((out / "manifest.json").read_text())
 
 
-def run_sparklm(corpus: Path, out: Path, tokenizer: Path | None = None, ahead: bool = True) -> dict:
+def run_sparklm(corpus: Path, out: Path, tokenizer: Path | None = None, ahead: bool = True,
+                allocator: str = "auto") -> dict:
     tok = ["--tokenizer", str(tokenizer)] if tokenizer else ["--vocab-size", "4096"]
-    wall, peak, m = timed_prepare(corpus, out, ["--no-dedup", *tok, "--master", "local[2]", "--set", "spark.ui=false"],
+    wall, peak, m = timed_prepare(corpus, out, ["--no-dedup", *tok, "--master", "local[2]", "--set", "spark.ui=false",
+                                                "--set", f"tokenizer.allocator={allocator}"],
                                   {"SPARKLM_SAMPLE_AHEAD": "1" if ahead else "0"})
     text_bytes = sum(s["text_bytes"] for s in m["splits"].values())
     tokens = sum(s["tokens"] for s in m["splits"].values())
@@ -132,7 +135,8 @@ def run_sparklm(corpus: Path, out: Path, tokenizer: Path | None = None, ahead: b
     return {"wall_s": round(wall, 2), "spark_start_s": t["spark_start_seconds"], "text_bytes": text_bytes,
             "tokens": tokens, "mb_s_end_to_end": text_bytes / wall / 1e6,
             "mb_s_excl_jvm": text_bytes / (wall - t["spark_start_seconds"]) / 1e6,
-            "tokens_s_excl_jvm": tokens / (wall - t["spark_start_seconds"]), "peak_rss": peak}
+            "tokens_s_excl_jvm": tokens / (wall - t["spark_start_seconds"]), "peak_rss": peak,
+            "allocator": m["engine"].get("allocator")}
 
 
 def paragraphs(corpus: Path) -> list[str]:
@@ -190,6 +194,8 @@ def main() -> None:
                     help="only: sparklm prepare at each size (tokenizer given; trained with --train), its wall time, "
                          "MB/s and each role's peak RSS, sampled from /proc every 0.2 s")
     ap.add_argument("--train", action="store_true", help="--scale: prepare trains its tokenizer (BPE 4096)")
+    ap.add_argument("--allocator", default="auto", choices=["auto", "system"],
+                    help="--scale: tokenizer.allocator (auto: mimalloc or jemalloc where installed; system: glibc's)")
     ap.add_argument("--datasets-one", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.datasets_one:  # one datasets.map run in this fresh process: its whole wall time and its map alone
@@ -202,7 +208,7 @@ def main() -> None:
     if args.ahead_ab:
         return ahead_ab(args.ahead_ab, args.repeats, work)
     if args.scale:
-        return scale(args.scale, args.train, work)
+        return scale(args.scale, args.train, work, args.allocator)
     results = {}
     for size in args.sizes:
         corpus = build_corpus(size, work)
@@ -238,9 +244,10 @@ def main() -> None:
     (work / "prepare_throughput.json").write_text(json.dumps(results, indent=2, default=float))
 
 
-def scale(sizes: list[int], train: bool, work: Path) -> None:
-    """prepare alone at each size, one run each (a 10 GB run is ~30 min here): whether the time grows linearly and
-    the largest process's memory stays flat. The tokenizer given is one trained on the smallest corpus."""
+def scale(sizes: list[int], train: bool, work: Path, allocator: str = "auto") -> None:
+    """prepare alone at each size, one run each (a 10 GB run is ~22 min here): whether the time grows linearly and
+    the largest process's memory stays flat. The tokenizer given is one trained on the smallest corpus;
+    ``allocator``: tokenizer.allocator (auto: mimalloc where installed; system: glibc's malloc)."""
     tokenizer = work / f"prepared-{min(sizes)}mb" / "tokenizer.json"
     if not train and not tokenizer.exists():
         run_sparklm(build_corpus(min(sizes), work), tokenizer.parent)
@@ -249,10 +256,11 @@ def scale(sizes: list[int], train: bool, work: Path) -> None:
         corpus = build_corpus(size, work)
         out = work / f"prepared-scale-{size}mb"
         print(f"[{size} MB] sparklm prepare, tokenizer {'trained' if train else 'given'} …", flush=True)
-        rows[size] = run_sparklm(corpus, out, tokenizer=None if train else tokenizer)
+        rows[size] = run_sparklm(corpus, out, tokenizer=None if train else tokenizer, allocator=allocator)
         shutil.rmtree(out, ignore_errors=True)  # 10 GB of text is ~5 GB of Parquet
         print(json.dumps(rows[size], default=float), flush=True)
-    print(f"\nsparklm prepare --no-dedup, tokenizer {'trained (BPE 4096)' if train else 'given (BPE 4096)'}, local[2]")
+    print(f"\nsparklm prepare --no-dedup, tokenizer {'trained (BPE 4096)' if train else 'given (BPE 4096)'}, local[2], "
+          f"write tasks on {', '.join(next(iter(rows.values()))['allocator'] or ['?'])}")
     print("| corpus | text | wall | MB/s end to end | MB/s after Spark's start | tokens/s | peak RSS driver / JVM / "
           "Python workers (sum) |")
     print("|---|---|---|---|---|---|---|")
@@ -261,7 +269,8 @@ def scale(sizes: list[int], train: bool, work: Path) -> None:
         print(f"| {size:,} MB | {r['text_bytes'] / 1e6:,.0f} MB | {r['wall_s'] / 60:.1f} min | {r['mb_s_end_to_end']:.2f} "
               f"| {r['mb_s_excl_jvm']:.2f} | {r['tokens_s_excl_jvm']:,.0f} | {p['driver_mb']:.0f} / {p['jvm_mb']:.0f} / "
               f"{p['workers_mb']:.0f} MB |")
-    (work / f"prepare_scale{'_train' if train else ''}.json").write_text(json.dumps(rows, indent=2, default=float))
+    name = f"prepare_scale{'_train' if train else ''}{'_system' if allocator == 'system' else ''}.json"
+    (work / name).write_text(json.dumps(rows, indent=2, default=float))
 
 
 def ahead_ab(size: int, repeats: int, work: Path) -> None:

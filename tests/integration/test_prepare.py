@@ -165,6 +165,30 @@ def test_the_tokenizer_read_ahead_while_spark_starts_is_the_spark_jobs(spark, tm
     assert ahead["splits"] == on_spark["splits"] == fallback["splits"]
 
 
+def test_the_write_tasks_tokenize_on_the_allocator_and_write_the_same_rows(spark, tmp_path, config):
+    """tokenizer.allocator: the write pass's Python workers start on mimalloc (where the host has it; .ci/run
+    installs it) and write the same bytes as on the system malloc; the session's other jobs keep their workers."""
+    from sparklm.data import allocator
+
+    (tmp_path / "in.txt").write_text(make_text(3000, seed=5))
+    runs = {}
+    for setting in ("auto", "system"):
+        cfg = dataclasses.replace(config, tokenizer=dataclasses.replace(config.tokenizer, allocator=setting))
+        runs[setting] = prepare([str(tmp_path / "in.txt")], output=str(tmp_path / setting), config=cfg, spark=spark)
+    expected, got = allocator.library("auto", "local[2]"), runs["auto"].manifest["engine"]["allocator"]
+    if expected:  # the soname (libmimalloc.so.2) names a file the workers mapped (libmimalloc.so.2.0)
+        assert len(got) == 1 and got[0].startswith(expected)
+    else:
+        assert got == ["system"]
+    assert runs["system"].manifest["engine"]["allocator"] == ["system"]
+    for split in ("train", "validation"):
+        assert rows(runs["auto"], split) == rows(runs["system"], split)
+    assert runs["auto"].manifest["tokenizer"] == runs["system"].manifest["tokenizer"]
+    other = spark.sparkContext.parallelize([0], 1).map(lambda _: allocator.loaded()).collect()
+    assert other == ["system"]  # a job after the write pass runs on the session's own workers
+    assert "LD_PRELOAD" not in spark.sparkContext.environment
+
+
 def test_explicit_validation_and_a_loaded_tokenizer(spark, tmp_path, config):
     import datasets
 

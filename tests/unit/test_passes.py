@@ -68,3 +68,25 @@ def test_a_write_task_tokenizes_on_its_share_of_the_cpus(monkeypatch):
     monkeypatch.setenv("RAYON_NUM_THREADS", "6")
     passes.share_cpus(2)
     assert os.environ["RAYON_NUM_THREADS"] == "6"
+
+
+def test_the_tokenizing_processes_allocator_is_chosen_where_its_host_is_known(monkeypatch, tmp_path):
+    """tokenizer.allocator: system preloads nothing; auto only on a local master (the executors' libraries are not
+    known on a cluster); a named library is taken as it is, and a path that is no file is one line."""
+    from sparklm.data import allocator
+
+    preloaded = os.environ.get("LD_PRELOAD", "")  # what this test process was started with
+    assert allocator.library("system", "local[2]") is None
+    assert allocator.library("auto", "spark://10.0.0.1:7077") is None
+    found = allocator.library("auto", "local[2]")
+    assert found is None or found.startswith(("libmimalloc", "libjemalloc"))
+    assert allocator.library("libmimalloc.so.2", "yarn") == "libmimalloc.so.2"
+    with pytest.raises(SparklmError, match="is not a file"):
+        allocator.library(str(tmp_path / "libnone.so"), "local[*]")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert allocator.environment(None) == {}
+    assert allocator.environment("libmimalloc.so.2") == {"LD_PRELOAD": "libmimalloc.so.2"}
+    monkeypatch.setenv("LD_PRELOAD", "libtheirs.so")  # the user's preload is kept
+    assert allocator.environment("libmimalloc.so.2") == {"LD_PRELOAD": "libmimalloc.so.2 libtheirs.so"}
+    if "malloc" not in preloaded:  # a test process started on the C library's malloc says so
+        assert allocator.loaded() == "system"

@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from ..config import Config
 from ..infra.errors import SparklmError
-from . import clean, instruct, labelled, sources
+from . import allocator, clean, instruct, labelled, sources
 from . import tokenizer as tokenizers_mod
 from .manifest import SPLITS
 from .packing import Packed, Packer, PackSpec
@@ -166,7 +166,7 @@ class WritePlan:
 def write_part(docs: Iterable[tuple], name: str, plan: WritePlan, losers: Mapping[str, frozenset]) -> list[dict]:
     """Pass 2 of one task: skip duplicates, tokenize, pack (or encode, for an encoder) and write each split's part
     file ``SPLIT/name``. Returns one report per split (its file and figures) and one of counts per (source, status,
-    split, kept)."""
+    split, kept), with the allocator the task tokenized on."""
     data, spec, classes = plan.config.data, plan.spec, plan.classes
     # text inside a document is text, even "<|eos|>"; a chat template's rendering holds real special tokens
     tok = tokenizer_for(spec, specials=templated(data, spec), encoder=labelled.encoded(data))
@@ -201,7 +201,8 @@ def write_part(docs: Iterable[tuple], name: str, plan: WritePlan, losers: Mappin
             batch, size = {s: ([], []) for s in SPLITS}, 0
     for s, (texts, ids) in batch.items():
         writers[s].add(tok, texts, ids)
-    return [*(w.close() for w in writers.values()), {"split": "", "counts": [(*k, *v) for k, v in counts.items()]}]
+    return [*(w.close() for w in writers.values()),
+            {"split": "", "counts": [(*k, *v) for k, v in counts.items()], "allocator": allocator.loaded()}]
 
 
 def _writer(plan: WritePlan, split: str, name: str):

@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 from ..config import Config, from_dict
-from . import passes, sources
+from . import allocator, passes, sources
 from . import tokenizer as tokenizers_mod
 
 _SAMPLE = passes.SCAN_COLUMNS.index("sample")
@@ -71,8 +71,9 @@ def start(units: list[sources.ReadUnit], config: Config) -> Ahead | None:
     chosen = passes.sample_units([units], config.tokenizer.sample_mb)
     payload = json.dumps({"config": config.to_saved(), "units": [dataclasses.asdict(u) for u in chosen]})
     try:
+        env = allocator.environment(allocator.library(config.tokenizer.allocator, "local"))  # BPE training 1.3x
         proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True)
+                                stderr=subprocess.DEVNULL, text=True, env={**os.environ, **env})
     except OSError:
         return None
     try:  # the child reads all of stdin first: a payload larger than the pipe waits only for its start

@@ -7,12 +7,12 @@ window over content hashes and a labelled dataset's classes are split by a windo
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import Config
 from ..infra import progress
 from ..infra.errors import spark_errors
-from . import labelled, passes, sources
+from . import allocator, labelled, passes, sources
 
 
 @dataclass
@@ -30,6 +30,7 @@ class SparkSource:
     count: int  # input files (DataFrames)
     bins: list | None = None  # files only: the read units, by task
     cached: object = None
+    allocators: list[str] = field(default_factory=list)  # what the write tasks tokenized on (allocator.loaded)
 
     @classmethod
     def of_files(cls, spark, bins: list[list[sources.ReadUnit]], data, storage) -> SparkSource:
@@ -75,7 +76,8 @@ class SparkSource:
             self.cached.unpersist()
 
     def describe(self) -> dict:
-        return {"name": "spark", "master": self.spark.sparkContext.master, "read_tasks": self.partitions}
+        out = {"name": "spark", "master": self.spark.sparkContext.master, "read_tasks": self.partitions}
+        return {**out, "allocator": self.allocators} if self.allocators else out
 
     def scan(self, config: Config, *, sample_only: bool, staging: str = "") -> passes.Scanned:
         """Read and clean, keeping only metadata and a bounded text sample for the tokenizer; decide duplicates (and
@@ -128,7 +130,8 @@ class SparkSource:
             persisted.unpersist()
 
     def write(self, plan: passes.WritePlan, losers: dict) -> list[dict]:
-        """Pass 2: :func:`passes.write_part` in each task; the reports come back to the driver."""
+        """Pass 2: :func:`passes.write_part` in each task, its Python workers on ``tokenizer.allocator``'s malloc
+        (:mod:`.allocator`); the reports come back to the driver."""
         sc = self.spark.sparkContext
         plan_bc, losers_bc = sc.broadcast(plan), sc.broadcast(losers)
         read = self.read
@@ -141,5 +144,8 @@ class SparkSource:
             name = passes.part_name(ctx.partitionId(), str(ctx.attemptNumber()))
             yield from passes.write_part(read(it), name, plan_bc.value, losers_bc.value)
 
-        return self.rdd.mapPartitions(write).collect()
+        with allocator.workers_on(sc, allocator.library(plan.config.tokenizer.allocator, sc.master)):
+            reports = self.rdd.mapPartitions(write).collect()
+        self.allocators = sorted({r["allocator"] for r in reports if r["split"] == ""})
+        return reports
 
