@@ -7,7 +7,7 @@ RSS (683 against 732 MB); BPE training on an 18 MB sample 1.3x. jemalloc gains a
 
 The ids do not change: an allocator decides where blocks live, not what is computed (tested).
 
-Only the processes that tokenize get it. torch's training step measured 10-20% *slower* on mimalloc, which hands
+Only the processes that tokenize get it. torch's training step measured 8-20% *slower* on mimalloc, which hands
 large blocks back to the OS where sparklm's glibc settings keep them (:func:`sparklm.train.device.keep_freed_memory`).
 A library must be loaded before a process starts (``LD_PRELOAD``), so prepare starts those processes with it:
 
@@ -30,8 +30,9 @@ from contextlib import contextmanager
 
 from ..infra.errors import SparklmError
 
-# the allocators auto looks for, best first: (the name ctypes.util.find_library takes, the Debian/Ubuntu package)
-CANDIDATES = (("mimalloc", "libmimalloc2.0"), ("jemalloc", "libjemalloc2"))
+# the allocators auto looks for, best first, as ctypes.util.find_library names them (Debian/Ubuntu packages:
+# libmimalloc2.0, libjemalloc2)
+CANDIDATES = ("mimalloc", "jemalloc")
 
 
 @functools.cache
@@ -47,7 +48,7 @@ def library(setting: str, master: str) -> str | None:
     if setting == "auto":
         if not master.startswith("local"):  # the executors' libraries are not known here
             return None
-        return next((lib for name, _ in CANDIDATES if (lib := _installed(name))), None)
+        return next((lib for name in CANDIDATES if (lib := _installed(name))), None)
     if "/" in setting and master.startswith("local") and not os.path.isfile(setting):
         raise SparklmError(f"tokenizer.allocator {setting} is not a file",
                            hint="name an installed allocator library (e.g. libmimalloc.so.2), or set it to auto or "
@@ -88,7 +89,7 @@ def loaded() -> str:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
             for line in f:
                 name = os.path.basename(line.rstrip("\n").split(" ")[-1])
-                if name.startswith(tuple(f"lib{n}" for n, _ in CANDIDATES)):
+                if name.startswith(tuple(f"lib{n}" for n in CANDIDATES)):
                     return name
     except OSError:
         pass
