@@ -189,6 +189,18 @@ def test_the_write_tasks_tokenize_on_the_allocator_and_write_the_same_rows(spark
     assert "LD_PRELOAD" not in spark.sparkContext.environment
 
 
+def test_an_allocator_the_workers_cannot_load_is_a_warning_and_changes_nothing(spark, tmp_path, config, capsys):
+    (tmp_path / "in.txt").write_text(make_text(800, seed=6))
+    runs = []
+    for setting in ("libnosuchmalloc.so.1", "system"):
+        cfg = dataclasses.replace(config, tokenizer=dataclasses.replace(config.tokenizer, allocator=setting))
+        runs.append(prepare([str(tmp_path / "in.txt")], output=str(tmp_path / setting), config=cfg, spark=spark))
+    assert runs[0].manifest["engine"]["allocator"] == ["system"]
+    assert rows(runs[0], "train") == rows(runs[1], "train")
+    err = " ".join(capsys.readouterr().err.split())
+    assert "tokenizer.allocator libnosuchmalloc.so.1 was not loaded where the write tasks ran" in err
+
+
 def test_explicit_validation_and_a_loaded_tokenizer(spark, tmp_path, config):
     import datasets
 

@@ -144,8 +144,13 @@ class SparkSource:
             name = passes.part_name(ctx.partitionId(), str(ctx.attemptNumber()))
             yield from passes.write_part(read(it), name, plan_bc.value, losers_bc.value)
 
-        with allocator.workers_on(sc, allocator.library(plan.config.tokenizer.allocator, sc.master)):
+        lib = allocator.library(plan.config.tokenizer.allocator, sc.master)
+        with allocator.workers_on(sc, lib):
             reports = self.rdd.mapPartitions(write).collect()
         self.allocators = sorted({r["allocator"] for r in reports if r["split"] == ""})
+        if lib is not None and "system" in self.allocators:  # ld.so could not find it where some task ran
+            progress.warn(f"tokenizer.allocator {lib} was not loaded where {'some' if len(self.allocators) > 1 else 'the'}"
+                          " write tasks ran (they tokenized on the system malloc): install it on every host, or set "
+                          "tokenizer.allocator to auto or system")
         return reports
 
