@@ -199,6 +199,10 @@ def test_an_allocator_the_workers_cannot_load_is_a_warning_and_changes_nothing(s
     assert rows(runs[0], "train") == rows(runs[1], "train")
     err = " ".join(capsys.readouterr().err.split())
     assert "tokenizer.allocator libnosuchmalloc.so.1 was not loaded where the write tasks ran" in err
+    cfg = dataclasses.replace(config, tokenizer=dataclasses.replace(config.tokenizer, allocator=str(tmp_path / "no.so")))
+    with pytest.raises(SparklmError, match="is not a file"):  # before any pass
+        prepare([str(tmp_path / "in.txt")], output=str(tmp_path / "bad"), config=cfg, spark=spark)
+    assert not (tmp_path / "bad").exists()
 
 
 def test_explicit_validation_and_a_loaded_tokenizer(spark, tmp_path, config):

@@ -23,7 +23,7 @@ from collections import defaultdict
 import pyarrow.fs as pafs
 
 from ..config import Config, flatten
-from ..data import beam_engine, labelled, passes, sample_ahead, sources
+from ..data import allocator, beam_engine, labelled, passes, sample_ahead, sources
 from ..data import tokenizer as tokenizers_mod
 from ..data.manifest import FORMAT, MANIFEST, SPLITS, PreparedDataset, load_prepared
 from ..data.packing import PackSpec
@@ -117,6 +117,8 @@ def _prepare(inputs, *, output: str, config: Config | None, validation_inputs, o
                 spark_start = time.time() - t_spark
                 tasks = passes.read_tasks(data, spark.sparkContext.defaultParallelism)
                 source = SparkSource.of_files(spark, passes.bins(units, tasks), data, storage)
+        if isinstance(source, SparkSource):  # an allocator path that is no file fails here, before any work
+            allocator.library(config.tokenizer.allocator, source.spark.sparkContext.master)
         tracking = trackers.open_trackers(config, trackers.Context(
             command="prepare", run_dir=output, storage=storage, params={k: v for k, v in flatten(config.to_saved()).items() if k.split(".")[0] in ("data", "tokenizer")}))
         try:
