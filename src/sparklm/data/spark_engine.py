@@ -30,20 +30,22 @@ class SparkSource:
     count: int  # input files (DataFrames)
     bins: list | None = None  # files only: the read units, by task
     cached: object = None
+    preload: str | None = None  # the malloc the write pass's workers start on (allocator.library), None: the system's
     allocators: list[str] = field(default_factory=list)  # what the write tasks tokenized on (allocator.loaded)
 
     @classmethod
-    def of_files(cls, spark, bins: list[list[sources.ReadUnit]], data, storage) -> SparkSource:
+    def of_files(cls, spark, bins: list[list[sources.ReadUnit]], data, storage, preload: str | None = None
+                 ) -> SparkSource:
         def read(it):
             for bin_ in it:
                 yield from sources.documents(bin_, data, storage)
 
         n = len({u.uri for b in bins for u in b})
         return cls(spark, spark.sparkContext.parallelize(bins, len(bins)), len(bins), read, passes.planned_bytes(bins),
-                   f"{n} files", n, bins)
+                   f"{n} files", n, bins, preload=preload)
 
     @classmethod
-    def of_frame(cls, spark, rows, cols: list[str], data, count: int) -> SparkSource:
+    def of_frame(cls, spark, rows, cols: list[str], data, count: int, preload: str | None = None) -> SparkSource:
         from pyspark import StorageLevel
         from pyspark.sql import functions as F
 
@@ -59,7 +61,7 @@ class SparkSource:
 
         parts = max(1, rows.rdd.getNumPartitions())  # an empty DataFrame may have none
         return cls(spark, rows.rdd, parts, read, planned, "the DataFrame" if count == 1 else f"{count} DataFrames",
-                   count, None, rows)
+                   count, None, rows, preload=preload)
 
     def subset(self, bins: list[list[sources.ReadUnit]], config: Config) -> SparkSource:
         """The same engine over other bins (the units the tokenizer's sample is read from)."""
@@ -144,12 +146,11 @@ class SparkSource:
             name = passes.part_name(ctx.partitionId(), str(ctx.attemptNumber()))
             yield from passes.write_part(read(it), name, plan_bc.value, losers_bc.value)
 
-        lib = allocator.library(plan.config.tokenizer.allocator, sc.master)
-        with allocator.workers_on(sc, lib):
+        with allocator.workers_on(sc, self.preload):
             reports = self.rdd.mapPartitions(write).collect()
         self.allocators = sorted({r["allocator"] for r in reports if r["split"] == ""})
-        if lib is not None and "system" in self.allocators:  # ld.so could not find it where some task ran
-            progress.warn(f"tokenizer.allocator {lib} was not loaded where {'some' if len(self.allocators) > 1 else 'the'}"
+        if self.preload is not None and "system" in self.allocators:  # ld.so could not find it where some task ran
+            progress.warn(f"tokenizer.allocator {self.preload} was not loaded where {'some' if len(self.allocators) > 1 else 'the'}"
                           " write tasks ran (they tokenized on the system malloc): install it on every host, or set "
                           "tokenizer.allocator to auto or system")
         return reports

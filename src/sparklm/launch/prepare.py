@@ -89,6 +89,10 @@ def _prepare(inputs, *, output: str, config: Config | None, validation_inputs, o
     if labelled.encoded(data):
         labelled.check(data, config.tokenizer.path)
     trackers.check(config, "prepare")
+    preload, master = None, ""
+    if data.engine != "beam":  # the malloc resolved once, with the checks: a path that is no file fails before any work
+        master = planned_master(config.spark, frames[0][0].sparkSession if frame else None if callable(spark) else spark)
+        preload = allocator.library(config.tokenizer.allocator, master)
     started = time.time()
     fs, out_path = resolve(output, storage)
     _check_output(fs, out_path, output, overwrite)
@@ -100,7 +104,7 @@ def _prepare(inputs, *, output: str, config: Config | None, validation_inputs, o
             spark, spark_start = frames[0][0].sparkSession, 0.0
             check_workers_python(spark)  # the user's session: its Python workers must import sparklm
             check_shared(spark, {"output": output})
-            source = _frame_source(spark, frames, data)
+            source = _frame_source(spark, frames, data, preload)
             name = described or "dataframe"
             inputs, validation_inputs = [name], [f"{name} (validation)"] if len(frames) > 1 else []
         else:
@@ -110,15 +114,13 @@ def _prepare(inputs, *, output: str, config: Config | None, validation_inputs, o
                 source, spark_start = beam_engine.BeamSource(units, config), 0.0
             else:
                 t_spark = time.time()
-                if sample_ahead.wanted(config, planned_master(config.spark, None if callable(spark) else spark)):
-                    ahead = sample_ahead.start(units, config)  # the tokenizer trained while the JVM starts
+                if sample_ahead.wanted(config, master):
+                    ahead = sample_ahead.start(units, config, preload)  # the tokenizer trained while the JVM starts
                 spark = spark() if callable(spark) else get_session(config.spark, spark=spark)  # started after the checks
                 check_shared(spark, {"input": str(inputs[0]), "output": output})
                 spark_start = time.time() - t_spark
                 tasks = passes.read_tasks(data, spark.sparkContext.defaultParallelism)
-                source = SparkSource.of_files(spark, passes.bins(units, tasks), data, storage)
-        if isinstance(source, SparkSource):  # an allocator path that is no file fails here, before any work
-            allocator.library(config.tokenizer.allocator, source.spark.sparkContext.master)
+                source = SparkSource.of_files(spark, passes.bins(units, tasks), data, storage, preload)
         tracking = trackers.open_trackers(config, trackers.Context(
             command="prepare", run_dir=output, storage=storage, params={k: v for k, v in flatten(config.to_saved()).items() if k.split(".")[0] in ("data", "tokenizer")}))
         try:
@@ -161,7 +163,7 @@ def _frames(frame, validation, data) -> list[tuple[object, str]]:
     return frames
 
 
-def _frame_source(spark, frames: list[tuple[object, str]], data) -> SparkSource:
+def _frame_source(spark, frames: list[tuple[object, str]], data, preload: str | None) -> SparkSource:
     """The rows of ``frames`` as one source: only the columns read, and each row's group beside them."""
     from pyspark.sql import functions as F
 
@@ -171,7 +173,7 @@ def _frame_source(spark, frames: list[tuple[object, str]], data) -> SparkSource:
         part = df.select(F.lit(role).alias("_group"), F.struct(*[F.col(c) for c in cols]).alias("_values"))
         rows = part if rows is None else rows.unionByName(part)
     with spark_errors():
-        return SparkSource.of_frame(spark, rows, cols, data, len(frames))
+        return SparkSource.of_frame(spark, rows, cols, data, len(frames), preload)
 
 
 def _run(source: passes.Engine, config: Config, inputs: list[str], validation_inputs: list[str], output: str,
