@@ -109,7 +109,8 @@ def token_sums(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
     targets, valid = targets.reshape(-1), valid.reshape(-1).bool()
     nats = F.cross_entropy(logits, targets, reduction="none")[valid]
     hits = logits.argmax(-1)[valid] == targets[valid]
-    nbytes = byte_lengths[targets[valid]].sum() if byte_lengths is not None else 0.0
+    # the byte-length table may be on the CPU (`sparklm eval`'s) while the targets are on the model's device
+    nbytes = byte_lengths.to(targets.device)[targets[valid]].sum() if byte_lengths is not None else 0.0
     return torch.tensor([float(nats.double().sum()), float(valid.sum()), float(hits.sum()), float(nbytes)],
                         dtype=torch.float64, device=logits.device)
 
