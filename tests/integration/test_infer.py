@@ -201,6 +201,43 @@ def test_greedy_equals_transformers_generate(run_dir):
         assert len(g.token_ids) == 12 or g.token_ids[-1] == tok.eos_token_id
 
 
+def test_a_model_whose_attention_has_no_sdpa_form_generates_as_transformers(run_dir, tmp_path, monkeypatch):
+    """Gemma 2 (soft-capped attention and logits) has only transformers' eager attention: sparklm once asked every
+    model for SDPA, and `generate`, `eval` and `--init-from` failed on it. It loads as transformers loads it; the
+    llama.cpp backend, which runs what GGUF export writes, says to use torch, and caches nothing."""
+    from transformers import AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM
+
+    from sparklm.infer import backends
+    from sparklm.infer.generate import encode, generate, load
+    from sparklm.model import load_model
+
+    tok = json.loads((run_dir / "model" / "config.json").read_text())
+    torch.manual_seed(0)
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=tok["vocab_size"], hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                           head_dim=16, max_position_embeddings=64, bos_token_id=tok["bos_token_id"],
+                                           eos_token_id=tok["eos_token_id"], pad_token_id=tok["pad_token_id"]))
+    with torch.no_grad():
+        gemma.lm_head.weight.mul_(10)
+    gemma.save_pretrained(str(tmp_path / "gemma"), safe_serialization=True)
+    for f in (run_dir / "model").iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            (tmp_path / "gemma" / f.name).write_bytes(f.read_bytes())
+    assert load_model(str(tmp_path / "gemma")).config._attn_implementation == "eager"
+    lm = load(str(tmp_path / "gemma"))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "gemma")).eval()
+    for g in generate(lm, PROMPTS[:2], sampling=Sampling(temperature=0, max_new_tokens=8), batch_size=2):
+        ids = torch.tensor([encode(lm, g.prompt, 8)[0]])
+        ref = hf.generate(ids, do_sample=False, max_new_tokens=8, pad_token_id=tok["pad_token_id"],
+                          eos_token_id=tok["eos_token_id"])
+        assert g.token_ids == ref[0, ids.shape[1]:].tolist()[:len(g.token_ids)] and g.token_ids
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(SparklmError, match=r"--backend llama.cpp runs the models GGUF export writes.*Gemma2") as e:
+        backends.load(str(tmp_path / "gemma"), backend="llama.cpp")
+    assert e.value.hint == "--backend torch runs this model"
+    assert not list((tmp_path / "cache" / "sparklm" / "gguf").glob("*"))  # no export, whole or half-written
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_batching(run_dir):
     from sparklm.infer.generate import generate, load
 

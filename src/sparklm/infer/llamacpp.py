@@ -141,7 +141,11 @@ def cached_export(path: str, directory: Path, quant: str, storage: StorageConfig
         progress.info(f"exporting {path} to GGUF ({quant}) for llama.cpp, once: {target}")
         lm = load_torch(path, storage=storage, device="cpu")
         with staged_cache(target, marker="info.json") as tmp:
-            info = write_gguf(lm, tmp, quant)
+            try:
+                info = write_gguf(lm, tmp, quant)
+            except SparklmError as e:  # export's own hint (--format onnx) is not what a `generate` user needs
+                raise SparklmError(f"--backend llama.cpp runs the models GGUF export writes: {e.message}",
+                                   hint="--backend torch runs this model") from None
             info["plain_tokenizer"] = plain_tokenizer_agrees(directory, lm.tokenizer)
             (tmp / "info.json").write_text(json.dumps(info, indent=2))
     return target

@@ -59,9 +59,9 @@ def load_model(directory: str, *, dtype: torch.dtype | None = None, storage: Sto
         return load_adapter(path, lambda base: load_model(base, dtype=dtype, storage=storage))
     check_model_dir(path, directory)
     verify_checksums(path)  # a sparklm model/ records its files' SHA-256
-    try:
+    try:  # transformers picks SDPA where the architecture has it, and its eager attention otherwise (Gemma 2)
         return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, use_safetensors=True,
-                                                    attn_implementation="sdpa", dtype=dtype or torch.float32)
+                                                    dtype=dtype or torch.float32)
     except Exception as e:
         raise SparklmError(f"cannot load the model in {directory}: {' '.join(str(e).split())[:200]}") from None
 
