@@ -238,6 +238,25 @@ def test_a_model_whose_attention_has_no_sdpa_form_generates_as_transformers(run_
     assert not list((tmp_path / "cache" / "sparklm" / "gguf").glob("*"))  # no export, whole or half-written
 
 
+def test_a_model_directory_without_tokenizer_files_is_one_line_not_an_empty_tokenizer(run_dir, tmp_path):
+    """transformers makes a tokenizer of the special tokens alone for a directory with a config and no vocabulary:
+    `generate` printed the prompt and nothing else, `prepare --tokenizer DIR` wrote every word as the unknown token."""
+    from sparklm.data import tokenizer
+    from sparklm.infer.generate import load
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((run_dir / "model" / name).read_bytes())
+    for attempt in (lambda: load(str(bare)), lambda: tokenizer.load(str(bare))):
+        with pytest.raises(SparklmError, match=r"has no tokenizer files \(tokenizer.json, tokenizer.model, vocab"):
+            attempt()
+    out = subprocess.run([sys.executable, "-m", "sparklm", "generate", str(bare), "--prompt", "Hi"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and out.stdout == "" and len(out.stderr.strip().splitlines()) == 1
+    assert "has no tokenizer files" in out.stderr
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_batching(run_dir):
     from sparklm.infer.generate import generate, load
 

@@ -96,6 +96,21 @@ def train(texts: Iterable[str], config: TokenizerConfig) -> TokenizerSpec:
     return from_tokenizer(tok, config.bos_token, config.eos_token, config.pad_token)
 
 
+# Files that hold a tokenizer's vocabulary: HF's fast tokenizer.json, SentencePiece (tokenizer.model, spiece.model,
+# Mistral's tokenizer.model.v3), GPT-2's BPE (vocab.json), WordPiece (vocab.txt), tiktoken. Without one, transformers
+# builds a tokenizer of the special tokens alone from a model's config, and every word encodes as the unknown token.
+VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")
+
+
+def check_vocabulary(directory: Path, name: str | None = None) -> None:
+    """One line unless ``directory`` (an HF model or tokenizer directory) holds a tokenizer's vocabulary file."""
+    names = [p.name for p in directory.iterdir()] if directory.is_dir() else []
+    if not any(n in VOCABULARY_FILES or n.endswith((".model", ".tiktoken")) or n.startswith("tokenizer.model")
+               for n in names):
+        raise SparklmError(f"{name or directory} has no tokenizer files (tokenizer.json, tokenizer.model, vocab.json "
+                           "or vocab.txt)", hint="save the model's tokenizer beside it: tokenizer.save_pretrained(DIR)")
+
+
 def load(path: str) -> TokenizerSpec:
     """Load a ``tokenizer.json`` file, an HF tokenizer or model directory, or a .gguf model's tokenizer (local)."""
     p = Path(path)
@@ -104,6 +119,7 @@ def load(path: str) -> TokenizerSpec:
 
         p = model_source(str(p))  # a .gguf converted once (its tokenizer files are the GGUF's), a run's model/
     if p.is_dir():
+        check_vocabulary(p, path)
         try:
             from transformers import AutoTokenizer
 

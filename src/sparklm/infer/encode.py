@@ -48,6 +48,7 @@ def load_encoder(path: str, *, classify: bool, threads: int = 0, storage: Storag
     from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from ..data.tokenizer import check_vocabulary
     from ..infra.fs import verify_checksums
     from ..model.build import check_model_dir
     from .generate import inference_device, model_dir
@@ -58,6 +59,7 @@ def load_encoder(path: str, *, classify: bool, threads: int = 0, storage: Storag
     directory = model_dir(path, storage)
     check_model_dir(directory, path)
     verify_checksums(directory)
+    check_vocabulary(directory, path)
     config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
     if classify:  # from_pretrained would add a randomly initialised head and answer at random
         require_head(path, config.architectures)

@@ -121,6 +121,9 @@ def tokenizer_of(directory: Path) -> tuple[object, bool]:
     saves a tokenizer that adds BOS exactly when training did)."""
     from transformers import AutoTokenizer
 
+    from ..data.tokenizer import check_vocabulary
+
+    check_vocabulary(directory)
     try:
         tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as e:
