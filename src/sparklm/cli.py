@@ -409,18 +409,17 @@ def _generate(args: argparse.Namespace) -> int:
         raise SparklmError("no prompt given", hint='pass --prompt "text", --prompt-file FILE or --input FILE')
     lm = _generation_model(args)
     streaming = len(prompts) == 1 and sampling.num_samples == 1 and not args.show_top and not args.output
-    if streaming:
-        sys.stdout.write(prompts[0])
-        sys.stdout.flush()
+    echoed = []  # the prompt is echoed with the first piece: a prompt generate refuses prints only its error
 
     def on_text(_row: int, piece: str) -> None:
-        sys.stdout.write(piece)
+        sys.stdout.write(piece if echoed else prompts[0] + piece)
         sys.stdout.flush()
+        echoed.append(True)
 
     gens = generate(lm, prompts, sampling=sampling, batch_size=args.batch_size, show_top=args.show_top,
                     on_text=on_text if streaming else None)
     if streaming:
-        sys.stdout.write("\n")
+        sys.stdout.write(("" if echoed else prompts[0]) + "\n")
     elif not args.output:
         for g in gens:
             print(f"--- prompt {g.key}, sample {g.sample}" + (" (prompt truncated)" if g.truncated else ""))

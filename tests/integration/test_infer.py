@@ -489,10 +489,12 @@ def test_cli_generate_streams_and_writes(run_dir, tmp_path):
     (["--prompt", "a", "--top-p", "0"], "top-p"),
     (["--prompt", "a", "--temperature", "-1"], "temperature"),
     (["--prompt", "a", "--max-new-tokens", "500"], "does not fit"),
+    (["--prompt", "   "], "empty prompt"),
 ])
 def test_cli_generate_bad_input_is_one_line(run_dir, args, message):
     out = run_sparklm("generate", str(run_dir), *args)
     assert out.returncode == 2 and message in out.stderr
+    assert out.stdout == ""  # a refused prompt is not echoed before its error
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
 
 
