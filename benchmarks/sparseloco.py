@@ -32,28 +32,28 @@ MODEL = ["--set", "model.n_layer=2", "--set", "model.n_embd=128", "--set", "mode
          "--set", "train.batch_size=2"]
 
 
-def sparse(h: int, density: float, beta: float, bits: int = 2, over: str = "senders") -> list[str]:
+def sparse(h: int, density: float, beta: float, bits: int = 2, over: str = "senders", lr: float = 1.0) -> list[str]:
     return ["--strategy", "diloco", "--sync-every", str(h), "--codec", "topk",
             "--set", f"train.rounds.density={density}", "--set", f"train.rounds.bits={bits}",
-            "--set", "train.rounds.outer_momentum=0.0", "--set", "train.rounds.outer_lr=1.0",
+            "--set", "train.rounds.outer_momentum=0.0", "--set", f"train.rounds.outer_lr={lr}",
             "--set", f"train.rounds.residual_decay={beta}", "--set", 'train.rounds.downlink="forward"',
             "--set", f'train.rounds.average_over="{over}"']
 
 
-def contenders(h: int, density: float, bits: int) -> dict[str, list[str]]:
-    tag = f"sparse-H{h}-1/{1 / density:.0f}-{bits}bit"
+def contenders(h: int, density: float, bits: int, lr: float = 1.0) -> dict[str, list[str]]:
+    tag = f"sparse-H{h}-1/{1 / density:.0f}-{bits}bit" + (f"-lr{lr:g}" if lr != 1.0 else "")
     return {
         "ddp": [],
         "ddp-seed1": ["--set", "train.seed=1"],
         f"dense-int4-H{h}": ["--strategy", "diloco", "--sync-every", str(h)],
-        f"{tag}-b0.95": sparse(h, density, 0.95, bits),
-        f"{tag}-b1.0": sparse(h, density, 1.0, bits),
-        f"{tag}-b0.8": sparse(h, density, 0.8, bits),
-        f"{tag}-b0.95-old-divisor": sparse(h, density, 0.95, bits, "all"),
+        f"{tag}-b0.95": sparse(h, density, 0.95, bits, lr=lr),
+        f"{tag}-b1.0": sparse(h, density, 1.0, bits, lr=lr),
+        f"{tag}-b0.8": sparse(h, density, 0.8, bits, lr=lr),
+        f"{tag}-b0.95-old-divisor": sparse(h, density, 0.95, bits, "all", lr),
         # a second seed of the two that the target compares (not run by default: --only)
         f"dense-int4-H{h}-seed1": ["--strategy", "diloco", "--sync-every", str(h), "--set", "train.seed=1"],
-        f"{tag}-b0.95-seed1": [*sparse(h, density, 0.95, bits), "--set", "train.seed=1"],
-        f"{tag}-b0.9": sparse(h, density, 0.9, bits),  # between the two (not run by default: --only)
+        f"{tag}-b0.95-seed1": [*sparse(h, density, 0.95, bits, lr=lr), "--set", "train.seed=1"],
+        f"{tag}-b0.9": sparse(h, density, 0.9, bits, lr=lr),  # between the two (not run by default: --only)
     }
 
 
@@ -63,14 +63,17 @@ def extra(name: str) -> bool:
     return (name.endswith("-seed1") and not name.startswith("ddp")) or name.endswith(("-b1.0", "-b0.9"))
 
 
-def run(name: str, flags: list[str], data: Path, work: Path, steps: int, corpus: str) -> dict:
-    out = work / f"sparseloco-{corpus}" / name.replace("/", "_")
+def run(name: str, flags: list[str], data: Path, work: Path, steps: int, corpus: str, inner: list[str] = (),
+        eval_every: int = 0) -> dict:
+    tag = "".join(f"-{flag.split('=')[1]}" for flag in inner if "=" in flag)  # e.g. -float32-adamw
+    tag += f"-eval{eval_every}" if eval_every else ""
+    out = work / f"sparseloco-{corpus}{tag}" / name.replace("/", "_")
     subprocess.run(["rm", "-rf", str(out)], check=True)
     t0 = time.time()
     r = subprocess.run([sys.executable, "-m", "sparklm", "train", "--data", str(data), "-o", str(out),
                         "--workers", "2", "--max-steps", str(steps), "--master", "local[2]", "--threads", "1",
-                        "--set", "spark.ui=false", "--set", "train.eval_every=0", "--set", "train.samples=0",
-                        "--set", "train.checkpoint_every=0", *MODEL, *flags], capture_output=True, text=True)
+                        "--set", "spark.ui=false", "--set", f"train.eval_every={eval_every}", "--set", "train.samples=0",
+                        "--set", "train.checkpoint_every=0", *MODEL, *inner, *flags], capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(f"{name} failed:\n{r.stderr[-3000:]}")
     s = json.loads((out / "summary.json").read_text())
@@ -78,6 +81,15 @@ def run(name: str, flags: list[str], data: Path, work: Path, steps: int, corpus:
            "params": s["params"], "trainable": s.get("trainable_params") or s["params"],
            "bytes": s["bytes_communicated"], "out_bytes": s.get("bytes_broadcast"),
            "back_bytes": s.get("bytes_returned"), "rounds": s.get("rounds")}
+    info = json.loads((out / "run_info.json").read_text())  # what "auto" picked on this machine
+    res["inner"] = f"{info['optimizer']}, {info['dtype']}"
+    if eval_every:  # the validation curve: the best point of a run that overfits its corpus is not its end
+        import csv
+
+        with open(out / "metrics.csv") as f:
+            curve = [(int(r["step"]), float(r["val_bpb"])) for r in csv.DictReader(f) if r["kind"] == "eval"]
+        res["curve"] = curve
+        res["best_step"], res["best_bpb"] = min(curve, key=lambda c: c[1])
     print(f"{name}: {res['val_bpb']:.4f} bits/byte, {res['bytes'] / 1e6:,.2f} MB, wall {res['wall_s']:.0f} s",
           flush=True)
     return res
@@ -86,8 +98,8 @@ def run(name: str, flags: list[str], data: Path, work: Path, steps: int, corpus:
 def table(results: dict) -> str:
     """Each contender against DDP (seed 0) and the dense DiLoCo of the same H."""
     ddp = results.get("ddp")
-    lines = ["| contender | val bits/byte | vs DDP | vs dense DiLoCo | bytes out | bytes back | less than DDP | "
-             "bits/param/step | rounds | wall |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| contender | inner optimizer, dtype | val bits/byte | vs DDP | vs dense DiLoCo | bytes out | bytes back | "
+             "less than DDP | bits/param/step | rounds | wall |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         seed = "-seed1" if name.endswith("-seed1") else ""  # a second seed against dense DiLoCo's of the same seed
         dense = next((d for n, d in results.items() if n.startswith("dense") and n.endswith("-seed1") == bool(seed)),
@@ -98,7 +110,8 @@ def table(results: dict) -> str:
         each = (f"{r['out_bytes'] / 1e6:,.2f} MB | {r['back_bytes'] / 1e6:,.2f} MB" if r.get("out_bytes") is not None
                 else "— | —")
         bits = 8 * r["bytes"] / (r["trainable"] * r["steps"] * 2)
-        lines.append(f"| {name} | {r['val_bpb']:.4f} | {vs} | {vd} | {each} | {less} | {bits:.4f} | "
+        best = f" (best {r['best_bpb']:.4f} at step {r['best_step']})" if "best_bpb" in r else ""
+        lines.append(f"| {name} | {r.get('inner', '')} | {r['val_bpb']:.4f}{best} | {vs} | {vd} | {each} | {less} | {bits:.4f} | "
                      f"{r['rounds'] or ''} | {r['wall_s']:.0f} s |")
     return "\n".join(lines)
 
@@ -109,20 +122,31 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=16)
     ap.add_argument("--density", type=float, default=1 / 64, help="share of each 64×64 tile sent")
     ap.add_argument("--bits", type=int, default=3, help="bits per value sent: its sign and a magnitude bin")
+    ap.add_argument("--outer-lr", type=float, default=1.0, help="the sparse contenders' outer SGD step (SparseLoCo: 1)")
+    ap.add_argument("--dtype", default="auto", help="train.dtype of every contender (auto: what the machine picks: "
+                    "bfloat16 where the CPU is fast at it)")
+    ap.add_argument("--optimizer", default="auto", help="train.optimizer, the inner one for DiLoCo (auto: Muon with "
+                    "bfloat16, else AdamW)")
+    ap.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps too; the table then adds "
+                    "each run's best validation bits/byte and its step (results in WORK/sparseloco-CORPUS-evalN.json)")
     ap.add_argument("--corpus", choices=("tinyshakespeare", "wikitext2"), default="tinyshakespeare")
     ap.add_argument("--only", nargs="*", help="these contenders only")
     ap.add_argument("--work", default=str(ROOT / ".bench"))
     ap.add_argument("--table-only", action="store_true")
     args = ap.parse_args()
     work = Path(args.work)
-    saved = work / f"sparseloco-{args.corpus}.json"
+    inner = [f for k in ("dtype", "optimizer") if getattr(args, k) != "auto"
+             for f in ("--set", f"train.{k}={getattr(args, k)}")]
+    tag = "".join(f"-{getattr(args, k)}" for k in ("dtype", "optimizer") if getattr(args, k) != "auto")
+    tag += f"-eval{args.eval_every}" if args.eval_every else ""
+    saved = work / f"sparseloco-{args.corpus}{tag}.json"
     results = json.loads(saved.read_text()) if saved.is_file() else {}
     if not args.table_only:
         data = prepared(work, args.corpus)
-        for name, flags in contenders(args.sync_every, args.density, args.bits).items():
+        for name, flags in contenders(args.sync_every, args.density, args.bits, args.outer_lr).items():
             if (args.only and name not in args.only) or (not args.only and extra(name)):
                 continue
-            results[name] = run(name, flags, data, work, args.steps, args.corpus)
+            results[name] = run(name, flags, data, work, args.steps, args.corpus, inner, args.eval_every)
             saved.write_text(json.dumps(results, indent=2))
     print(table(results))
 
