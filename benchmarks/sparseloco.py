@@ -19,6 +19,7 @@ WORK/sparseloco-CORPUS.json (--only NAME... runs a subset).
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import subprocess
 import sys
@@ -63,11 +64,10 @@ def extra(name: str) -> bool:
     return (name.endswith("-seed1") and not name.startswith("ddp")) or name.endswith(("-b1.0", "-b0.9"))
 
 
-def run(name: str, flags: list[str], data: Path, work: Path, steps: int, corpus: str, inner: list[str] = (),
+def run(name: str, flags: list[str], data: Path, home: Path, steps: int, inner: list[str] = (),
         eval_every: int = 0) -> dict:
-    tag = "".join(f"-{flag.split('=')[1]}" for flag in inner if "=" in flag)  # e.g. -float32-adamw
-    tag += f"-eval{eval_every}" if eval_every else ""
-    out = work / f"sparseloco-{corpus}{tag}" / name.replace("/", "_")
+    """One contender, its run directory under ``home``; ``inner``: the --set flags of --dtype/--optimizer."""
+    out = home / name.replace("/", "_")
     subprocess.run(["rm", "-rf", str(out)], check=True)
     t0 = time.time()
     r = subprocess.run([sys.executable, "-m", "sparklm", "train", "--data", str(data), "-o", str(out),
@@ -84,8 +84,6 @@ def run(name: str, flags: list[str], data: Path, work: Path, steps: int, corpus:
     info = json.loads((out / "run_info.json").read_text())  # what "auto" picked on this machine
     res["inner"] = f"{info['optimizer']}, {info['dtype']}"
     if eval_every:  # the validation curve: the best point of a run that overfits its corpus is not its end
-        import csv
-
         with open(out / "metrics.csv") as f:
             curve = [(int(r["step"]), float(r["val_bpb"])) for r in csv.DictReader(f) if r["kind"] == "eval"]
         res["curve"] = curve
@@ -139,14 +137,14 @@ def main() -> None:
              for f in ("--set", f"train.{k}={getattr(args, k)}")]
     tag = "".join(f"-{getattr(args, k)}" for k in ("dtype", "optimizer") if getattr(args, k) != "auto")
     tag += f"-eval{args.eval_every}" if args.eval_every else ""
-    saved = work / f"sparseloco-{args.corpus}{tag}.json"
+    saved = work / f"sparseloco-{args.corpus}{tag}.json"  # the runs beside it, in sparseloco-CORPUS-TAG/
     results = json.loads(saved.read_text()) if saved.is_file() else {}
     if not args.table_only:
         data = prepared(work, args.corpus)
         for name, flags in contenders(args.sync_every, args.density, args.bits, args.outer_lr).items():
             if (args.only and name not in args.only) or (not args.only and extra(name)):
                 continue
-            results[name] = run(name, flags, data, work, args.steps, args.corpus, inner, args.eval_every)
+            results[name] = run(name, flags, data, saved.with_suffix(""), args.steps, inner, args.eval_every)
             saved.write_text(json.dumps(results, indent=2))
     print(table(results))
 

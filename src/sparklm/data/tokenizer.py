@@ -102,13 +102,21 @@ def train(texts: Iterable[str], config: TokenizerConfig) -> TokenizerSpec:
 VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")
 
 
-def check_vocabulary(directory: Path, name: str | None = None) -> None:
-    """One line unless ``directory`` (an HF model or tokenizer directory) holds a tokenizer's vocabulary file."""
+def hf_tokenizer(directory: Path, name: str | None = None):
+    """transformers' tokenizer of ``directory`` (an HF model or tokenizer directory; ``name``: how the user gave it),
+    or one line where it holds no vocabulary file or transformers cannot load it."""
     names = [p.name for p in directory.iterdir()] if directory.is_dir() else []
     if not any(n in VOCABULARY_FILES or n.endswith((".model", ".tiktoken")) or n.startswith("tokenizer.model")
                for n in names):
         raise SparklmError(f"{name or directory} has no tokenizer files (tokenizer.json, tokenizer.model, vocab.json "
                            "or vocab.txt)", hint="save the model's tokenizer beside it: tokenizer.save_pretrained(DIR)")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except Exception as e:
+        raise SparklmError(f"cannot load the tokenizer in {name or directory}: {' '.join(str(e).split())[:200]}",
+                           hint="save the model's tokenizer beside it: tokenizer.save_pretrained(DIR)") from None
 
 
 def load(path: str) -> TokenizerSpec:
@@ -119,14 +127,7 @@ def load(path: str) -> TokenizerSpec:
 
         p = model_source(str(p))  # a .gguf converted once (its tokenizer files are the GGUF's), a run's model/
     if p.is_dir():
-        check_vocabulary(p, path)
-        try:
-            from transformers import AutoTokenizer
-
-            hf = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-        except Exception as e:
-            raise SparklmError(f"cannot load a tokenizer from {p}: {' '.join(str(e).split())[:200]}",
-                               hint="pass a tokenizer.json file or a directory saved by save_pretrained") from None
+        hf = hf_tokenizer(p, path)
         backend = getattr(hf, "backend_tokenizer", None) or getattr(hf, "_tokenizer", None)
         if backend is None:
             raise SparklmError(f"{p} holds a slow tokenizer only", hint="save it with a tokenizer.json (fast) first")

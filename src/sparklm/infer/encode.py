@@ -45,10 +45,10 @@ def load_encoder(path: str, *, classify: bool, threads: int = 0, storage: Storag
     """An HF model directory (safetensors only: nothing is unpickled) as a classifier (its sequence-classification
     head) or an encoder (the base model's hidden states), on ``device`` (generate.inference_device); one line when it
     cannot be."""
-    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
-    from ..data.tokenizer import check_vocabulary
+    from ..data.tokenizer import hf_tokenizer
     from ..infra.fs import verify_checksums
     from ..model.build import check_model_dir
     from .generate import inference_device, model_dir
@@ -59,7 +59,7 @@ def load_encoder(path: str, *, classify: bool, threads: int = 0, storage: Storag
     directory = model_dir(path, storage)
     check_model_dir(directory, path)
     verify_checksums(directory)
-    check_vocabulary(directory, path)
+    tokenizer = hf_tokenizer(directory, path)
     config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
     if classify:  # from_pretrained would add a randomly initialised head and answer at random
         require_head(path, config.architectures)
@@ -67,7 +67,6 @@ def load_encoder(path: str, *, classify: bool, threads: int = 0, storage: Storag
     try:
         model = cls.from_pretrained(str(directory), local_files_only=True, use_safetensors=True,
                                     dtype=torch.float32).eval()
-        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as e:
         raise SparklmError(f"cannot load {path} as a {'text classifier' if classify else 'text encoder'}: "
                            f"{' '.join(str(e).split())[:200]}") from None

@@ -119,16 +119,9 @@ def check_quantize(quantize: str) -> None:
 def tokenizer_of(directory: Path) -> tuple[object, bool]:
     """A model directory's tokenizer, and whether prompts start with BOS: the tokenizer's own convention (sparklm
     saves a tokenizer that adds BOS exactly when training did)."""
-    from transformers import AutoTokenizer
+    from ..data.tokenizer import hf_tokenizer
 
-    from ..data.tokenizer import check_vocabulary
-
-    check_vocabulary(directory)
-    try:
-        tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    except Exception as e:
-        raise SparklmError(f"cannot load the tokenizer in {directory}: {' '.join(str(e).split())[:200]}",
-                           hint="the model directory needs tokenizer files (tokenizer.json or the model's own)") from None
+    tok = hf_tokenizer(directory)
     bos = tok.bos_token_id
     return tok, bos is not None and bos != tok.eos_token_id and tok("a")["input_ids"][:1] == [bos]
 

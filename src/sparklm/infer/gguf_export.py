@@ -63,7 +63,7 @@ def write_gguf(lm, directory: Path, quantize: str) -> dict:
     import gguf
 
     cfg = lm.model.config
-    arch = _arch(cfg)
+    arch = checked_arch(cfg)
     tensors = gguf_tensors({n: t.detach().float().numpy() for n, t in lm.model.state_dict().items()}, cfg, arch)
     tokens = vocabulary(lm.tokenizer, cfg.vocab_size)
     w = gguf.GGUFWriter(str(directory / GGUF_FILE), arch)
@@ -82,8 +82,9 @@ def write_gguf(lm, directory: Path, quantize: str) -> dict:
             "add_bos": lm.add_bos, "pre_tokenizer": tokens["pre"]}
 
 
-def _arch(cfg) -> str:
-    """llama.cpp's name for the model's architecture, the config checked for what it would read otherwise."""
+def checked_arch(cfg) -> str:
+    """llama.cpp's name for the model's architecture (``cfg``: its transformers config), the config checked for what
+    llama.cpp would read otherwise."""
     names = [a for a in (cfg.architectures or []) if a in ARCHS]
     if not names:
         raise SparklmError(f"--format gguf writes Llama and Qwen3 models; this one is {cfg.architectures}",

@@ -132,20 +132,27 @@ def cached_export(path: str, directory: Path, quant: str, storage: StorageConfig
     """The cache directory holding ``directory`` exported to GGUF, keyed by its files' content and ``quant``; exported
     on first use (the torch model loaded once for it)."""
     from .generate import load as load_torch
-    from .gguf_export import write_gguf
+    from .gguf_export import checked_arch, write_gguf
 
     target = cache_dir("gguf", f"{content_key(directory)[:24]}-{quant}-v{FORMAT}")
     if not (target / "info.json").is_file():
+        from transformers import AutoConfig
+
         from ..infra import progress
 
+        try:
+            cfg = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+        except Exception as e:
+            raise SparklmError(f"cannot load the model in {path}: {' '.join(str(e).split())[:200]}") from None
+        try:  # from the config, before the model loads; export's own hint (--format onnx) is not a `generate` user's
+            checked_arch(cfg)
+        except SparklmError as e:
+            raise SparklmError(f"--backend llama.cpp runs the models GGUF export writes: {e.message}",
+                               hint="--backend torch runs this model") from None
         progress.info(f"exporting {path} to GGUF ({quant}) for llama.cpp, once: {target}")
         lm = load_torch(path, storage=storage, device="cpu")
         with staged_cache(target, marker="info.json") as tmp:
-            try:
-                info = write_gguf(lm, tmp, quant)
-            except SparklmError as e:  # export's own hint (--format onnx) is not what a `generate` user needs
-                raise SparklmError(f"--backend llama.cpp runs the models GGUF export writes: {e.message}",
-                                   hint="--backend torch runs this model") from None
+            info = write_gguf(lm, tmp, quant)
             info["plain_tokenizer"] = plain_tokenizer_agrees(directory, lm.tokenizer)
             (tmp / "info.json").write_text(json.dumps(info, indent=2))
     return target

@@ -74,6 +74,7 @@ def _prepare(inputs, *, output: str, config: Config | None, validation_inputs, o
         beam_engine.check(config, frame)
     if frame:
         frames = _frames(inputs, validation_inputs, data)
+        spark = frames[0][0].sparkSession  # the DataFrames' own session
     else:
         inputs = [inputs] if isinstance(inputs, str) else list(inputs)
         if not inputs:
@@ -91,7 +92,7 @@ def _prepare(inputs, *, output: str, config: Config | None, validation_inputs, o
     trackers.check(config, "prepare")
     preload, master = None, ""
     if data.engine != "beam":  # the malloc resolved once, with the checks: a path that is no file fails before any work
-        master = planned_master(config.spark, frames[0][0].sparkSession if frame else None if callable(spark) else spark)
+        master = planned_master(config.spark, None if callable(spark) else spark)
         preload = allocator.library(config.tokenizer.allocator, master)
     started = time.time()
     fs, out_path = resolve(output, storage)
@@ -101,7 +102,7 @@ def _prepare(inputs, *, output: str, config: Config | None, validation_inputs, o
     ahead = None  # the tokenizer's sample read and trained in a child process while Spark starts
     try:
         if frame:
-            spark, spark_start = frames[0][0].sparkSession, 0.0
+            spark_start = 0.0
             check_workers_python(spark)  # the user's session: its Python workers must import sparklm
             check_shared(spark, {"output": output})
             source = _frame_source(spark, frames, data, preload)
