@@ -6,6 +6,7 @@ ships as and HF `generate` (issue 53, item 1).
     .venv/bin/python benchmarks/gguf_decode.py --model RUN --batch  # a sparklm run's model instead of SmolLM2
     .venv/bin/python benchmarks/gguf_decode.py --score              # scoring (eval's work): torch against llama.cpp
     .venv/bin/python benchmarks/gguf_decode.py --hf-best            # HF compiled with a static cache, fp32 and bf16
+    .venv/bin/python benchmarks/gguf_decode.py --bf16 [--batch]     # bfloat16 weights: HF, torch and llama.cpp
     .venv/bin/python benchmarks/gguf_decode.py --parity RUN/model   # a sparklm model's f32 export against torch
 
 Set-up (the benchmark's own, outside the project's dependencies; done once):
@@ -13,7 +14,7 @@ Set-up (the benchmark's own, outside the project's dependencies; done once):
     `sparklm import` into .bench/smollm2-hf (float32 safetensors);
   * llama.cpp's Python binding: `pip install --no-deps --target .bench/llama-cpp llama-cpp-python diskcache` (built
     from its source distribution, for this CPU), put on the contenders' PYTHONPATH only;
-  * `sparklm export .bench/smollm2-hf --format gguf --quantize Q` for f32, q8_0 and q4_1.
+  * `sparklm export .bench/smollm2-hf --format gguf --quantize Q` for f32, bf16, q8_0 and q4_1.
 
 Contenders, each in a fresh process, interleaved, median of --repeats: llama.cpp on the shipped Q4_1 file, llama.cpp
 on sparklm's f32 / q8_0 / q4_1 exports, HF `generate` in float32 on the imported model, and sparklm's own generation
@@ -46,7 +47,7 @@ HF_DIR = Path(MODEL) if MODEL else BENCH / "smollm2-hf"
 TAG = f"{HF_DIR.parent.name}-{HF_DIR.name}" if MODEL else "smollm2"
 LLAMA_CPP = BENCH / "llama-cpp"
 PROMPT = "The history of the Roman Empire began when"
-QUANTS = ("f32", "q8_0", "q4_1")
+QUANTS = ("f32", "bf16", "q8_0", "q4_1")
 BATCH = 8  # the batched contenders' rows: eight prompts decoded together
 PROMPTS = [PROMPT, "Once upon a time, in a small village", "The best way to learn a language is",
            "Photosynthesis is the process by which", "My favourite recipe for bread starts with",
@@ -345,6 +346,9 @@ def main() -> None:
     ap.add_argument("--model", metavar="RUN", help="a sparklm run (or HF model directory) instead of SmolLM2")
     ap.add_argument("--hf-best", action="store_true",
                     help="HF at its best CPU settings (static cache; compiled) against sparklm's backends, batch 1")
+    ap.add_argument("--bf16", action="store_true", help="bfloat16 weights only: HF (eager; static cache and "
+                    "compiled), sparklm's torch backend, llama.cpp alone and sparklm's llama.cpp backend on its bf16 "
+                    "export (with --batch: at batch 8 too)")
     ap.add_argument("--score", action="store_true", help="scoring (eval's work) on torch against llama.cpp, only")
     ap.add_argument("--parity", metavar="MODEL", help="a sparklm model's f32 GGUF in llama.cpp against torch")
     ap.add_argument("--one", nargs=2, metavar=("NAME", "PATH"), help=argparse.SUPPRESS)
@@ -367,7 +371,7 @@ def main() -> None:
              "sparklm torch int8": "", "sparklm torch int4": ""}
     if args.score:
         return score(files, env, args)
-    for q in ("none", "q8_0", "q4_1"):  # `sparklm generate --backend llama.cpp`: its cached export made here, not timed
+    for q in ("none", "bf16", "q8_0", "q4_1"):  # `sparklm generate --backend llama.cpp`: its cached export made here, not timed
         # in a child process: a forked child's peak RSS starts from its parent's, so the parent stays small
         subprocess.run([sys.executable, "-c", f"from sparklm.infer import llamacpp; llamacpp.load({str(HF_DIR)!r}, "
                         f"quantize={q!r})"], env=env, check=True)
@@ -384,6 +388,13 @@ def main() -> None:
                  "HF static compiled bf16": "", "sparklm torch none": "", "sparklm torch int8": "",
                  "sparklm torch int4": "", "sparklm llama.cpp none": "", "sparklm llama.cpp q8_0": "",
                  "sparklm llama.cpp q4_1": ""}
+    if args.bf16:  # at equal bits: bfloat16 weights on every contender (HF's float32 run: the tokens' reference)
+        files = {"HF generate fp32": "", "HF generate bf16": "", "HF static compiled bf16": "",
+                 "sparklm torch bf16": "", "llama.cpp sparklm bf16": files["llama.cpp sparklm bf16"],
+                 "sparklm llama.cpp bf16": ""}
+        if args.batch:
+            files.update({"HF generate bf16 B8": "", "sparklm torch bf16 B8": "",
+                          "llama.cpp sparklm bf16 B8": files["llama.cpp sparklm bf16"], "sparklm llama.cpp bf16 B8": ""})
     runs: dict[str, list[dict]] = {n: [] for n in files}
     for _ in range(args.repeats):  # interleaved: each round runs every contender once
         for name, path in files.items():
@@ -405,7 +416,8 @@ def main() -> None:
               f"{med['peak_rss_mb']:,.0f} MB | {med['compile_s']:.0f} s | "
               f"{'yes' if rs[0]['prompt'] == hf['prompt'] else 'no'} | "
               f"{first_difference(rs[0]['tokens'], hf['tokens'])} |")
-    (BENCH / f"gguf_decode{'_hf_best' if args.hf_best else ''}.json").write_text(json.dumps(runs, indent=1))
+    kind = "_hf_best" if args.hf_best else "_bf16" if args.bf16 else ""
+    (BENCH / f"gguf_decode{kind}{'' if TAG == 'smollm2' else '_' + TAG}.json").write_text(json.dumps(runs, indent=1))
 
 
 if __name__ == "__main__":

@@ -184,7 +184,7 @@ def export(model: str, *, output: str, format: str = "onnx", quantize: str = "no
            overwrite: bool = False) -> dict:
     """``model`` in the directory ``output``, as ``sparklm export``: ``format="onnx"`` a graph with its tokenizer
     (``quantize`` none, int8 or int4; ``merge_adapter`` also writes a LoRA run's merged model as an HF directory),
-    ``format="gguf"`` one llama.cpp file (``quantize`` none/f32, f16, q8_0, q4_0 or q4_1; a LoRA run merged),
+    ``format="gguf"`` one llama.cpp file (``quantize`` none/f32, f16, bf16, q8_0, q4_0 or q4_1; a LoRA run merged),
     ``format="hub"`` the files of a Hugging Face Hub repository (``merge_adapter``: a LoRA run merged)."""
     from .infer.export import export as run
     from .infer.export import export_hub

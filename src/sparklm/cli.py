@@ -130,9 +130,10 @@ def _add_inference(sub) -> None:
                    help="llama.cpp: the model exported to GGUF once (cached) and decoded by llama.cpp on the CPU "
                         "(pip install 'sparklm[llamacpp]')")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto: CUDA where torch sees a GPU")
-    g.add_argument("--quantize", choices=["none", "int8", "int4", "f16", "q8_0", "q4_0", "q4_1"], default="none",
-                   help="torch backend, on the CPU: int8 (dynamic int8 Linear layers) or int4 (4-bit weights, groups "
-                        "of 32); llama.cpp backend: f16, q8_0, q4_0 or q4_1 (GGUF blocks)")
+    g.add_argument("--quantize", choices=["none", "bf16", "int8", "int4", "f16", "q8_0", "q4_0", "q4_1"],
+                   default="none", help="torch backend: bf16 (the weights in bfloat16), or on the CPU int8 (dynamic "
+                   "int8 Linear layers) or int4 (4-bit weights, groups of 32); llama.cpp backend: f16, bf16, q8_0, "
+                   "q4_0 or q4_1 (GGUF blocks)")
     g.add_argument("--batch-size", type=int, default=8, metavar="N")
     g.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads (default: all)")
     _common(g)
@@ -158,8 +159,8 @@ def _add_inference(sub) -> None:
     x.add_argument("model", metavar="MODEL", help="a sparklm run directory or an HF model directory")
     x.add_argument("--format", choices=["onnx", "gguf", "hub"], default="onnx")
     x.add_argument("--output", "-o", required=True, metavar="DIR")
-    x.add_argument("--quantize", choices=["none", "int8", "int4", "f16", "q8_0", "q4_0", "q4_1"], default="none",
-                   help="onnx: none, int8 or int4; gguf: none (f32), f16, q8_0, q4_0 or q4_1")
+    x.add_argument("--quantize", choices=["none", "int8", "int4", "f16", "bf16", "q8_0", "q4_0", "q4_1"],
+                   default="none", help="onnx: none, int8 or int4; gguf: none (f32), f16, bf16, q8_0, q4_0 or q4_1")
     x.add_argument("--merge", action="store_true",
                    help="also write the model as an HF directory (model.safetensors), a LoRA adapter merged into its "
                         "base: loadable with AutoModelForCausalLM, without peft")

@@ -313,6 +313,36 @@ def test_int4_quantized_generation(run_dir):
     assert isinstance(decoder(int4.model), LlamaDecoder)
 
 
+def test_bf16_generation_on_the_torch_backend(run_dir):
+    """--quantize bf16 (torch): the weights in bfloat16 (converted one at a time: the numbers of transformers' own
+    bf16 load), every step through the Llama decoding step on the CPU; logits near the float32 model's."""
+    from transformers import AutoModelForCausalLM
+
+    from sparklm.infer.generate import decoder, generate, load
+    from sparklm.infer.torch_decode import LlamaDecoder, TorchDecoder
+
+    fp32, bf16 = load(str(run_dir)), load(str(run_dir), quantize="bf16")
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
+    theirs = AutoModelForCausalLM.from_pretrained(str(run_dir / "model"), dtype=torch.bfloat16).eval()
+    ids = torch.tensor([[1, 5, 9, 200, 17, 3]])
+    with torch.no_grad():
+        a, b = fp32.model(input_ids=ids).logits, bf16.model(input_ids=ids).logits
+        assert torch.equal(b, theirs(input_ids=ids).logits)
+    b = b.float()
+    assert (a - b).abs().max() < 0.05 * a.abs().max() and not torch.equal(a, b)
+    fast = decoder(bf16.model)
+    assert isinstance(fast, LlamaDecoder)
+    mask = np.ones((1, 3), dtype=np.int64)
+    prompt = np.array([[1, 5, 9]])
+    plain = TorchDecoder(bf16.model)
+    np.testing.assert_array_equal(fast.start(prompt, mask, 4), plain.start(prompt, mask))  # both transformers'
+    for token in (200, 17, 3):  # the step by hand against transformers' forward with its cache, token by token
+        np.testing.assert_allclose(fast.extend(np.array([token])), plain.extend(np.array([token])), atol=2e-2)
+    s = Sampling(temperature=0, max_new_tokens=6)
+    gens = generate(bf16, PROMPTS, sampling=s, batch_size=4)
+    assert [g.token_ids for g in gens] == [generate(bf16, [p], sampling=s)[0].token_ids for p in PROMPTS]
+
+
 def test_show_top_and_truncation_and_bad_prompts(run_dir):
     from sparklm.infer.generate import generate, load
 
@@ -527,6 +557,10 @@ def test_llama_cpp_backend_generates_what_torch_does(run_dir, tmp_path, monkeypa
     stamp = info.stat().st_mtime_ns
     llamacpp.load(str(run_dir), threads=2)
     assert info.stat().st_mtime_ns == stamp  # exported once
+    half = llamacpp.load(str(run_dir), threads=2, quantize="bf16")  # bf16 matrices: near f32's logits, not equal
+    ids, mask = np.array([[1, 5, 9, 200, 17, 3]]), np.ones((1, 6), dtype=np.int64)
+    want, got = fast.model.start(ids, mask, 4), half.model.start(ids, mask, 4)
+    assert np.abs(got - want).max() < 0.05 * np.abs(want).max() and not np.array_equal(got, want)
 
     out = run_sparklm("generate", str(run_dir), "--backend", "llama.cpp", "--quantize", "q8_0", "--prompt",
                       "The quick", "--temperature", "0", "--max-new-tokens", "6")
@@ -659,7 +693,7 @@ def test_cli_batch_generation_eval_and_export(run_dir, tmp_path, capsys):
     reader = gguf.GGUFReader(str(tmp_path / "g" / "model.gguf"))
     assert {t.tensor_type.name for t in reader.tensors} == {"Q8_0", "F32"}
     assert main(["export", str(run_dir), "--format", "gguf", "--quantize", "int8", "--output", str(tmp_path / "g2")]) == 2
-    assert "--quantize int8 for --format gguf: use one of f32, f16, q8_0, q4_0, q4_1" in capsys.readouterr().err
+    assert "--quantize int8 for --format gguf: use one of f32, f16, bf16, q8_0, q4_0, q4_1" in capsys.readouterr().err
     assert not (tmp_path / "g2").exists()
 
 

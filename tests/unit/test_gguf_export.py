@@ -125,7 +125,8 @@ def test_quantized_blocks_and_accuracy(tmp_path):
     want = _logits(original, ids)
     sizes = {}
     kinds = gguf.GGMLQuantizationType
-    for quant, matrix, embed in (("f16", "F16", "F16"), ("q8_0", "Q8_0", "Q8_0"), ("q4_1", "Q4_1", "Q8_0")):
+    for quant, matrix, embed in (("f16", "F16", "F16"), ("bf16", "BF16", "BF16"), ("q8_0", "Q8_0", "Q8_0"),
+                                 ("q4_1", "Q4_1", "Q8_0")):
         out = tmp_path / quant
         sizes[quant] = gguf_export.export_gguf(str(tmp_path / "m"), str(out), quantize=quant)["bytes"]
         types = _read(out)
@@ -145,7 +146,7 @@ def test_quantized_blocks_and_accuracy(tmp_path):
         got = _logits(back_model.eval(), ids)
         assert torch.allclose(got, _logits(rounded, ids), atol=1e-4), quant
         assert not torch.allclose(got, want, atol=1e-4)  # and the rounding is real
-    assert sizes["q4_1"] < sizes["q8_0"] < sizes["f16"]
+    assert sizes["q4_1"] < sizes["q8_0"] < sizes["f16"] == sizes["bf16"]
 
 
 def test_interleave_rope_is_the_inverse_of_transformers_reader():
@@ -189,7 +190,7 @@ def test_refuses_what_llama_cpp_reads_otherwise(tmp_path):
     _model_dir(tmp_path / "m")
     with pytest.raises(SparklmError) as e:
         gguf_export.export_gguf(str(tmp_path / "m"), str(tmp_path / "o3"), quantize="q2_k")
-    assert "f32, f16, q8_0, q4_0, q4_1" in _one_line(e)
+    assert "f32, f16, bf16, q8_0, q4_0, q4_1" in _one_line(e)
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
 
     mine = tmp_path / "mine"

@@ -14,9 +14,9 @@ BACKENDS = ("torch", "onnx", "llama.cpp")
 
 def load(path: str, *, backend: str = "torch", quantize: str = "none", threads: int = 0,
          storage: StorageConfig | None = None, device: str = "auto", batch_size: int = 8) -> LoadedModel:
-    """The model generation runs on ``backend``: torch (``quantize`` none, int8 or int4; int8 and int4 on the CPU), an ONNX export
-    (``path`` is its directory; quantized when exported), or llama.cpp (the model exported to GGUF once, ``quantize``
-    none, f16, q8_0, q4_0 or q4_1, at most ``batch_size`` rows decoded together; on the CPU)."""
+    """The model generation runs on ``backend``: torch (``quantize`` none, bf16, int8 or int4; int8 and int4 on the
+    CPU), an ONNX export (``path`` is its directory; quantized when exported), or llama.cpp (the model exported to GGUF
+    once, ``quantize`` none, f16, bf16, q8_0, q4_0 or q4_1, at most ``batch_size`` rows decoded together; on the CPU)."""
     if backend not in BACKENDS:
         raise SparklmError(f"backend {backend!r}: use one of {', '.join(BACKENDS)}")
     check_quantize(backend, quantize)
@@ -36,7 +36,7 @@ def load(path: str, *, backend: str = "torch", quantize: str = "none", threads: 
 
 
 def check_quantize(backend: str, quantize: str) -> None:
-    """One line unless ``quantize`` is one that ``backend`` runs: llama.cpp's GGUF blocks, or torch's none/int8/int4 (an
+    """One line unless ``quantize`` is one that ``backend`` runs: llama.cpp's GGUF blocks, or torch's none/bf16/int8/int4 (an
     ONNX export's own check, that it was quantized when exported, is load's)."""
     if backend == "llama.cpp":
         from .gguf_export import checked_quant

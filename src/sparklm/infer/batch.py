@@ -49,8 +49,8 @@ def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: st
     column if there is one), else the prompt, so the result does not depend on partitioning, batching or
     retries. A null or blank prompt gets a null continuation. Lazy: nothing runs until an action.
 
-    ``backend="llama.cpp"`` decodes on each executor's CPU with llama.cpp (``quantize`` none, f16, q8_0, q4_0 or
-    q4_1; each host exports the model to GGUF once, into its cache); "torch" (``quantize`` none, int8 or int4) runs
+    ``backend="llama.cpp"`` decodes on each executor's CPU with llama.cpp (``quantize`` none, f16, bf16, q8_0, q4_0 or
+    q4_1; each host exports the model to GGUF once, into its cache); "torch" (``quantize`` none, bf16, int8 or int4) runs
     on the GPU Spark assigns a task, if any (int8 and int4 on the CPU). Seeds give the same rows on either backend
     where the weights are the same.
     """

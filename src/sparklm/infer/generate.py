@@ -83,7 +83,9 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
 
     ``quantize``: "int8", torch's dynamic int8 quantization of every Linear layer (weights int8, activations
     quantized per batch) — on a trained 27M model 1.8x faster scoring at +0.4% perplexity here (BENCHMARKS.md); or
-    "int4", 4-bit weights in groups of 32 on torch's packed int4 CPU kernel (``quantize.py``). Both CPU only.
+    "int4", 4-bit weights in groups of 32 on torch's packed int4 CPU kernel (``quantize.py``). Both CPU only. Or
+    "bf16": the weights in bfloat16 (half fp32's bytes to read per token; on a CPU with AVX512-BF16 or AMX, or a GPU,
+    ~2x fp32's decoding speed), logits sampled in float32 as for every backend.
     """
     import torch
 
@@ -94,9 +96,13 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
     if threads:
         torch.set_num_threads(threads)
     directory = model_dir(path, storage)
-    where = inference_device(device, cpu_only=quantize != "none")
+    where = inference_device(device, cpu_only=quantize in ("int8", "int4"))
     model = load_model(str(directory), storage=storage).eval()
-    if quantize != "none":
+    if quantize == "bf16":
+        from .quantize import to_bf16
+
+        to_bf16(model)
+    elif quantize in ("int8", "int4"):
         from .quantize import quantize as quantized
 
         quantized(model, quantize)
@@ -107,13 +113,13 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
     return LoadedModel(model, tok, str(directory), int(context), add_bos)
 
 
-QUANTIZE = ("none", "int8", "int4")  # the torch backend's --quantize
+QUANTIZE = ("none", "bf16", "int8", "int4")  # the torch backend's --quantize
 
 
 def check_quantize(quantize: str) -> None:
     if quantize not in QUANTIZE:
         raise SparklmError(f"--quantize {quantize} applies to --backend llama.cpp",
-                           hint="the torch backend takes none, int8 or int4")
+                           hint="the torch backend takes none, bf16, int8 or int4")
 
 
 def tokenizer_of(directory: Path) -> tuple[object, bool]:

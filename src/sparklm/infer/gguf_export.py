@@ -24,7 +24,8 @@ from ..infra.fs import listing, staged_dir
 GGUF_FILE = "model.gguf"
 MARKER = "sparklm_export.json"  # the same marker as the ONNX export: --overwrite replaces only our own exports
 # each --quantize: the GGML type of its matrices and the file type the file declares (names in the gguf package)
-_TYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"), "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
+_TYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"), "bf16": ("BF16", "MOSTLY_BF16"),
+          "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
           "q4_0": ("Q4_0", "MOSTLY_Q4_0"), "q4_1": ("Q4_1", "MOSTLY_Q4_1")}
 QUANTS = tuple(_TYPES)
 ARCHS = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
@@ -35,7 +36,7 @@ _PROBE = "Hello world!  It's 2026: 3.14159 apples,\n\n  don't   you'll café Ωm
 def export_gguf(model: str, output: str, *, quantize: str = "f32", overwrite: bool = False,
                 storage: StorageConfig | None = None) -> dict:
     """Write ``output``/model.gguf (and a marker listing it); returns what was written. ``quantize``: f32, f16,
-    q8_0, q4_0 or q4_1 for the matrices (vectors stay f32; the embedding stays at 8 bits or more, as it is also the
+    bf16, q8_0, q4_0 or q4_1 for the matrices (vectors stay f32; the embedding stays at 8 bits or more, as it is also the
     output layer when tied). A LoRA adapter is merged into its base first."""
     from .export import export_dir
     from .generate import load
@@ -72,7 +73,7 @@ def write_gguf(lm, directory: Path, quantize: str) -> dict:
     _tokenizer(w, lm, tokens)
     for name, array in tensors.items():
         data, kind = encode(name, array, quantize)
-        # f32/f16 are typed by their numpy dtype; packed blocks carry their type (the shape follows from it)
+        # f32/f16 are typed by their numpy dtype; bf16 and packed blocks carry their type (the shape follows from it)
         w.add_tensor(name, data, raw_dtype=None if kind in (0, 1) else gguf.GGMLQuantizationType(kind))
     w.write_header_to_file()
     w.write_kv_data_to_file()

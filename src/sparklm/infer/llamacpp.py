@@ -105,7 +105,7 @@ class LlamaCppModel:
 def load(path: str, *, threads: int = 0, quantize: str = "none", storage: StorageConfig | None = None,
          batch_size: int = 8):
     """A LoadedModel whose model is llama.cpp running ``path`` (a sparklm run or HF directory) exported to GGUF with
-    ``quantize`` (none: f32, f16, q8_0, q4_0 or q4_1), the export made once and kept in sparklm's cache;
+    ``quantize`` (none: f32, f16, bf16, q8_0, q4_0 or q4_1), the export made once and kept in sparklm's cache;
     ``batch_size``: the most rows it decodes together.
 
     Once exported, loading imports neither torch nor transformers (~2 s and ~3 s on a small CPU): the export's
