@@ -74,10 +74,13 @@ def prepared(work: Path, corpus: str = "tinyshakespeare") -> Path:
     if (data / "manifest.json").is_file():
         return data
     home.mkdir(parents=True, exist_ok=True)
-    if corpus == "mixed":  # every shared text, each its own document, its last 5% held out: ~1.4M training tokens
+    if corpus in ("mixed", "austen"):  # each text its own document, its last 5% held out
         for split in ("train", "val"):
             (home / split).mkdir(exist_ok=True)
-        for f in (*sorted(SHARED.glob("*.txt")), SHARED / "wikitext-2" / "test.txt", SHARED / "wikitext-2" / "valid.txt"):
+        # mixed: every shared text (1.3M training tokens); austen: the four novels sparklm ships (0.8M), none of them
+        texts = (sorted((ROOT / "src" / "sparklm" / "corpus").glob("*.txt")) if corpus == "austen" else
+                 (*sorted(SHARED.glob("*.txt")), SHARED / "wikitext-2" / "test.txt", SHARED / "wikitext-2" / "valid.txt"))
+        for f in texts:
             text = f.read_text(encoding="utf-8-sig")
             n = int(0.95 * len(text))
             name = f"{f.parent.name}-{f.name}" if f.parent != SHARED else f.name
@@ -207,7 +210,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", choices=list(CONTENDERS), help="run these contenders only")
     ap.add_argument("--model-only", action="store_true", help="print the scaling model from saved results")
     ap.add_argument("--work", default=str(ROOT / ".bench"))
-    ap.add_argument("--corpus", choices=("tinyshakespeare", "wikitext2", "mixed"), default="tinyshakespeare")
+    ap.add_argument("--corpus", choices=("tinyshakespeare", "wikitext2", "mixed", "austen"),
+                    default="tinyshakespeare")
     ap.add_argument("--workers", type=int, default=2, help="workers (and Spark local[N] slots), one thread each")
     args = ap.parse_args()
     work = Path(args.work)
