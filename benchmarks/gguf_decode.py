@@ -371,7 +371,7 @@ def main() -> None:
              "sparklm torch int8": "", "sparklm torch int4": ""}
     if args.score:
         return score(files, env, args)
-    for q in ("none", "bf16", "q8_0", "q4_1"):  # `sparklm generate --backend llama.cpp`: its cached export made here, not timed
+    for q in ("none", *QUANTS[1:]):  # `sparklm generate --backend llama.cpp`: its cached export made here, not timed
         # in a child process: a forked child's peak RSS starts from its parent's, so the parent stays small
         subprocess.run([sys.executable, "-c", f"from sparklm.infer import llamacpp; llamacpp.load({str(HF_DIR)!r}, "
                         f"quantize={q!r})"], env=env, check=True)

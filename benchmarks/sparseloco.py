@@ -138,10 +138,9 @@ def main() -> None:
     ap.add_argument("--table-only", action="store_true")
     args = ap.parse_args()
     work = Path(args.work)
-    inner = [f for k in ("dtype", "optimizer") if getattr(args, k) != "auto"
-             for f in ("--set", f"train.{k}={getattr(args, k)}")]
-    tag = "".join(f"-{getattr(args, k)}" for k in ("dtype", "optimizer") if getattr(args, k) != "auto")
-    tag += f"-eval{args.eval_every}" if args.eval_every else ""
+    pinned = {k: getattr(args, k) for k in ("dtype", "optimizer") if getattr(args, k) != "auto"}
+    inner = [f for k, v in pinned.items() for f in ("--set", f"train.{k}={v}")]
+    tag = "".join(f"-{v}" for v in pinned.values()) + (f"-eval{args.eval_every}" if args.eval_every else "")
     saved = work / f"sparseloco-{args.corpus}{tag}.json"  # the runs beside it, in sparseloco-CORPUS-TAG/
     results = json.loads(saved.read_text()) if saved.is_file() else {}
     if not args.table_only:

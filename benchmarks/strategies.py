@@ -68,35 +68,38 @@ CONTENDERS = {
 }
 
 
+def _write(directory: Path, name: str, text: str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / name).write_text(text)
+    return directory / name
+
+
 def prepared(work: Path, corpus: str = "tinyshakespeare") -> Path:
     home = work / ("tts" if corpus == "tinyshakespeare" else corpus)
     data = home / "prepared-4096"  # the vocabulary its recorded figures used (the default is now 8192)
     if (data / "manifest.json").is_file():
         return data
     home.mkdir(parents=True, exist_ok=True)
-    if corpus in ("mixed", "austen"):  # each text its own document, its last 5% held out
-        for split in ("train", "val"):
-            (home / split).mkdir(exist_ok=True)
-        # mixed: every shared text (1.3M training tokens); austen: the four novels sparklm ships (0.8M), none of them
-        texts = (sorted((ROOT / "src" / "sparklm" / "corpus").glob("*.txt")) if corpus == "austen" else
-                 (*sorted(SHARED.glob("*.txt")), SHARED / "wikitext-2" / "test.txt", SHARED / "wikitext-2" / "valid.txt"))
+    if corpus == "tinyshakespeare":
+        text = (SHARED / "tinyshakespeare.txt").read_text()
+        n = int(0.9 * len(text))
+        train_in, val_in = _write(home, "train.txt", text[:n]), _write(home, "val.txt", text[n:])
+    elif corpus == "wikitext2":
+        train_in, val_in = (_write(home, f"{split}.txt", (SHARED / "wikitext-2" / f).read_text())
+                            for split, f in (("train", "test.txt"), ("val", "valid.txt")))
+    else:  # each text its own document, its last 5% held out
+        from sparklm.cli import default_corpus
+
+        wiki = [SHARED / "wikitext-2" / "test.txt", SHARED / "wikitext-2" / "valid.txt"]
+        # mixed: every shared text (1.3M training tokens); austen: the four novels sparklm ships (0.7M), none of them
+        texts = [Path(p) for p in default_corpus()] if corpus == "austen" else [*sorted(SHARED.glob("*.txt")), *wiki]
         for f in texts:
             text = f.read_text(encoding="utf-8-sig")
             n = int(0.95 * len(text))
-            name = f"{f.parent.name}-{f.name}" if f.parent != SHARED else f.name
-            (home / "train" / name).write_text(text[:n])
-            (home / "val" / name).write_text(text[n:])
+            name = f"wikitext-2-{f.name}" if f in wiki else f.name
+            _write(home / "train", name, text[:n])
+            _write(home / "val", name, text[n:])
         train_in, val_in = home / "train", home / "val"
-    else:
-        if corpus == "tinyshakespeare":
-            text = (SHARED / "tinyshakespeare.txt").read_text()
-            n = int(0.9 * len(text))
-            train, val = text[:n], text[n:]
-        else:
-            train, val = ((SHARED / "wikitext-2" / f).read_text() for f in ("test.txt", "valid.txt"))
-        (home / "train.txt").write_text(train)
-        (home / "val.txt").write_text(val)
-        train_in, val_in = home / "train.txt", home / "val.txt"
     subprocess.run([sys.executable, "-m", "sparklm", "prepare", str(train_in), "--validation-input",
                     str(val_in), "-o", str(data), "--overwrite", "--doc-mode", "file",
                     "--vocab-size", "4096", "--master", "local[2]", "--set", "spark.ui=false"], check=True,

@@ -96,16 +96,17 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
     if threads:
         torch.set_num_threads(threads)
     directory = model_dir(path, storage)
-    where = inference_device(device, cpu_only=quantize in ("int8", "int4"))
+    packed = quantize in ("int8", "int4")  # CPU kernels; bf16 runs anywhere
+    where = inference_device(device, cpu_only=packed)
     model = load_model(str(directory), storage=storage).eval()
-    if quantize == "bf16":
+    if quantize != "none":
+        from .quantize import quantize as quantized
         from .quantize import to_bf16
 
-        to_bf16(model)
-    elif quantize in ("int8", "int4"):
-        from .quantize import quantize as quantized
-
-        quantized(model, quantize)
+        if packed:
+            quantized(model, quantize)
+        else:
+            to_bf16(model)
     if where != "cpu":
         model = model.to(where)
     tok, add_bos = tokenizer_of(directory)
