@@ -116,6 +116,26 @@ def test_the_driver_asks_rank_0_to_leave_without_disturbing_its_flushes(tmp_path
     assert [r["step"] for r in read_metrics(str(tmp_path / "metrics.csv"))] == [1, 2]
 
 
+def test_rank_0_tells_the_driver_the_ranks_left_as_asked(tmp_path):
+    """Spark may report the decommissioned executor's loss before the ranks' own stop: rank 0's word that they
+    checkpointed and left is what the driver goes by; it waits for that word only once it has asked."""
+    import time
+
+    channel = Channel(CsvSink(str(tmp_path / "metrics.csv"), metric_columns(LM_FIGURES), {"train", "eval"}))
+    sink = ChannelSink(*channel.address, channel.token)
+    sink.write(_train(1))
+    sink.flush()
+    t0 = time.monotonic()
+    assert channel.left(wait=5.0) is None and time.monotonic() - t0 < 0.5  # never asked: no wait
+    channel.ask_to_leave()
+    sink.left(7)
+    assert channel.left(wait=5.0) == 7
+    channel.attempt()  # the ranks start again: nothing asked, nobody left
+    assert channel.left(wait=5.0) is None
+    sink.close()
+    channel.close()
+
+
 def test_rewind_keeps_the_rows_up_to_the_checkpoint_and_its_evaluation_only_if_the_checkpoint_holds_it(tmp_path):
     """DDP evaluates before it checkpoints; rounds evaluate a step's weights in the next round, after the checkpoint:
     a run resumed there evaluates them again, so the eval row of the checkpoint's own step goes with the later ones

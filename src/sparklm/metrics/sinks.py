@@ -271,6 +271,7 @@ class Channel:
         self.address = (host, self.server.getsockname()[1])
         self._stop = threading.Event()
         self.error: Exception | None = None  # the first failure of a sink (e.g. disk full), raised by the caller
+        self.asked, self.left_at = False, None  # this attempt: asked the ranks to leave; the step they left after
         self._threads: list[threading.Thread] = []
         self._conns: dict[socket.socket, bool] = {}  # the open connections: whether each has sent the token
         self._lock = threading.Lock()
@@ -331,6 +332,9 @@ class Channel:
                     with self._send_lock:
                         conn.sendall(answer)
                     continue
+                if raw.get("kind") == LEFT:
+                    self.left_at = int(raw["step"])
+                    continue
                 row = raw["step"] if raw.get("kind") == REWIND else rows.from_dict(raw)
             except (ValueError, TypeError, KeyError, AttributeError):
                 continue
@@ -345,6 +349,7 @@ class Channel:
     def ask_to_leave(self) -> None:
         """Tell the ranks (rank 0, which tells the others at its next step) to checkpoint and stop: an executor of
         the run is being decommissioned, and the run restarts on the executors that stay (DDP.run)."""
+        self.asked = True
         for conn, member in self._conns.copy().items():
             if member:
                 with self._send_lock:
@@ -352,6 +357,18 @@ class Channel:
                         conn.sendall(LEAVE)
                     except OSError:
                         pass
+
+    def attempt(self) -> None:
+        """A new start of the ranks: nothing asked of them yet."""
+        self.asked, self.left_at = False, None
+
+    def left(self, wait: float) -> int | None:
+        """The step whose checkpoint the ranks stopped after, as asked (rank 0's LEFT), else None. Once they were
+        asked, waits up to ``wait`` seconds for that word: Spark may report the leaving executor's loss first."""
+        deadline = time.monotonic() + (wait if self.asked else 0.0)
+        while self.left_at is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.left_at
 
     def _flush(self) -> bytes:
         """A rank asked before a checkpoint: are its rows so far durable? (the answer it waits for)"""
@@ -407,6 +424,8 @@ REWIND = "rewind"  # a channel message that is not a row: the driver's sinks for
 FLUSH = "flush"  # another: the driver makes the rows durable and answers FLUSHED (or NOT_FLUSHED)
 FLUSHED, NOT_FLUSHED = b"flushed\n", b"not flushed\n"
 LEAVE = b"leave\n"  # the driver to rank 0, unasked: an executor of the run is leaving (Spark decommissions it)
+LEFT = "left"  # rank 0 to the driver: the ranks checkpointed and stopped as asked (Spark may report the leaving
+# executor's loss before the ranks' own failure: this says which it was)
 
 
 class ChannelSink:
@@ -442,6 +461,10 @@ class ChannelSink:
         answer = self._line(block=True)
         if answer != FLUSHED:
             raise _not_recorded("it stopped answering" if not answer else "it could not write its files")
+
+    def left(self, step: int) -> None:
+        """Tell the driver that the ranks stopped, as it asked, after their checkpoint of ``step``."""
+        self._send({"kind": LEFT, "step": step})
 
     def leaving(self) -> bool:
         """Whether the driver has asked the ranks to checkpoint and stop (Channel.ask_to_leave); never waits."""

@@ -40,6 +40,7 @@ from ..spark.resources import gpu_slots, task_gpu
 from ..spark.session import LEAN_ADDRESS_SPACE, process_limit
 from ..train import checkpoint
 from ..train.device import Device
+from ..train.loop import Leaving
 from .base import Job, RankStart, RunResult
 
 RESULT = "SPARKLM-RESULT "
@@ -95,6 +96,7 @@ class DDP:
         leaving: set[str] = set()  # executors seen decommissioning (each asks the ranks to leave once)
         try:
             for attempt in range(restarts + 1):
+                channel.attempt()
                 try:
                     with _watch_decommission(spark, channel, leaving, elastic=bool(full.config.train.workers_min)):
                         r = launch(spark, job, channel=(*channel.address, channel.token))
@@ -106,6 +108,9 @@ class DDP:
                         lost = "Spark has fewer task slots than ranks now"
                     if lost is None:
                         raise
+                    left = channel.left(wait=PEER_GRACE)
+                    if left is not None:  # the ranks stopped as asked, whichever failure Spark reported first
+                        lost = f"the training ranks are {Leaving(left)}"
                     fatal = _fatal_cause(job)  # a peer's loss may be the echo of a rank's own error
                     if fatal is not None:
                         raise fatal from None

@@ -46,6 +46,11 @@ def main() -> None:
         print(e.one_line(), file=sys.stderr, flush=True)
         os._exit(2)
     except Leaving as e:  # checkpointed as the driver asked: the run restarts on the executors that stay
+        if sink is not None:
+            try:
+                sink.left(e.step)
+            except SparklmError:  # the driver is gone: nobody to tell
+                pass
         print(SparklmError(f"{where}: {e}").one_line(), file=sys.stderr, flush=True)
         os._exit(3)
     except BaseException as e:  # the traceback stays in this rank's log; the driver shows one line
