@@ -84,15 +84,16 @@ def plain(size: dict, tokens: np.ndarray, dtype: torch.dtype, steps: int, compil
             "params": sum(p.numel() for p in model.parameters()), "first_step_s": times[0]}
 
 
-def settings(size: dict, arch: str, dtype: str, steps: int, compile: bool = False, optimizer: str = "adamw") -> dict:
+def settings(size: dict, arch: str, dtype: str, steps: int, compile: bool = False, optimizer: str = "adamw",
+             attention: str = "auto") -> dict:
     return {"model": {"arch": arch, **size},
             "train": {"batch_size": BATCH, "max_steps": steps, "eval_every": 0, "eval_batches": 1, "log_every": 5,
                       "checkpoint_every": 0, "dtype": dtype, "threads": THREADS, "samples": 0, "warmup_steps": 5,
-                      "compile": compile, "optimizer": optimizer}}
+                      "compile": compile, "optimizer": optimizer, "attention": attention}}
 
 
 def sparklm_loop(size: dict, arch: str, dtype: str, steps: int, data: Path, compile: bool = False,
-                 optimizer: str = "adamw") -> dict:
+                 optimizer: str = "adamw", attention: str = "auto") -> dict:
     from sparklm.data.manifest import load_prepared, load_tokenizer
     from sparklm.metrics.sinks import CsvSink, JsonSink, Sinks, metric_columns
     from sparklm.model.figures import LM_FIGURES
@@ -102,7 +103,7 @@ def sparklm_loop(size: dict, arch: str, dtype: str, steps: int, data: Path, comp
     with tempfile.TemporaryDirectory() as run:
         t0 = time.time()
         sinks = Sinks([CsvSink(f"{run}/metrics.csv", metric_columns(LM_FIGURES), {"train", "eval"}), JsonSink(f"{run}/run_info.json")])
-        train(from_dict(settings(size, arch, dtype, steps, compile, optimizer)), ds, load_tokenizer(ds), run,
+        train(from_dict(settings(size, arch, dtype, steps, compile, optimizer, attention)), ds, load_tokenizer(ds), run,
               rank=Rank(threads=THREADS), sink=sinks)
         sinks.close()
         rows = read_metrics(Path(run) / "metrics.csv")
@@ -149,8 +150,11 @@ def one(kind: str, size_name: str, dtype: str, steps: int, data: Path, optimizer
         return plain(size, tokens_of(data), getattr(torch, dtype), steps, compile=kind == "plain-compile")
     if kind == "spark":
         return sparklm_spark(size, "llama", dtype, steps, data)
-    arch = {"sparklm-gpt2": "gpt2", "sparklm-llama": "llama", "sparklm-llama-compile": "llama"}[kind]
-    return sparklm_loop(size, arch, dtype, steps, data, compile=kind.endswith("compile"), optimizer=optimizer)
+    # "-sdpa": train.attention forced to torch's SDPA (else auto: matmul on a CPU in bf16, model/attention.py)
+    base, sdpa = kind.removesuffix("-sdpa"), kind.endswith("-sdpa")
+    arch = {"sparklm-gpt2": "gpt2", "sparklm-llama": "llama", "sparklm-llama-compile": "llama"}[base]
+    return sparklm_loop(size, arch, dtype, steps, data, compile=base.endswith("compile"), optimizer=optimizer,
+                        attention="sdpa" if sdpa else "auto")
 
 
 def measure(kind: str, size_name: str, dtype: str, steps: int, data: Path, optimizer: str = "adamw") -> dict:
@@ -253,8 +257,8 @@ def compile_ab(sizes: list[str], steps: int, repeats: int, data: Path, peaks: di
     and the plain loop in float32 (a plain PyTorch loop's default), interleaved: steady tokens/s (median of the
     repeats), MFU against the measured peak of the dtype each ran in, and the seconds to the first step (compile
     time)."""
-    cases = [("plain", "float32"), ("plain", dtype), ("plain-compile", dtype), ("sparklm-llama", dtype),
-             ("sparklm-llama-compile", dtype)]
+    cases = [("plain", "float32"), ("plain", dtype), ("plain-compile", dtype), ("sparklm-llama-sdpa", dtype),
+             ("sparklm-llama", dtype), ("sparklm-llama-compile-sdpa", dtype), ("sparklm-llama-compile", dtype)]
     cases = list(dict.fromkeys(cases))  # float32: the first two are one
     out = {}
     for size_name in sizes:

@@ -345,6 +345,12 @@ class TrainConfig:
                 "on a GPU (1.85x the eager step on an H100) for a time budget of at least 15 minutes; else off (on "
                 "the CPU it gained 1-12% for ~30 s of compiling the first time on a machine). true/false read as "
                 "on/off", flag="--compile")
+    attention: Literal["auto", "sdpa", "matmul"] = _f(
+        "auto", "the attention's kernel: sdpa (torch's scaled_dot_product_attention), or matmul (sparklm's causal "
+                "attention for short sequences on the CPU: batched matmuls a few heads at a time, the probabilities "
+                "kept for the backward pass; falls back to sdpa where a batch has padding); auto: matmul where it "
+                "was measured faster, a causal LM on the CPU in bfloat16 with sequences of at most 512 tokens (its "
+                "backward ~2.5x SDPA's at 256); else sdpa")
     grad_checkpoint: Literal["auto", "on", "off"] = _f(
         "auto", "gradient checkpointing: recompute each block's activations in the backward pass (a fraction of the "
                 "activation memory, ~30% more compute); auto: only when the memory plan finds nothing that fits without",

@@ -79,6 +79,24 @@ def test_a_trainer_steps_evaluates_and_resumes_bitwise_without_spark(setup, tmp_
         assert torch.equal(a, b), name
 
 
+def test_a_bf16_trainer_on_the_cpu_attention_follows_sdpa_and_resumes_bitwise(setup, tmp_path):
+    """train.attention auto in bf16 on the CPU is sparklm's matmul attention (model/attention.py): its losses follow
+    SDPA's, and its run resumes bit for bit."""
+    from dataclasses import replace
+
+    config, data, spec = setup
+    torch.set_num_threads(1)
+    bf16 = config.replace(train=replace(config.train, dtype="bfloat16"))
+    sdpa = Trainer(bf16.replace(train=replace(bf16.train, attention="sdpa")), data, spec)
+    trainer = Trainer(bf16, data, spec)
+    assert trainer.config.train.attention == "matmul" and trainer.model.config._attn_implementation != "sdpa"
+    assert _steps(trainer, 3) == pytest.approx(_steps(sdpa, 3), rel=2e-2)
+    trainer.save(str(tmp_path))
+    rest = _steps(trainer, 3)
+    again = Trainer(bf16, data, spec)
+    assert again.restore(str(tmp_path)) and _steps(again, 3) == rest
+
+
 @pytest.mark.slow
 def test_a_compiled_trainer_learns_as_the_eager_one_and_resumes(setup, tmp_path):
     """train.compile on (auto turns it on for long bf16 runs): the compiled network's losses follow the eager

@@ -20,7 +20,7 @@ import torch
 from ..config import Config, StorageConfig, embedding_rows
 from ..data.tokenizer import TokenizerSpec
 from ..infra.errors import SparklmError
-from . import lm_head, lora
+from . import attention, lm_head, lora
 from .build import build_model, context_length, flops_per_token, load_model
 from .figures import LM_FIGURES, FigureSet, lm_figures
 
@@ -150,6 +150,8 @@ class CausalLM:
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False  # training never reuses keys and values
+        if config.train.attention == "matmul":  # for this process only: saved configs keep naming SDPA
+            model.config._attn_implementation = attention.register()
         if config.lora.r:
             torch.manual_seed(config.train.seed)  # the adapters' initial weights, the same in every process
             model = lora.wrap(model, config.lora)

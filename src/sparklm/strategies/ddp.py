@@ -40,7 +40,6 @@ from ..spark.resources import gpu_slots, task_gpu
 from ..spark.session import LEAN_ADDRESS_SPACE, process_limit
 from ..train import checkpoint
 from ..train.device import Device
-from ..train.loop import Leaving
 from .base import Job, RankStart, RunResult
 
 RESULT = "SPARKLM-RESULT "
@@ -110,6 +109,8 @@ class DDP:
                         raise
                     left = channel.left(wait=PEER_GRACE)
                     if left is not None:  # the ranks stopped as asked, whichever failure Spark reported first
+                        from ..train.loop import Leaving  # (torch: the driver imports it only here)
+
                         lost = f"the training ranks are {Leaving(left)}"
                     fatal = _fatal_cause(job)  # a peer's loss may be the echo of a rank's own error
                     if fatal is not None:

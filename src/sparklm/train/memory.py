@@ -50,6 +50,7 @@ class Shapes:
     weight_bytes: int  # every parameter in float32 (plan_for counts a bfloat16 base)
     trainable: int  # parameters that train (all, or LoRA's adapters)
     head_trains: bool  # the LM head's weight gets a gradient (not under LoRA)
+    heads: int = 0  # attention heads per layer (train.attention matmul keeps each head's T x T probabilities)
 
 
 @dataclass(frozen=True)
@@ -70,16 +71,19 @@ class Footprint:
 
 
 def footprint(shapes: Shapes, *, seq_len: int, optimizer_slots: int = 2, activation_bytes: int = 4,
-              loss_chunk: int | None = 512) -> Footprint:
+              loss_chunk: int | None = 512, score_bytes: int = 0) -> Footprint:
     """The estimate's parts for a model of ``shapes`` trained on sequences of ``seq_len`` tokens (pure).
 
     ``optimizer_slots``: float32 values of optimizer state per trainable parameter (AdamW 2);
     ``activation_bytes``: 4 in float32, 2 when the model computes in bfloat16 (bf16 base weights);
-    ``loss_chunk``: positions per chunk of the LM-head loss, None: unchunked (logits of every position)."""
+    ``loss_chunk``: positions per chunk of the LM-head loss, None: unchunked (logits of every position);
+    ``score_bytes``: bytes of each attention probability kept for the backward pass (train.attention matmul: the
+    compute dtype's; SDPA keeps none)."""
     per_token_layer = HIDDEN_UNITS * shapes.hidden + MLP_UNITS * shapes.intermediate
-    per_sequence = seq_len * shapes.layers * per_token_layer * activation_bytes
+    scores = shapes.heads * seq_len * seq_len * score_bytes  # a layer's, per sequence
+    per_sequence = seq_len * shapes.layers * per_token_layer * activation_bytes + shapes.layers * scores
     # checkpointing keeps each block's input, and recomputes one block at a time in the backward pass
-    checkpointed = seq_len * (shapes.layers * shapes.hidden + 2 * per_token_layer) * activation_bytes
+    checkpointed = seq_len * (shapes.layers * shapes.hidden + 2 * per_token_layer) * activation_bytes + scores
     head = shapes.vocab * shapes.hidden * 4 if shapes.head_trains else 0
     if loss_chunk is None:  # the logits, their softmax and its gradient for every position of a sequence
         per_sequence += 3 * seq_len * shapes.vocab * 4
@@ -159,7 +163,7 @@ def scratch_shapes(cfg, vocab: int, context: int) -> Shapes:
     if not cfg.tie_embeddings:
         params += vocab * d
     return Shapes(layers=layers, hidden=d, intermediate=f, vocab=vocab, params=params, weight_bytes=4 * params,
-                  trainable=params, head_trains=True)
+                  trainable=params, head_trains=True, heads=cfg.n_head)
 
 
 def model_shapes(config, spec, context: int) -> Shapes:
@@ -200,7 +204,8 @@ def model_shapes(config, spec, context: int) -> Shapes:
                   vocab=head.weight.shape[0] if head is not None else model.config.num_labels,
                   params=sum(p.numel() for p in params), weight_bytes=sum(p.numel() * p.element_size() for p in params),
                   trainable=sum(p.numel() for p in params if p.requires_grad),
-                  head_trains=head.weight.requires_grad if head is not None else True)
+                  head_trains=head.weight.requires_grad if head is not None else True,
+                  heads=getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None) or 0)
 
 
 def base_in_bf16(config) -> bool:
@@ -218,11 +223,13 @@ def footprints(tc, shapes: Shapes, seq_len: int, activation_bytes: int) -> tuple
     """The footprint as ``tc`` (train settings) computes the LM head's loss, and the unchunked one where the plan
     may pick either (None: it may not)."""
     chunked = chunks_loss(tc)
+    scores = 2 if tc.attention == "matmul" else 0  # matmul runs in bfloat16 (resolve.attention)
     fp = footprint(shapes, seq_len=seq_len, activation_bytes=activation_bytes,
-                   loss_chunk=chunk_size(shapes.vocab, tc.loss_chunk) if chunked else None)
+                   loss_chunk=chunk_size(shapes.vocab, tc.loss_chunk) if chunked else None, score_bytes=scores)
     # loss_chunk 0: the whole micro-batch's logits when they fit (the same step time or a little less than the
     # chunked loss, BENCHMARKS.md), the chunked loss when they do not
-    whole = (footprint(shapes, seq_len=seq_len, activation_bytes=activation_bytes, loss_chunk=None)
+    whole = (footprint(shapes, seq_len=seq_len, activation_bytes=activation_bytes, loss_chunk=None,
+                       score_bytes=scores)
              if tc.loss_chunk == 0 and chunked else None)
     return fp, whole
 

@@ -119,7 +119,7 @@ def settle(config: Config, *, threads: int, vocab: int, context: int, train_toke
     session), then the rest for workers of ``threads`` torch threads — and, for a new run, a fresh model fitted to
     its time budget (a resumed run builds the model its checkpoints hold); and a line saying what the fit changed
     (None: nothing). Before Spark starts."""
-    config = resolve.settings(resolve.with_device(config, master, spark), threads)
+    config = resolve.settings(resolve.with_device(config, master, spark), threads, context)
     if resume:
         return config, None
     return budget.apply(config, vocab=vocab, context=context, train_tokens=train_tokens, master=master)
@@ -144,5 +144,5 @@ def local(config: Config, dataset, threads: int = 1, workers: int | None = None)
     split = dataset.manifest["splits"]["train"]
     if workers is not None:
         config = config.replace(train=replace(config.train, workers=workers))
-    config = resolve.settings(config, config.train.threads or threads)
+    config = resolve.settings(config, config.train.threads or threads, dataset.seq_len)
     return make(config, train_rows=split["sequences"], seq_len=dataset.seq_len)

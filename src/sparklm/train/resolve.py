@@ -122,6 +122,18 @@ def compiled(tc: TrainConfig, config: Config) -> str:
     return "on" if fresh and tc.strategy == "ddp" and pays else "off"
 
 
+def attention(tc: TrainConfig, config: Config, context: int) -> str:
+    """``train.attention``; auto is matmul (model/attention.py) where it was measured faster than SDPA: a causal LM,
+    on the CPU, in bfloat16 (in float32 SDPA's kernel is as fast), with sequences of at most
+    ``attention.MAX_LEN`` tokens (``context``: the data's); else sdpa. ``tc``: device and dtype decided."""
+    if tc.attention != "auto":
+        return tc.attention
+    from ..model.attention import MAX_LEN
+
+    fits = config.model.task == "causal-lm" and tc.device == "cpu" and tc.dtype == "bfloat16"
+    return "matmul" if fits and 0 < context <= MAX_LEN else "sdpa"
+
+
 def peak_lr(config: Config) -> float:
     """``train.lr``, or where it is 0 the usual peak for what trains: a fresh model takes a large learning rate, a
     pretrained one a small one (3e-3 would undo its pretraining in a few steps), and LoRA adapters, which start
@@ -157,9 +169,9 @@ def rounds(rc, strategy: str):
     return replace(rc, codec=codec, downlink=downlink)
 
 
-def settings(config: Config, n_threads: int) -> Config:
-    """``config`` with every automatic training setting decided for workers of ``n_threads`` torch threads (a
-    config already decided comes back unchanged)."""
+def settings(config: Config, n_threads: int, context: int = 0) -> Config:
+    """``config`` with every automatic training setting decided for workers of ``n_threads`` torch threads, on
+    sequences of ``context`` tokens (0: not known) (a config already decided comes back unchanged)."""
     tc = config.train
     if tc.workers_min > tc.workers:
         raise SparklmError(f"train.workers_min {tc.workers_min} is more than train.workers {tc.workers}",
@@ -169,7 +181,7 @@ def settings(config: Config, n_threads: int) -> Config:
     tc = replace(tc, dtype=dtype(tc.dtype, tc.device, n_threads))
     train = replace(tc, threads=n_threads, lr=peak_lr(config), compile=compiled(tc, config),
                     optimizer=optimizer(tc, n_threads, pretrained=bool(config.model.init_from)),
-                    rounds=rounds(tc.rounds, tc.strategy))
+                    rounds=rounds(tc.rounds, tc.strategy), attention=attention(tc, config, context))
     lora = replace(config.lora, base_dtype=lora_base_dtype(config.lora, train.dtype))
     return config.replace(train=train, lora=lora)
 
