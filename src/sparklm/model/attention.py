@@ -104,10 +104,14 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Ten
     """``softmax(scale * q kᵀ, causal) v`` for ``q, k, v`` of shape ``(heads, T, D)``: the output and the
     probabilities (``(heads, T, T)``, kept for the backward pass), which are rounded to the inputs' dtype, as
     transformers' eager attention rounds them."""
+    return _defined()(q, k, v, scale)
+
+
+def _defined():
     global _op
     if _op is None:
         _op = _define()
-    return _op(q, k, v, scale)
+    return _op
 
 
 def takes(query: Tensor, key: Tensor, attention_mask, dropout: float, kwargs: dict, module) -> bool:
@@ -146,9 +150,7 @@ def register() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    global _op
-    if _op is None:  # now, in eager code: torch.compile then traces a defined op
-        _op = _define()
+    _defined()  # now, in eager code: torch.compile then traces an op already defined
     AttentionInterface.register(NAME, forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     return NAME

@@ -223,7 +223,7 @@ def footprints(tc, shapes: Shapes, seq_len: int, activation_bytes: int) -> tuple
     """The footprint as ``tc`` (train settings) computes the LM head's loss, and the unchunked one where the plan
     may pick either (None: it may not)."""
     chunked = chunks_loss(tc)
-    scores = 2 if tc.attention == "matmul" else 0  # matmul runs in bfloat16 (resolve.attention)
+    scores = (4 if tc.dtype == "float32" else 2) if tc.attention == "matmul" else 0  # in the compute dtype
     fp = footprint(shapes, seq_len=seq_len, activation_bytes=activation_bytes,
                    loss_chunk=chunk_size(shapes.vocab, tc.loss_chunk) if chunked else None, score_bytes=scores)
     # loss_chunk 0: the whole micro-batch's logits when they fit (the same step time or a little less than the
