@@ -406,9 +406,11 @@ def weights(run_dir):
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 
 
-def tiny_bert(directory, *, head: bool = True, seed: int = 0, corpus: str = "") -> str:
+def tiny_bert(directory, *, head: bool = True, seed: int = 0, corpus: str = "", whole_words: bool = False) -> str:
     """A 2-layer BERT (random weights, 3 labels with names) and a WordPiece tokenizer trained on random text (and
-    ``corpus``)."""
+    ``corpus``). ``whole_words``: instead of training, a vocabulary of every word of those texts whole, with their
+    characters as a fallback: the same on every run (WordPiece training breaks ties between equally frequent pairs
+    differently from run to run, so a trained vocabulary, and what a test's model learns, varies)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import BertConfig, BertForSequenceClassification, BertModel, PreTrainedTokenizerFast
@@ -418,8 +420,15 @@ def tiny_bert(directory, *, head: bool = True, seed: int = 0, corpus: str = "") 
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tok.train_from_iterator(make_text(60, seed=3).splitlines() + corpus.splitlines(), trainers.WordPieceTrainer(vocab_size=300,
-                                                                                          special_tokens=specials))
+    lines = make_text(60, seed=3).splitlines() + corpus.splitlines()
+    if whole_words:
+        words = sorted({w for line in lines
+                        for w, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(line))})
+        chars = sorted({c for w in words for c in w})
+        vocab = specials + chars + [f"##{c}" for c in chars] + [w for w in words if len(w) > 1]
+        tok.model = models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]")
+    else:
+        tok.train_from_iterator(lines, trainers.WordPieceTrainer(vocab_size=300, special_tokens=specials))
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
                                                        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
