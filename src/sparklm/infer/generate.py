@@ -99,14 +99,14 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
     packed = quantize in ("int8", "int4")  # CPU kernels; bf16 runs anywhere
     where = inference_device(device, cpu_only=packed)
     model = load_model(str(directory), storage=storage).eval()
-    if quantize != "none":
+    if packed:
         from .quantize import quantize as quantized
+
+        quantized(model, quantize)
+    elif quantize == "bf16":
         from .quantize import to_bf16
 
-        if packed:
-            quantized(model, quantize)
-        else:
-            to_bf16(model)
+        to_bf16(model)
     if where != "cpu":
         model = model.to(where)
     tok, add_bos = tokenizer_of(directory)

@@ -272,6 +272,7 @@ class Channel:
         self._stop = threading.Event()
         self.error: Exception | None = None  # the first failure of a sink (e.g. disk full), raised by the caller
         self.asked, self.left_at = False, None  # this attempt: asked the ranks to leave; the step they left after
+        self._left = threading.Event()  # set when rank 0's LEFT arrives
         self._threads: list[threading.Thread] = []
         self._conns: dict[socket.socket, bool] = {}  # the open connections: whether each has sent the token
         self._lock = threading.Lock()
@@ -334,6 +335,7 @@ class Channel:
                     continue
                 if raw.get("kind") == LEFT:
                     self.left_at = int(raw["step"])
+                    self._left.set()
                     continue
                 row = raw["step"] if raw.get("kind") == REWIND else rows.from_dict(raw)
             except (ValueError, TypeError, KeyError, AttributeError):
@@ -361,13 +363,13 @@ class Channel:
     def attempt(self) -> None:
         """A new start of the ranks: nothing asked of them yet."""
         self.asked, self.left_at = False, None
+        self._left.clear()
 
     def left(self, wait: float) -> int | None:
         """The step whose checkpoint the ranks stopped after, as asked (rank 0's LEFT), else None. Once they were
         asked, waits up to ``wait`` seconds for that word: Spark may report the leaving executor's loss first."""
-        deadline = time.monotonic() + (wait if self.asked else 0.0)
-        while self.left_at is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        if self.asked:
+            self._left.wait(wait)
         return self.left_at
 
     def _flush(self) -> bytes:

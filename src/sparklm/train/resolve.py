@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from ..config import Config, LoraConfig, SparkConfig, TrainConfig, flatten
 from ..infra.errors import SparklmError
+from ..model.attention import MAX_LEN  # (torch-free: the kernel imports torch where it runs)
 from ..spark.resources import cuda_gpus
 from .peak import bf16_fast, compute_dtype
 
@@ -128,8 +129,6 @@ def attention(tc: TrainConfig, config: Config, context: int) -> str:
     ``attention.MAX_LEN`` tokens (``context``: the data's); else sdpa. ``tc``: device and dtype decided."""
     if tc.attention != "auto":
         return tc.attention
-    from ..model.attention import MAX_LEN
-
     fits = config.model.task == "causal-lm" and tc.device == "cpu" and tc.dtype == "bfloat16"
     return "matmul" if fits and 0 < context <= MAX_LEN else "sdpa"
 
