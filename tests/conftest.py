@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -406,29 +407,47 @@ def weights(run_dir):
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 
 
-def tiny_bert(directory, *, head: bool = True, seed: int = 0, corpus: str = "", whole_words: bool = False) -> str:
-    """A 2-layer BERT (random weights, 3 labels with names) and a WordPiece tokenizer trained on random text (and
-    ``corpus``). ``whole_words``: instead of training, a vocabulary of every word of those texts whole, with their
-    characters as a fallback: the same on every run (WordPiece training breaks ties between equally frequent pairs
-    differently from run to run, so a trained vocabulary, and what a test's model learns, varies)."""
+def _wordpiece_vocab(words: Counter, specials: list[str], size: int) -> list[str]:
+    """What ``tokenizers``' WordPiece trainer learns (pair merges by frequency, ``##`` for pieces inside a word), with
+    ties broken by the pieces' text: the trainer breaks them by ids that follow a hash map's order, which changes from
+    run to run, so a trained vocabulary, and what a test's model learns on it, varied."""
+    split = {w: [w[0]] + [f"##{c}" for c in w[1:]] for w in sorted(words)}
+    vocab = specials + sorted({p for pieces in split.values() for p in pieces})
+    while len(vocab) < size:
+        pairs = Counter()
+        for w, pieces in split.items():
+            for pair in zip(pieces, pieces[1:]):
+                pairs[pair] += words[w]
+        if not pairs:
+            break
+        a, b = min(pairs, key=lambda pair: (-pairs[pair], pair))
+        merged = a + b[2:]
+        for pieces in split.values():
+            i = 0
+            while i < len(pieces) - 1:
+                if pieces[i] == a and pieces[i + 1] == b:
+                    pieces[i:i + 2] = [merged]
+                i += 1
+        if merged not in vocab:
+            vocab.append(merged)
+    return vocab
+
+
+def tiny_bert(directory, *, head: bool = True, seed: int = 0, corpus: str = "") -> str:
+    """A 2-layer BERT (random weights, 3 labels with names) and a WordPiece tokenizer of 300 pieces learnt from random
+    text (and ``corpus``), the same on every run (see ``_wordpiece_vocab``)."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import BertConfig, BertForSequenceClassification, BertModel, PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     lines = make_text(60, seed=3).splitlines() + corpus.splitlines()
-    if whole_words:
-        words = sorted({w for line in lines
-                        for w, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(line))})
-        chars = sorted({c for w in words for c in w})
-        vocab = specials + chars + [f"##{c}" for c in chars] + [w for w in words if len(w) > 1]
-        tok.model = models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]")
-    else:
-        tok.train_from_iterator(lines, trainers.WordPieceTrainer(vocab_size=300, special_tokens=specials))
+    words = Counter(w for line in lines for w, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(line)))
+    vocab = _wordpiece_vocab(words, ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"], size=300)
+    tok.model = models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]")
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
                                                        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])

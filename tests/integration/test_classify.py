@@ -102,8 +102,8 @@ def test_a_classifier_learns_with_each_strategy(spark, toy, tmp_path, strategy, 
                                            "train.strategy": strategy, "train.workers": workers,
                                            "train.max_steps": 120, "train.eval_every": 60, **extra})
     best = s["best"]
-    # LoRA adapts a random 2-layer model through rank-8 updates: it learns, less far in these steps (0.88-0.98
-    # over tokenizers trained anew each session; full fine-tuning 0.93-1.0)
+    # LoRA adapts a random 2-layer model through rank-8 updates: it learns, less far in these steps (0.92 here on the
+    # fixture's fixed vocabulary; 0.85-0.98 when the tokenizer was trained anew each run; full fine-tuning 0.95-0.97)
     bar = 0.85 if "lora.r" in extra else 0.9
     assert best["val_acc"] >= bar and best["val_f1"] >= bar, best
     assert set(best["val_per_class"]) == {"neg", "pos"} and best["val_recall/pos"] >= bar - 0.1
