@@ -258,7 +258,7 @@ def compile_ab(sizes: list[str], steps: int, repeats: int, data: Path, peaks: di
     repeats), MFU against the measured peak of the dtype each ran in, and the seconds to the first step (compile
     time)."""
     cases = [("plain", "float32"), ("plain", dtype), ("plain-compile", dtype), ("sparklm-llama-sdpa", dtype),
-             ("sparklm-llama", dtype), ("sparklm-llama-compile-sdpa", dtype), ("sparklm-llama-compile", dtype)]
+             ("sparklm-llama", dtype), ("sparklm-llama-compile", dtype)]
     cases = list(dict.fromkeys(cases))  # float32: the first two are one
     out = {}
     for size_name in sizes:

@@ -66,6 +66,28 @@ def test_chunked_loss_and_gradients_equal_the_unchunked(arch, tie, chunk):
         torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_chunk_terms_give_the_eager_loss_gradients_and_hits(dtype):
+    """train.compile's loss (fused=True: each chunk's terms in one compiled function) against the eager chunks, with
+    the head's matmul in float32 and under bf16 autocast, over chunks of 7 positions (a short last one)."""
+    model = tiny("llama", False)
+    ids, mask, labels = batch()
+    results = []
+    for fused in (False, True):
+        tally = torch.zeros(2)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            with lm_head.hidden_states(model) as box:
+                model(input_ids=ids, attention_mask=mask)
+            loss = lm_head.nll_sum(box["hidden"], lm_head.head_of(model), labels, 7, tally, fused=fused)
+        results.append((loss, grads(model, loss), tally))
+    (want, want_grads, want_tally), (got, got_grads, got_tally) = results
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert got_tally.tolist() == want_tally.tolist() and want_tally[1] > 0
+    for name in want_grads:  # bf16: the same rounding of the chunk's gradient to bf16, so equal to its precision
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-2 if dtype == torch.bfloat16 else 1e-4,
+                                   atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_the_head_computes_nothing_in_the_models_forward(arch):
     """Inside hidden_states() the model's own forward costs its full forward less the head's matmul (counted)."""

@@ -171,15 +171,16 @@ def test_the_whole_logits_when_they_fit_else_chunks_before_any_shrinking():
     assert memory.apply(Config(), tight).train.loss_chunk == 0
 
 
-def test_a_compiled_model_is_planned_with_the_whole_logits():
-    """train.compile on turns the chunked LM-head loss off (model/task.py): the plan counts every position's logits."""
+def test_a_compiled_model_is_planned_with_its_chunked_loss():
+    """train.compile on compiles the model's blocks and keeps the chunked LM-head loss (train/compiling.py): the plan is
+    the eager one's; only loss_chunk -1 counts every position's logits."""
     from sparklm.config import TrainConfig
 
     shapes = Shapes(layers=8, hidden=64, intermediate=256, vocab=32000, params=10**6, weight_bytes=4 * 10**6,
                     trainable=10**6, head_trains=True)
     eager, may_be_whole = memory.footprints(TrainConfig(loss_chunk=0), shapes, 256, 4)
-    compiled, none = memory.footprints(TrainConfig(loss_chunk=0, compile="on"), shapes, 256, 4)
-    assert none is None and compiled == may_be_whole
-    assert compiled.peak(8, False) > eager.peak(8, False)  # a 32k vocabulary's logits weigh more than chunks
-    assert memory.footprints(TrainConfig(loss_chunk=-1), shapes, 256, 4)[0] == compiled
-    assert not memory.chunks_loss(TrainConfig(compile="on")) and memory.chunks_loss(TrainConfig(compile="auto"))
+    assert memory.footprints(TrainConfig(loss_chunk=0, compile="on"), shapes, 256, 4) == (eager, may_be_whole)
+    whole, none = memory.footprints(TrainConfig(loss_chunk=-1), shapes, 256, 4)
+    assert none is None and whole == may_be_whole
+    assert whole.peak(8, False) > eager.peak(8, False)  # a 32k vocabulary's logits weigh more than chunks
+    assert memory.chunks_loss(TrainConfig(compile="on")) and not memory.chunks_loss(TrainConfig(loss_chunk=-1))

@@ -15,6 +15,8 @@ from sparklm.config import TokenizerConfig, from_dict
 from sparklm.data import tokenizer
 from sparklm.data.manifest import PreparedDataset
 from sparklm.model.figures import LM_FIGURES
+from sparklm.model.task import loss_chunk
+from sparklm.train import compiling
 from sparklm.train.core import Trainer
 
 SEQ = 16
@@ -99,9 +101,9 @@ def test_a_bf16_trainer_on_the_cpu_attention_follows_sdpa_and_resumes_bitwise(se
 
 @pytest.mark.slow
 def test_a_compiled_trainer_learns_as_the_eager_one_and_resumes(setup, tmp_path):
-    """train.compile on (auto turns it on for long bf16 runs): the compiled network's losses follow the eager
-    network's (its loss is the model's own, unchunked), and its checkpoint is the plain model's, which a new compiled
-    Trainer resumes from bit for bit."""
+    """train.compile on: the model's decoder layers are compiled in place, its loss stays chunked, its losses follow
+    the eager network's, and its checkpoint is the plain model's, which a new compiled Trainer resumes from bit for
+    bit."""
     from dataclasses import replace
 
     config, data, spec = setup
@@ -110,7 +112,9 @@ def test_a_compiled_trainer_learns_as_the_eager_one_and_resumes(setup, tmp_path)
     eager, compiled = Trainer(config, data, spec), Trainer(compiled_config, data, spec)
     for t in (eager, compiled):
         t.wrap()
-    assert compiled.net is not compiled.model  # the compiled wrapper steps; the model is saved
+    layers = compiled.model.model.layers
+    assert compiling.blocks(compiled.model) == list(layers) and all(layer._compiled_call_impl for layer in layers)
+    assert loss_chunk(compiled.model) is not None and not eager.model.model.layers[0]._compiled_call_impl
     assert _steps(compiled, 3) == pytest.approx(_steps(eager, 3), rel=1e-3)
     compiled.save(str(tmp_path))
     rest = _steps(compiled, 3)

@@ -88,17 +88,40 @@ def supports(model: torch.nn.Module) -> bool:
 
 
 def nll_sum(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, chunk: int,
-            tally: torch.Tensor | None = None) -> torch.Tensor:
+            tally: torch.Tensor | None = None, *, fused: bool = False) -> torch.Tensor:
     """The summed next-token loss of ``hidden`` (B, T, d), the head's input, for ``labels`` (B, T; IGNORE where
     no loss; position t predicts label t+1), a chunk of positions at a time. ``tally`` ([correct, targets]), when
-    given, gets the chunk's top-1 hits added: the training accuracy, from the logits the loss makes anyway."""
+    given, gets the chunk's top-1 hits added: the training accuracy, from the logits the loss makes anyway.
+    ``fused`` (a compiled model's, train/compiling.py): each chunk's log-softmax, hits and gradient in one
+    torch.compiled function (:func:`chunk_terms`) instead of eager mode's six passes over the chunk's logits."""
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     t = labels[:, 1:].reshape(-1)
     keep = t != IGNORE
     if not bool(keep.all()):
         h, t = h[keep], t[keep]
     mm_dtype = _mm_dtype(h.device) or head.weight.dtype
-    return _ChunkedNLL.apply(h, head.weight, head.bias, t, chunk_size(head.weight.shape[0], chunk), mm_dtype, tally)
+    return _ChunkedNLL.apply(h, head.weight, head.bias, t, chunk_size(head.weight.shape[0], chunk), mm_dtype, tally,
+                             _fused_terms() if fused else None)
+
+
+def chunk_terms(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chunk's summed negative log-likelihood (float64), top-1 hits and the loss's gradient with respect to its
+    ``logits`` (n, V), in their dtype: softmax minus the one-hot ``targets`` (n). Pure: compiled, it is one pass
+    over the logits for the row reductions and one writing the gradient."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    nll = -logp.gather(1, targets[:, None]).sum(dtype=torch.float64)
+    hits = (logp.argmax(-1) == targets).sum()
+    onehot = torch.arange(logits.shape[-1], device=logits.device)[None] == targets[:, None]
+    return nll, hits, (logp.exp() - onehot.float()).to(logits.dtype)
+
+
+_compiled: list = []
+
+
+def _fused_terms():
+    if not _compiled:  # once per process: every chunk and step reuses the compiled function
+        _compiled.append(torch.compile(chunk_terms))
+    return _compiled[0]
 
 
 def token_sums(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
@@ -164,7 +187,7 @@ class _ChunkedNLL(torch.autograd.Function):
     with its gradients computed in the forward pass (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk, mm_dtype, tally=None):
+    def forward(ctx, hidden, weight, bias, targets, chunk, mm_dtype, tally=None, terms=None):
         need_h, need_w = hidden.requires_grad, weight.requires_grad
         need_b = bias is not None and bias.requires_grad
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -178,18 +201,22 @@ class _ChunkedNLL(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, h.shape[0], chunk):
                 hc, tc = h[s:s + chunk], targets[s:s + chunk]
-                logp = torch.log_softmax(F.linear(hc, w, b).float(), dim=-1)  # one fused kernel over the chunk
-                total -= logp.gather(1, tc[:, None]).sum(dtype=torch.float64)
+                if terms is not None and not need_b:  # fused: the gradient comes in the head's matmul dtype
+                    nll, hits, g = terms(F.linear(hc, w, b), tc)
+                    total += nll
+                else:
+                    logp = torch.log_softmax(F.linear(hc, w, b).float(), dim=-1)  # one fused kernel over the chunk
+                    total -= logp.gather(1, tc[:, None]).sum(dtype=torch.float64)
+                    hits = (logp.argmax(-1) == tc).sum() if tally is not None else None
+                    if need_h or need_w or need_b:
+                        g = logp.exp_()  # softmax, in place
+                        g[rows[:len(tc)], tc] -= 1.0  # minus the one-hot target: d(nll)/d(logits)
+                        if need_b:
+                            grad_b += g.sum(0)
+                        g = g.to(mm_dtype)
                 if tally is not None:
-                    tally[0] += (logp.argmax(-1) == tc).sum()
+                    tally[0] += hits
                     tally[1] += len(tc)
-                if not (need_h or need_w or need_b):
-                    continue
-                g = logp.exp_()  # softmax, in place
-                g[rows[:len(tc)], tc] -= 1.0  # minus the one-hot target: d(nll)/d(logits)
-                if need_b:
-                    grad_b += g.sum(0)
-                g = g.to(mm_dtype)
                 if need_h:
                     grad_h[s:s + chunk] = g @ w
                 if need_w:
@@ -207,4 +234,4 @@ class _ChunkedNLL(torch.autograd.Function):
         return (None if grad_h is None else (grad_h * grad_out).to(h_dtype),
                 None if grad_w is None else (grad_w * grad_out).to(w_dtype),
                 None if grad_b is None else (grad_b * grad_out).to(b_dtype),
-                None, None, None, None)
+                None, None, None, None, None)

@@ -97,15 +97,22 @@ class Task(Protocol):
         ...
 
 
-def set_loss_chunks(model: torch.nn.Module, chunk: int | None) -> None:
+def set_loss_chunks(model: torch.nn.Module, chunk: int | None, *, fused: bool = False) -> None:
     """How ``model``'s loss is computed: the LM head's loss in chunks of ``chunk`` positions (0: by the vocabulary's
-    size; model/lm_head.py), or None: the model's own logits and loss. Kept on the model, decided when it is built."""
+    size; model/lm_head.py), or None: the model's own logits and loss. Kept on the model, decided when it is built;
+    ``fused`` (set where train.compile compiles the model): each chunk's terms in one compiled function."""
     model.sparklm_loss_chunk = chunk
+    model.sparklm_loss_fused = fused
 
 
 def loss_chunk(net: torch.nn.Module) -> int | None:
     """What :func:`set_loss_chunks` decided for ``net`` (seen through DDP's wrapper)."""
     return getattr(getattr(net, "module", net), "sparklm_loss_chunk", None)
+
+
+def loss_fused(net: torch.nn.Module) -> bool:
+    """Whether :func:`set_loss_chunks` fused ``net``'s chunked loss (seen through DDP's wrapper)."""
+    return getattr(getattr(net, "module", net), "sparklm_loss_fused", False)
 
 
 @dataclass(frozen=True)
@@ -117,7 +124,6 @@ class CausalLM:
     eval_width = 4  # nats, tokens, correct, bytes
     base: str = ""  # the pretrained model LoRA adapts (named in the exported adapter's config)
     chunk: int = 0  # train.loss_chunk: positions per chunk of the LM-head loss; 0: by the vocabulary; -1: off
-    compiled: bool = False  # train.compile: the chunked loss's hook does not survive torch.compile
     # how the exported model samples by default (infer/sampling.py's Sampling; None: transformers' defaults), and
     # what writes the run's text samples (model, spec, run_dir, dataset, config; None: none): given by the task's
     # module (tasks/causal_lm.py), which sits above the model and the inference code
@@ -126,7 +132,7 @@ class CausalLM:
 
     @classmethod
     def from_config(cls, config: Config, *, sampling: Any = None, samples: Callable | None = None) -> CausalLM:
-        return cls(base=config.model.init_from, chunk=config.train.loss_chunk, compiled=config.train.compile == "on",
+        return cls(base=config.model.init_from, chunk=config.train.loss_chunk,
                    sampling=sampling, samples=samples)
 
     def build(self, config: Config, spec: TokenizerSpec, context: int) -> torch.nn.Module:
@@ -155,7 +161,7 @@ class CausalLM:
         if config.lora.r:
             torch.manual_seed(config.train.seed)  # the adapters' initial weights, the same in every process
             model = lora.wrap(model, config.lora)
-        chunked = self.chunk >= 0 and not self.compiled and lm_head.supports(model)
+        chunked = self.chunk >= 0 and lm_head.supports(model)
         set_loss_chunks(model, self.chunk if chunked else None)
         return model
 
@@ -175,7 +181,8 @@ class CausalLM:
         if chunk is not None:  # the head's loss a chunk of positions at a time (model/lm_head.py)
             with lm_head.hidden_states(net) as box:
                 net(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-            nats = lm_head.nll_sum(box["hidden"], lm_head.head_of(net), batch.labels, chunk, tally)
+            nats = lm_head.nll_sum(box["hidden"], lm_head.head_of(net), batch.labels, chunk, tally,
+                                   fused=loss_fused(net))
             return nats / (total or max(n, 1))
         out = net(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
         if tally is not None:

@@ -26,7 +26,7 @@ from ..metrics.sinks import Sink
 from ..model import param_count
 from ..model.task import Batch, Task
 from ..tasks import make as make_task
-from . import checkpoint, collective, device, loop, optim
+from . import checkpoint, collective, compiling, device, loop, optim
 from .plan import RunPlan, local
 from .schedule import Schedule, fraction, steps
 
@@ -209,10 +209,11 @@ class Trainer:
                 p.copy_(weights[n])
 
     def wrap(self) -> None:
-        """The network the steps run: DDP across the ranks (the collectives say), compiled where train.compile says."""
+        """The network the steps run: DDP across the ranks (the collectives say), compiled where train.compile says
+        (its blocks, each in place: compiling.py)."""
         self.net = self.comm.wrap(self.model, self.device)
         if self.tc.compile == "on":
-            self.net = torch.compile(self.net)
+            self.net = compiling.compile_model(self.net, self.model)
 
     def gather_peaks(self) -> list[float]:
         """Every rank's peak resident memory, in rank order: a collective, so every rank calls it at the same step."""

@@ -214,9 +214,9 @@ def base_in_bf16(config) -> bool:
 
 
 def chunks_loss(tc) -> bool:
-    """Whether training may compute the LM head's loss in chunks: not where ``train.loss_chunk`` is -1, nor for a
-    compiled model (the chunked loss's hook does not survive compiling: it computes the whole micro-batch's logits)."""
-    return tc.loss_chunk >= 0 and tc.compile != "on"
+    """Whether training may compute the LM head's loss in chunks: not where ``train.loss_chunk`` is -1 (a compiled
+    model keeps it: its blocks are compiled, the head stays eager; train/compiling.py)."""
+    return tc.loss_chunk >= 0
 
 
 def footprints(tc, shapes: Shapes, seq_len: int, activation_bytes: int) -> tuple[Footprint, Footprint | None]:

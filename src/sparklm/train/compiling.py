@@ -1,0 +1,49 @@
+"""``train.compile``: torch.compile the model's repeated blocks (its transformer layers), each in place.
+
+Compiling block by block, as torchtitan does, rather than the whole model:
+
+* the chunked LM-head loss (model/lm_head.py) stays: it hooks the head, which stays eager, so the whole micro-batch's
+  logits are never made. Compiled whole, the model computed them (67 MB in float32 at 16 x 256 x 4096). Each chunk's
+  log-softmax, top-1 hits and gradient are one compiled function (``lm_head.chunk_terms``);
+* the blocks share one forward, so Dynamo traces and Inductor compiles one block's graph and every layer reuses it:
+  seconds of compiling where the whole model took ~30 s on the CPU;
+* the attention mask is made by the eager model. Compiled whole, transformers builds a dense mask while it is
+  traced, and sparklm's CPU attention (model/attention.py), which takes only unmasked causal batches, gave way to SDPA.
+
+Inductor fuses what eager mode runs as separate passes over the activations: RMSNorm in float32, the rotary
+embedding, SwiGLU's product and autocast's casts. Measured on the CPU in bf16 (BENCHMARKS.md): the step 1.2-1.3x
+the eager one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The members of ``model``'s longest ``ModuleList`` whose members are all of one class: an HF model's layers
+    (``model.layers``, ``transformer.h``, ``encoder.layer``), also under a LoRA wrapper; [] when it has none."""
+    best: list[torch.nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > len(best):
+            members = list(module)
+            if len({type(m) for m in members}) == 1:
+                best = members
+    return best
+
+
+def compile_model(net: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
+    """The network the steps run, compiled: ``model``'s blocks each compiled in place (``net`` wraps ``model``, or is
+    it), or, for a model without repeated blocks, ``net`` compiled whole, with the model's own loss (the chunked
+    loss's hook on the head does not survive a compiled whole)."""
+    from ..model.task import loss_chunk, set_loss_chunks
+
+    found = blocks(model)
+    if found:
+        for block in found:
+            block.compile()
+        if loss_chunk(model) is not None:  # the head stays eager; each chunk's loss terms compiled (lm_head.py)
+            set_loss_chunks(model, loss_chunk(model), fused=True)
+        return net
+    set_loss_chunks(model, None)
+    return torch.compile(net)
