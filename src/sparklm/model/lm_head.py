@@ -120,7 +120,7 @@ _compiled: list = []
 
 def _fused_terms():
     if not _compiled:  # once per process: every chunk and step reuses the compiled function
-        _compiled.append(torch.compile(chunk_terms))
+        _compiled.append(torch.compile(chunk_terms, dynamic=False))
     return _compiled[0]
 
 

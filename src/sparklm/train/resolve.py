@@ -20,9 +20,10 @@ from .peak import bf16_fast, compute_dtype
 
 SCRATCH_LR, LORA_LR, FINETUNE_LR = 3e-3, 1e-3, 5e-5
 # train.compile auto: compiled on a GPU from this time budget on. Measured (BENCHMARKS.md): on an H100 the compiled
-# step ran 1.85x the eager one (MFU 22.0% against 11.9%) for ~28 s of compiling. On a bf16 CPU the main job's
-# settings for 15 minutes trained 1.3% more steps compiled (+8-12% a step, less ~27 s compiling the first time on a
-# machine; +19% at 16 x 256 rows with AdamW) and in float32 +2-4%: not worth a first step half a minute late.
+# step ran 1.85x the eager one (MFU 22.0% against 11.9%) for ~28 s of compiling (the whole model then; its blocks since
+# 2026-11-28, unmeasured on a GPU). On a bf16 CPU, blocks compiled: the step at 16 x 256 rows ran 1.21x (main shape)
+# and 1.11x (~10M) the eager one, but the main job's fitted 4 x 128 model at 8 x 256 rows gained <=11% a step, and
+# its 3-minute runs trained 827 and 832 steps against 839 and 824 eager (a first step 18 s late with a cold cache).
 COMPILE_MIN_BUDGET = 900.0
 
 
