@@ -106,8 +106,8 @@ def nll_sum(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, c
 
 def chunk_terms(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A chunk's summed negative log-likelihood (float64), top-1 hits and the loss's gradient with respect to its
-    ``logits`` (n, V), in their dtype: softmax minus the one-hot ``targets`` (n). Pure: compiled, it is one pass
-    over the logits for the row reductions and one writing the gradient."""
+    ``logits`` (n, V), in their dtype: softmax minus the one-hot ``targets`` (n). Pure, so that Inductor fuses its
+    passes over the logits (eager mode makes six: the float copy, log-softmax, gather, argmax, exp, the cast)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     nll = -logp.gather(1, targets[:, None]).sum(dtype=torch.float64)
     hits = (logp.argmax(-1) == targets).sum()

@@ -7,8 +7,9 @@ Compiling block by block, as torchtitan does, rather than the whole model:
   log-softmax, top-1 hits and gradient are one compiled function (``lm_head.chunk_terms``);
 * the blocks share one forward, so Dynamo traces and Inductor compiles one block's graph and every layer reuses it:
   seconds of compiling where the whole model took ~30 s on the CPU;
-* the attention mask is made by the eager model. Compiled whole, transformers builds a dense mask while it is
-  traced, and sparklm's CPU attention (model/attention.py), which takes only unmasked causal batches, gave way to SDPA.
+* the attention mask is made by the eager model, as in eager mode. Profiled compiled whole on the main job's
+  batches, the layers ran SDPA's kernel, not sparklm's CPU attention (model/attention.py), which takes only calls
+  without a mask.
 
 Inductor fuses what eager mode runs as separate passes over the activations: RMSNorm in float32, the rotary
 embedding, SwiGLU's product and autocast's casts. Measured on the CPU in bf16 (BENCHMARKS.md, 16 x 256 rows): the
@@ -18,6 +19,8 @@ step 1.21x (main shape) and 1.11x (~10M) the eager one, 1.51x and 1.32x a plain 
 from __future__ import annotations
 
 import torch
+
+from ..model.task import loss_chunk, set_loss_chunks
 
 
 def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -36,8 +39,6 @@ def compile_model(net: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Modu
     """The network the steps run, compiled: ``model``'s blocks each compiled in place (``net`` wraps ``model``, or is
     it), or, for a model without repeated blocks, ``net`` compiled whole, with the model's own loss (the chunked
     loss's hook on the head does not survive a compiled whole)."""
-    from ..model.task import loss_chunk, set_loss_chunks
-
     found = blocks(model)
     if found:
         for block in found:
