@@ -344,7 +344,7 @@ class TrainConfig:
         "auto", "torch.compile the model's blocks (each transformer layer; the chunked loss stays); auto: on where it "
                 "was measured to pay, a causal LM trained from scratch with ddp on a GPU for a time budget of at least "
                 "15 minutes; else off (on a bf16 CPU the step ran 1.1-1.2x the eager one, but the main job's 3-minute "
-                "runs trained as many steps, for 2-18 s of compiling). true/false read as on/off", flag="--compile")
+                "runs trained as many steps, for 2-19 s of compiling in the first step). true/false read as on/off", flag="--compile")
     attention: Literal["auto", "sdpa", "matmul"] = _f(
         "auto", "the attention's kernel: sdpa (torch's scaled_dot_product_attention), or matmul (sparklm's causal "
                 "attention for short sequences on the CPU: batched matmuls a few heads at a time, the probabilities "
