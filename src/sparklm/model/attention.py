@@ -36,8 +36,7 @@ def _future(t: int, dtype) -> Tensor:
     import torch
 
     if (t, dtype) not in _masks:
-        _masks[t, dtype] = torch.zeros(t, t, dtype=dtype).masked_fill_(torch.ones(t, t, dtype=torch.bool).triu_(1),
-                                                                      float("-inf"))
+        _masks[t, dtype] = torch.full((t, t), float("-inf"), dtype=dtype).triu_(1)
     return _masks[t, dtype]
 
 

@@ -23,6 +23,7 @@ is found by :func:`supports` and keeps the unchunked loss.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 import torch
@@ -115,13 +116,10 @@ def chunk_terms(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tens
     return nll, hits, (logp.exp() - onehot.float()).to(logits.dtype)
 
 
-_compiled: list = []
-
-
+@functools.cache
 def _fused_terms():
-    if not _compiled:  # once per process: every chunk and step reuses the compiled function
-        _compiled.append(torch.compile(chunk_terms, dynamic=False))
-    return _compiled[0]
+    """:func:`chunk_terms` compiled, once per process: every chunk and step reuses it."""
+    return torch.compile(chunk_terms, dynamic=False)
 
 
 def token_sums(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,

@@ -46,8 +46,9 @@ def compile_model(net: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Modu
             # default, the first new shape recompiled the block with symbolic shapes, and the training steps ran
             # that slower graph from then on (155 -> 190 ms a step in the main job)
             block.compile(dynamic=False)
-        if loss_chunk(model) is not None:  # the head stays eager; each chunk's loss terms compiled (lm_head.py)
-            set_loss_chunks(model, loss_chunk(model), fused=True)
+        chunk = loss_chunk(model)
+        if chunk is not None:  # the head stays eager; each chunk's loss terms compiled (lm_head.py)
+            set_loss_chunks(model, chunk, fused=True)
         return net
     set_loss_chunks(model, None)
     return torch.compile(net)
