@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sparklm.train.compiling import blocks
@@ -26,3 +27,17 @@ def test_the_blocks_are_a_models_layers_under_any_name_and_wrapper():
 def test_a_model_without_repeated_blocks_has_none():
     mixed = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.ReLU()]))
     assert blocks(mixed) == [] and blocks(torch.nn.Linear(2, 2)) == []
+
+
+def test_compiling_on_a_cpu_without_a_cxx_compiler_is_one_line():
+    from torch._inductor import config as inductor
+
+    from sparklm.infra.errors import SparklmError
+    from sparklm.train.compiling import needs_compiler
+
+    needs_compiler("cpu")  # this machine has g++
+    with inductor.patch({"cpp.cxx": (None, "no-such-compiler++")}):
+        with pytest.raises(SparklmError, match=r"no C\+\+ compiler \(no-such-compiler\+\+\)") as caught:
+            needs_compiler("cpu")
+        needs_compiler("cuda")  # on a GPU, Triton's kernels need no host C++ compiler
+    assert "train.compile=off" in caught.value.hint

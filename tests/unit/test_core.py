@@ -260,6 +260,35 @@ def test_padded_positions_get_no_loss():
 # -- optimizers -----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("rule", ["match_rms_adamw", "original", None])
+def test_muon_batched_by_shape_steps_as_torchs_muon(rule):
+    """sparklm's Muon orthogonalizes same-shaped matrices together; the weights it makes are torch's Muon's (to
+    bfloat16's rounding, from batched products), tall matrices included, and its state dict loads into torch's."""
+    from sparklm.train import optim
+
+    torch.manual_seed(0)
+    shapes = [(32, 32), (32, 32), (48, 32), (32, 48), (48, 32), (16, 64)]
+    start = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(3)]
+
+    def run(cls):
+        params = [torch.nn.Parameter(w.clone()) for w in start]
+        opt = cls(params, lr=0.02, weight_decay=0.1, adjust_lr_fn=rule)
+        for step in grads:
+            for p, g in zip(params, step, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        return params, opt
+
+    ours, opt = run(optim.Muon)
+    theirs, _ = run(torch.optim.Muon)
+    for a, b, w in zip(ours, theirs, start, strict=True):
+        moved = (b - w).abs().max()
+        assert moved > 0.01  # the weights moved, by several updates' worth
+        assert (a - b).abs().max() <= 0.02 * moved
+    torch.optim.Muon([torch.nn.Parameter(w.clone()) for w in start]).load_state_dict(opt.state_dict())
+
+
 def test_muon_with_adamw_checkpoints_as_one_optimizer():
     from sparklm.config import ModelConfig
     from sparklm.model.build import build_model

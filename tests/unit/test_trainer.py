@@ -101,9 +101,10 @@ def test_a_bf16_trainer_on_the_cpu_attention_follows_sdpa_and_resumes_bitwise(se
 
 @pytest.mark.slow
 def test_a_compiled_trainer_learns_as_the_eager_one_and_resumes(setup, tmp_path):
-    """train.compile on: the model's decoder layers are compiled in place, its loss stays chunked, its losses follow
-    the eager network's, and its checkpoint is the plain model's, which a new compiled Trainer resumes from bit for
-    bit."""
+    """train.compile on: after the first step (eager, so that it comes soon) the model's decoder layers are compiled
+    in place, its loss stays chunked, its losses follow the eager network's, evaluation runs them eager (no compiling
+    for its batches), and its checkpoint is the plain model's, which a new compiled Trainer resumes from, compiled
+    from its first step, bit for bit."""
     from dataclasses import replace
 
     config, data, spec = setup
@@ -113,12 +114,19 @@ def test_a_compiled_trainer_learns_as_the_eager_one_and_resumes(setup, tmp_path)
     for t in (eager, compiled):
         t.wrap()
     layers = compiled.model.model.layers
+    assert not any(layer._compiled_call_impl for layer in layers)  # the first step runs eager
+    first = _steps(compiled, 1) + _steps(eager, 1)
     assert compiling.blocks(compiled.model) == list(layers) and all(layer._compiled_call_impl for layer in layers)
     assert loss_chunk(compiled.model) is not None and not eager.model.model.layers[0]._compiled_call_impl
-    assert _steps(compiled, 3) == pytest.approx(_steps(eager, 3), rel=1e-3)
+    assert first[0] == first[1]
+    assert _steps(compiled, 2) == pytest.approx(_steps(eager, 2), rel=1e-3)
+    torch._dynamo.utils.counters.clear()
+    assert compiled.evaluate()["val_loss"] == pytest.approx(eager.evaluate()["val_loss"], rel=1e-3)
+    assert not torch._dynamo.utils.counters["frames"]  # evaluation compiled nothing
     compiled.save(str(tmp_path))
     rest = _steps(compiled, 3)
     again = Trainer(compiled_config, data, spec)
     assert again.restore(str(tmp_path)) and again.state.step == 3
     again.wrap()
+    assert all(layer._compiled_call_impl for layer in again.model.model.layers)  # resumed: compiled at once
     assert _steps(again, 3) == rest

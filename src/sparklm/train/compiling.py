@@ -18,8 +18,12 @@ step 1.21x (main shape) and 1.11x (~10M) the eager one, 1.51x and 1.32x a plain 
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+
 import torch
 
+from ..infra.errors import SparklmError
 from ..model.task import loss_chunk, set_loss_chunks
 
 
@@ -39,6 +43,7 @@ def compile_model(net: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Modu
     """The network the steps run, compiled: ``model``'s blocks each compiled in place (``net`` wraps ``model``, or is
     it), or, for a model without repeated blocks, ``net`` compiled whole, with the model's own loss (the chunked
     loss's hook on the head does not survive a compiled whole)."""
+    needs_compiler(next(model.parameters()).device.type)
     found = blocks(model)
     if found:
         for block in found:
@@ -52,3 +57,25 @@ def compile_model(net: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Modu
         return net
     set_loss_chunks(model, None)
     return torch.compile(net)
+
+
+def eager() -> contextlib.AbstractContextManager:
+    """Compiled blocks run eager inside: evaluation and samples. Their batches are of other shapes (and without
+    gradients), and each would compile the blocks again (a sample's every new length too, up to Dynamo's limit of
+    recompiles): 13 s of compiling at the main job's first evaluation, for 20 forward passes."""
+    return torch.compiler.set_stance("force_eager")
+
+
+def needs_compiler(device: str) -> None:
+    """Inductor writes C++ for the CPU and builds it with a C++ compiler (its ``cpp.cxx`` setting: ``$CXX``, else g++;
+    on macOS clang++): without one, one line before any compiling, not a traceback at the second step."""
+    from torch._inductor import config as inductor
+
+    if device != "cpu":
+        return
+    wanted = inductor.cpp.cxx if isinstance(inductor.cpp.cxx, (list, tuple)) else (inductor.cpp.cxx,)
+    names = [name for name in wanted if name]
+    if not any(shutil.which(name) for name in names):
+        raise SparklmError(f"train.compile is on, but this worker has no C++ compiler ({' or '.join(names)}), which "
+                           "torch.compile needs on the CPU", hint="install one (e.g. apt install g++) on every "
+                           "worker, or set train.compile=off")

@@ -80,6 +80,7 @@ class Trainer:
         # in this process before; checkpoints keep the state from there (save/restore below)
         torch.manual_seed((self.tc.seed << 16) + rank.rank)
         self.net: torch.nn.Module = self.model
+        self.compile_pending = False  # train.compile on: compiled after the first step (wrap)
         self.optimizer_name = self.tc.optimizer
         self.optimizer = self.new_optimizer()
         self.train_groups = checked_row_groups(dataset, "train", self.config.storage)
@@ -150,6 +151,8 @@ class Trainer:
         norm, lr, accuracy counts)."""
         lr = lr_at(self.state.step, done, self.tc)
         loss, grad_norm, tally = self.train_step(batches, lr)
+        if self.compile_pending:
+            self.compile_now()
         self.state.step += 1
         self.state.position += self.plan.rows_per_step
         self.state.tokens_seen += self.plan.tokens_per_step
@@ -163,12 +166,13 @@ class Trainer:
         self.model.eval()
         limit = tc.eval_batches * tc.batch_size if tc.eval_batches else None
         sums = self.device.zeros(self.task.eval_width, dtype=torch.float64)
-        for rows in validation_rows(self.val_groups, seq_len=self.seq_len, rank=part, world=parts, limit=limit,
-                                    storage=self.config.storage):
-            for i in range(0, len(rows.input_ids), tc.batch_size):
-                batch = self.device.put(self.task.batch(rows.take(slice(i, i + tc.batch_size))))
-                with self.device.autocast():
-                    sums += self.task.eval_sums(self.model, batch, self.byte_lengths)
+        with compiling.eager():
+            for rows in validation_rows(self.val_groups, seq_len=self.seq_len, rank=part, world=parts, limit=limit,
+                                        storage=self.config.storage):
+                for i in range(0, len(rows.input_ids), tc.batch_size):
+                    batch = self.device.put(self.task.batch(rows.take(slice(i, i + tc.batch_size))))
+                    with self.device.autocast():
+                        sums += self.task.eval_sums(self.model, batch, self.byte_lengths)
         self.model.train()
         return sums
 
@@ -210,10 +214,17 @@ class Trainer:
 
     def wrap(self) -> None:
         """The network the steps run: DDP across the ranks (the collectives say), compiled where train.compile says
-        (its blocks, each in place: compiling.py)."""
+        (its blocks, each in place: compiling.py). A fresh run compiles after its first step, which runs eager: the
+        first step comes seconds after the command, not after the compiling (~15 s on 2 CPU cores). A resumed run
+        compiles now, so that every step it runs is compiled as the original run's were (bitwise resume)."""
         self.net = self.comm.wrap(self.model, self.device)
-        if self.tc.compile == "on":
-            self.net = compiling.compile_model(self.net, self.model)
+        self.compile_pending = self.tc.compile == "on"
+        if self.compile_pending and self.state.step > 0:
+            self.compile_now()
+
+    def compile_now(self) -> None:
+        self.compile_pending = False
+        self.net = compiling.compile_model(self.net, self.model)
 
     def gather_peaks(self) -> list[float]:
         """Every rank's peak resident memory, in rank order: a collective, so every rank calls it at the same step."""
@@ -242,7 +253,8 @@ class Trainer:
         elif exists(final_dir, storage):  # from an earlier end of this run (--resume): now the final weights are best
             delete(final_dir, storage)
         self.task.export(self.model, self.spec, join(run_dir, "model"), storage)
-        self.task.artefacts(self.model, self.spec, run_dir, self.dataset, self.config)
+        with compiling.eager():  # samples: each new length would compile the blocks again
+            self.task.artefacts(self.model, self.spec, run_dir, self.dataset, self.config)
 
     # -- checkpoints (DDP) --
 

@@ -3,10 +3,12 @@
 torch has both (``torch.optim.Muon`` since 2.9) but no way to step two optimizers as one, which the
 core (per-group learning rates), checkpoints and rounds' inner state need: :class:`Chained` is that,
 numbering the parameters across its optimizers as one optimizer would, so a checkpoint is a plain
-optimizer state dict.
+optimizer state dict. :class:`Muon` is torch's, its orthogonalization batched (its docstring says why).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -21,7 +23,7 @@ def build(params: list[torch.nn.Parameter], *, decays: set[int], matrices: set[i
         hidden = [p for p in params if id(p) in matrices]
         rest = [p for p in params if id(p) not in matrices]
         # match_rms_adamw scales each matrix's update to AdamW's RMS, so one lr and weight decay serve both
-        muon = torch.optim.Muon(hidden, lr=tc.lr, weight_decay=tc.weight_decay, adjust_lr_fn="match_rms_adamw")
+        muon = Muon(hidden, lr=tc.lr, weight_decay=tc.weight_decay, adjust_lr_fn="match_rms_adamw")
         return Chained(muon, adamw(rest, decays, tc.weight_decay, tc.lr, betas))
     return adamw(params, decays, tc.weight_decay, tc.lr, betas)
 
@@ -38,6 +40,67 @@ def adamw(params: list[torch.nn.Parameter], decays: set[int], weight_decay: floa
 def parts(optimizer) -> tuple[torch.optim.Optimizer, ...]:
     """The torch optimizers ``optimizer`` steps (a gradient scaler unscales and steps each)."""
     return optimizer.optimizers if isinstance(optimizer, Chained) else (optimizer,)
+
+
+class Muon(torch.optim.Muon):
+    """``torch.optim.Muon`` with the Newton-Schulz iterations of matrices of one shape run together, as batched
+    matrix products: the same update, the same hyperparameters and state dict (a ``momentum_buffer`` per matrix).
+
+    torch orthogonalizes one matrix at a time. A small model's matrices are small (256 x 256 in the main job's),
+    and a CPU runs products that small below its peak: the main job's 28 matrices took 89-92 ms a step one by one
+    and 68-71 ms stacked by shape (2 threads, bfloat16; ~21 GFLOP, a fifth of a step at micro-batch 8).
+    """
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, bufs = [], [], []
+            self._init_group(group, params, grads, bufs)
+            momentum = group["momentum"]
+            updates = []
+            for grad, buf in zip(grads, bufs, strict=True):
+                buf.lerp_(grad, 1 - momentum)
+                updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
+            lr, decay = float(group["lr"]), group["weight_decay"]
+            for p, update in zip(params, orthogonalized(updates, group["ns_coefficients"], group["ns_steps"],
+                                                        group["eps"]), strict=True):
+                p.mul_(1 - lr * decay)
+                p.add_(update, alpha=-lr * lr_ratio(group["adjust_lr_fn"], p.shape))
+        return loss
+
+
+def lr_ratio(rule: str | None, shape: torch.Size) -> float:
+    """Muon's learning-rate scale for a matrix of ``shape`` (torch's ``adjust_lr_fn``): match_rms_adamw gives its
+    update AdamW's RMS (0.2 sqrt(max dim)); the original rule sqrt(max(1, rows / cols))."""
+    rows, cols = shape[:2]
+    if rule == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1.0, rows / cols)) if rule in (None, "original") else 1.0
+
+
+def orthogonalized(updates: list[torch.Tensor], coefficients: tuple[float, float, float], steps: int,
+                   eps: float) -> list[torch.Tensor]:
+    """Each matrix of ``updates`` brought near the nearest semi-orthogonal matrix by ``steps`` quintic Newton-Schulz
+    iterations in bfloat16 (Muon's), each scaled by its own norm first; matrices of one shape in one batch."""
+    a, b, c = coefficients
+    out: list[torch.Tensor | None] = [None] * len(updates)
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for i, u in enumerate(updates):  # wide, so that the Gram matrix X X^T is the smaller square
+        by_shape.setdefault(tuple(u.shape) if u.shape[0] <= u.shape[1] else tuple(u.shape[::-1]), []).append(i)
+    for index in by_shape.values():
+        x = torch.stack([updates[i].bfloat16() if updates[i].shape[0] <= updates[i].shape[1]
+                         else updates[i].bfloat16().T for i in index])
+        x = x / x.norm(dim=(1, 2), keepdim=True).clamp(min=eps)
+        for _ in range(steps):
+            gram = x @ x.mT
+            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        for i, y in zip(index, x, strict=True):
+            out[i] = y if updates[i].shape[0] <= updates[i].shape[1] else y.T
+    return out
 
 
 class Chained:
