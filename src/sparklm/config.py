@@ -341,10 +341,11 @@ class TrainConfig:
                 "float32; on CUDA bfloat16 (float16, with a gradient scaler, for GPUs without bf16: V100, T4)"
     )
     compile: Literal["auto", "on", "off"] = _f(
-        "auto", "torch.compile the model's blocks (each transformer layer; the chunked loss stays); auto: on where it "
-                "was measured to pay, a causal LM trained from scratch with ddp on a GPU for a time budget of at least "
-                "15 minutes; else off (on a bf16 CPU the step ran 1.1-1.2x the eager one, but the main job's 3-minute "
-                "runs trained as many steps, for 2-19 s of compiling in the first step). true/false read as on/off", flag="--compile")
+        "auto", "torch.compile the model's blocks (each transformer layer; the chunked loss stays) from the second "
+                "step on (the first runs eager); auto: on where it was measured to pay, a causal LM trained from "
+                "scratch with ddp for a time budget of at least 6 minutes, in bfloat16 on the CPU (with a C++ "
+                "compiler for Inductor) or bfloat16/float16 on a GPU (the main job: 1.13x the tokens/s, for 24 s of "
+                "compiling, ~3 s from Inductor's cache); else off. true/false read as on/off", flag="--compile")
     attention: Literal["auto", "sdpa", "matmul"] = _f(
         "auto", "the attention's kernel: sdpa (torch's scaled_dot_product_attention), or matmul (sparklm's causal "
                 "attention for short sequences on the CPU: batched matmuls a few heads at a time, the probabilities "

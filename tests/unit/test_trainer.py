@@ -114,12 +114,11 @@ def test_a_compiled_trainer_learns_as_the_eager_one_and_resumes(setup, tmp_path)
     for t in (eager, compiled):
         t.wrap()
     layers = compiled.model.model.layers
-    assert not any(layer._compiled_call_impl for layer in layers)  # the first step runs eager
     first = _steps(compiled, 1) + _steps(eager, 1)
+    assert first[0] == first[1] and not any(layer._compiled_call_impl for layer in layers)  # the first step: eager
+    assert _steps(compiled, 2) == pytest.approx(_steps(eager, 2), rel=1e-3)
     assert compiling.blocks(compiled.model) == list(layers) and all(layer._compiled_call_impl for layer in layers)
     assert loss_chunk(compiled.model) is not None and not eager.model.model.layers[0]._compiled_call_impl
-    assert first[0] == first[1]
-    assert _steps(compiled, 2) == pytest.approx(_steps(eager, 2), rel=1e-3)
     torch._dynamo.utils.counters.clear()
     assert compiled.evaluate()["val_loss"] == pytest.approx(eager.evaluate()["val_loss"], rel=1e-3)
     assert not torch._dynamo.utils.counters["frames"]  # evaluation compiled nothing

@@ -11,6 +11,9 @@ Compiling block by block, as torchtitan does, rather than the whole model:
   batches, the layers ran SDPA's kernel, not sparklm's CPU attention (model/attention.py), which takes only calls
   without a mask.
 
+The core (train/core.py) compiles from a fresh run's second step, so that the first comes soon, and runs
+evaluation and samples eager (:func:`eager`).
+
 Inductor fuses what eager mode runs as separate passes over the activations: RMSNorm in float32, the rotary
 embedding, SwiGLU's product and autocast's casts. Measured on the CPU in bf16 (BENCHMARKS.md, 16 x 256 rows): the
 step 1.21x (main shape) and 1.11x (~10M) the eager one, 1.51x and 1.32x a plain PyTorch loop, at 68% and 65% MFU.
@@ -62,7 +65,7 @@ def compile_model(net: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Modu
 def eager() -> contextlib.AbstractContextManager:
     """Compiled blocks run eager inside: evaluation and samples. Their batches are of other shapes (and without
     gradients), and each would compile the blocks again (a sample's every new length too, up to Dynamo's limit of
-    recompiles): 13 s of compiling at the main job's first evaluation, for 20 forward passes."""
+    recompiles): ~15 s of compiling at the main job's first evaluation, for 20 forward passes."""
     return torch.compiler.set_stance("force_eager")
 
 

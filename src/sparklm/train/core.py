@@ -149,10 +149,10 @@ class Trainer:
     def step(self, batches: Iterator[Batch], done: float) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
         """One optimizer step at progress ``done`` (the learning rate follows it), the state advanced: (loss, grad
         norm, lr, accuracy counts)."""
+        if self.compile_pending and self.state.step > 0:  # a fresh run's second step: its first is logged by now
+            self.compile_now()
         lr = lr_at(self.state.step, done, self.tc)
         loss, grad_norm, tally = self.train_step(batches, lr)
-        if self.compile_pending:
-            self.compile_now()
         self.state.step += 1
         self.state.position += self.plan.rows_per_step
         self.state.tokens_seen += self.plan.tokens_per_step
@@ -214,9 +214,10 @@ class Trainer:
 
     def wrap(self) -> None:
         """The network the steps run: DDP across the ranks (the collectives say), compiled where train.compile says
-        (its blocks, each in place: compiling.py). A fresh run compiles after its first step, which runs eager: the
-        first step comes seconds after the command, not after the compiling (~15 s on 2 CPU cores). A resumed run
-        compiles now, so that every step it runs is compiled as the original run's were (bitwise resume)."""
+        (its blocks, each in place: compiling.py). A fresh run compiles from its second step on, its first eager:
+        the first step comes seconds after the command, not after the compiling (the main job's: 24 s on 2 CPU cores,
+        ~3 s from Inductor's cache). A resumed run compiles now, so that every step it runs is compiled as the
+        original run's were (bitwise resume)."""
         self.net = self.comm.wrap(self.model, self.device)
         self.compile_pending = self.tc.compile == "on"
         if self.compile_pending and self.state.step > 0:
@@ -303,8 +304,9 @@ class RankUnit:
     note_at = loop.NOTE_STEP
 
     def __init__(self, trainer: Trainer, run_dir: str, *, warn: Callable[[str], None],
-                 on_step: Callable[[int], None] | None = None, leaving: Callable[[], bool] | None = None):
-        self.t, self.run_dir, self.warn, self.on_step = trainer, run_dir, warn, on_step
+                 note: Callable[[str], None] = lambda _: None, on_step: Callable[[int], None] | None = None,
+                 leaving: Callable[[], bool] | None = None):
+        self.t, self.run_dir, self.warn, self.note, self.on_step = trainer, run_dir, warn, note, on_step
         # an elastic run's ranks agree after every step whether to leave (rank 0 hears it from the driver)
         self.leaving = leaving
         self.log_every = trainer.tc.log_every
@@ -331,6 +333,9 @@ class RankUnit:
 
     def advance(self, steps: int, *, done: float, evaluate: bool, checkpoint: bool) -> loop.Advance:
         t = self.t
+        if t.compile_pending and t.state.step > 0:  # said, as the steps' lines will show its time
+            self.note("  compiling the model's layers (train.compile): once, ~25 s on 2 CPU cores, seconds from "
+                      "Inductor's cache")
         loss, grad_norm, lr, tally = t.step(self.stream, done)
         if self.on_step is not None:
             self.on_step(t.state.step)
@@ -381,6 +386,7 @@ def train(config: RunPlan | Config, dataset: PreparedDataset, spec: TokenizerSpe
     tc = trainer.tc
     rec = Recorder(sink if rank.rank == 0 else None, tc, strategy=tc.strategy, workers=rank.world,
                    epoch_tokens=dataset.manifest["splits"]["train"]["tokens"], figures=trainer.task.figure_set)
-    unit = RankUnit(trainer, run_dir, warn=rec.warn, on_step=on_step, leaving=getattr(sink, "leaving", None))
+    unit = RankUnit(trainer, run_dir, warn=rec.warn, note=rec.note, on_step=on_step,
+                    leaving=getattr(sink, "leaving", None))
     schedule = Schedule(trainer.plan.total_steps, tc.eval_every, tc.checkpoint_every, tc.time_budget)
     return loop.run(unit, rec, schedule, keep_best=tc.keep_best, info={"threads": rank.threads})

@@ -47,8 +47,9 @@ class Muon(torch.optim.Muon):
     matrix products: the same update, the same hyperparameters and state dict (a ``momentum_buffer`` per matrix).
 
     torch orthogonalizes one matrix at a time. A small model's matrices are small (256 x 256 in the main job's),
-    and a CPU runs products that small below its peak: the main job's 28 matrices took 89-92 ms a step one by one
-    and 68-71 ms stacked by shape (2 threads, bfloat16; ~21 GFLOP, a fifth of a step at micro-batch 8).
+    and a CPU runs products that small below its peak, worse on several threads: the main job's 28 matrices
+    (~21 GFLOP in bfloat16, a fifth of its step) took 70.4 ms a step one by one and 58.9 ms stacked by shape on 2
+    threads (1.20x), 116.0 against 114.3 ms on 1 (benchmarks/muon_step.py).
     """
 
     @torch.no_grad()

@@ -19,13 +19,12 @@ from ..spark.resources import cuda_gpus
 from .peak import bf16_fast, compute_dtype
 
 SCRATCH_LR, LORA_LR, FINETUNE_LR = 3e-3, 1e-3, 5e-5
-# train.compile auto: compiled on a GPU from this time budget on. Measured (BENCHMARKS.md): on an H100 the compiled
-# step ran 1.85x the eager one (MFU 22.0% against 11.9%) for ~28 s of compiling (the whole model then; its blocks since
-# 2026-11-28, unmeasured on a GPU). On a bf16 CPU, blocks compiled: the step at 16 x 256 rows ran 1.21x (main shape)
-# and 1.11x (~10M) the eager one, but the main job's fitted 4 x 128 model at 8 x 256 rows gained <=11% a step, and
-# its 3-minute runs trained 827 and 832 steps against 839 and 824 eager (a first step 18 s late with a cold cache).
-# At 6 minutes (the default 7.4 M model) one pair trained 901 steps against 835: one pair, and a first step 19 s late.
-COMPILE_MIN_BUDGET = 900.0
+# train.compile auto: compiled from this time budget on, in bfloat16 on the CPU, bfloat16 or float16 on a GPU. Measured
+# (BENCHMARKS.md): the main job (6 minutes, 2-core bf16 CPU, 3 pairs) trained 983 steps compiled against 902 eager
+# (medians; 1.13x the tokens/s) for 24 s of compiling with Inductor's cache cold, ~3 s warm, the first step eager and
+# as soon as before. On an H100 the compiled step ran 1.85x the eager one for ~28 s of compiling (the whole model
+# then; blocks, which compile sooner, are unmeasured on a GPU): it pays there from well under 6 minutes too.
+COMPILE_MIN_BUDGET = 360.0
 
 
 def local_threads(ranks: int) -> int:
@@ -114,15 +113,30 @@ def optimizer(tc: TrainConfig, threads: int, *, pretrained: bool) -> str:
 
 def compiled(tc: TrainConfig, config: Config) -> str:
     """``train.compile``; auto is on only where it was measured to pay: a causal LM trained from scratch (no
-    pretrained base, no LoRA) with DDP on a GPU, in bfloat16 or float16, for a time budget of at least
-    :data:`COMPILE_MIN_BUDGET` seconds. On the CPU it gained too little for its half minute (see above), a round of
-    averaging or DiLoCo would compile again in every round's task, and a short run wants its first step soon.
+    pretrained base, no LoRA) with DDP for a time budget of at least :data:`COMPILE_MIN_BUDGET` seconds, in bfloat16
+    on the CPU (where a C++ compiler is found for Inductor; float32 unmeasured) or bfloat16/float16 on a GPU. A round
+    of averaging or DiLoCo would compile again in every round's task; a run by steps says nothing of its length.
     ``tc``: the training settings with the device and dtype decided; ``config``: the model and LoRA settings."""
     if tc.compile != "auto":
         return tc.compile
     fresh = config.model.task == "causal-lm" and not config.model.init_from and not config.lora.r
-    pays = tc.device == "cuda" and tc.dtype in ("bfloat16", "float16") and tc.time_budget >= COMPILE_MIN_BUDGET
+    if tc.device == "cuda":
+        dtype_pays = tc.dtype in ("bfloat16", "float16")
+    else:
+        dtype_pays = tc.dtype == "bfloat16" and cxx_compiler() is not None
+    pays = dtype_pays and tc.time_budget >= COMPILE_MIN_BUDGET
     return "on" if fresh and tc.strategy == "ddp" and pays else "off"
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler Inductor builds CPU kernels with, as it looks for it (``$CXX``, else g++; clang++ on macOS),
+    found on this host's PATH; None where there is none (torch-free: decided on the driver)."""
+    import os
+    import shutil
+    import sys
+
+    name = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+    return shutil.which(name)
 
 
 def attention(tc: TrainConfig, config: Config, context: int) -> str:
