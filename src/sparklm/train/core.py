@@ -334,8 +334,8 @@ class RankUnit:
     def advance(self, steps: int, *, done: float, evaluate: bool, checkpoint: bool) -> loop.Advance:
         t = self.t
         if t.compile_pending and t.state.step > 0:  # said, as the steps' lines will show its time
-            self.note("  compiling the model's layers (train.compile): once, ~25 s on 2 CPU cores, seconds from "
-                      "Inductor's cache")
+            self.note("  compiling the model's layers (train.compile): once, up to half a minute the first time, "
+                      "seconds from Inductor's cache")
         loss, grad_norm, lr, tally = t.step(self.stream, done)
         if self.on_step is not None:
             self.on_step(t.state.step)
