@@ -6,8 +6,8 @@ time) against sparklm's ``train.optim.Muon`` (same-shaped matrices orthogonalize
 The matrices are the default model's (4 layers of 256: q, k, v, o 256 x 256; gate and up 704 x 256; down 256 x 704;
 28 in all), built by sparklm as the main job builds them, with random gradients. Each contender runs in a fresh
 process, the contenders interleaved, ``--repeats`` rounds; each process times ``--steps`` optimizer steps after two
-warm-up steps and reports its median ms per step,
-glibc keeping freed memory as a training process does. The figure is the median over the rounds.
+warm-up steps (glibc keeping freed memory, as a training process does) and reports its median ms per step. The
+figure is the median over the rounds.
 """
 from __future__ import annotations
 

@@ -149,7 +149,7 @@ class Trainer:
     def step(self, batches: Iterator[Batch], done: float) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
         """One optimizer step at progress ``done`` (the learning rate follows it), the state advanced: (loss, grad
         norm, lr, accuracy counts)."""
-        if self.compile_pending and self.state.step > 0:  # a fresh run's second step: its first is logged by now
+        if self.compile_due():
             self.compile_now()
         lr = lr_at(self.state.step, done, self.tc)
         loss, grad_norm, tally = self.train_step(batches, lr)
@@ -159,6 +159,7 @@ class Trainer:
         return loss, grad_norm, lr, tally
 
     @torch.no_grad()
+    @compiling.eager()
     def eval_sums(self, part: int, parts: int) -> torch.Tensor:
         """The task's evaluation sums ([nats, tokens, correct, bytes] for a causal LM) over this worker's part of the
         validation split (row i → part i mod parts)."""
@@ -166,13 +167,12 @@ class Trainer:
         self.model.eval()
         limit = tc.eval_batches * tc.batch_size if tc.eval_batches else None
         sums = self.device.zeros(self.task.eval_width, dtype=torch.float64)
-        with compiling.eager():
-            for rows in validation_rows(self.val_groups, seq_len=self.seq_len, rank=part, world=parts, limit=limit,
-                                        storage=self.config.storage):
-                for i in range(0, len(rows.input_ids), tc.batch_size):
-                    batch = self.device.put(self.task.batch(rows.take(slice(i, i + tc.batch_size))))
-                    with self.device.autocast():
-                        sums += self.task.eval_sums(self.model, batch, self.byte_lengths)
+        for rows in validation_rows(self.val_groups, seq_len=self.seq_len, rank=part, world=parts, limit=limit,
+                                    storage=self.config.storage):
+            for i in range(0, len(rows.input_ids), tc.batch_size):
+                batch = self.device.put(self.task.batch(rows.take(slice(i, i + tc.batch_size))))
+                with self.device.autocast():
+                    sums += self.task.eval_sums(self.model, batch, self.byte_lengths)
         self.model.train()
         return sums
 
@@ -220,8 +220,12 @@ class Trainer:
         original run's were (bitwise resume)."""
         self.net = self.comm.wrap(self.model, self.device)
         self.compile_pending = self.tc.compile == "on"
-        if self.compile_pending and self.state.step > 0:
+        if self.compile_due():
             self.compile_now()
+
+    def compile_due(self) -> bool:
+        """Whether the network is to be compiled before the next step: a fresh run's second, a resumed run's first."""
+        return self.compile_pending and self.state.step > 0
 
     def compile_now(self) -> None:
         self.compile_pending = False
@@ -333,7 +337,7 @@ class RankUnit:
 
     def advance(self, steps: int, *, done: float, evaluate: bool, checkpoint: bool) -> loop.Advance:
         t = self.t
-        if t.compile_pending and t.state.step > 0:  # said, as the steps' lines will show its time
+        if t.compile_due():  # said, as the steps' lines will show its time
             self.note("  compiling the model's layers (train.compile): once, up to half a minute the first time, "
                       "seconds from Inductor's cache")
         loss, grad_norm, lr, tally = t.step(self.stream, done)

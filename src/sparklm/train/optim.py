@@ -88,19 +88,19 @@ def orthogonalized(updates: list[torch.Tensor], coefficients: tuple[float, float
     """Each matrix of ``updates`` brought near the nearest semi-orthogonal matrix by ``steps`` quintic Newton-Schulz
     iterations in bfloat16 (Muon's), each scaled by its own norm first; matrices of one shape in one batch."""
     a, b, c = coefficients
+    tall = [u.shape[0] > u.shape[1] for u in updates]  # turned wide, so that the Gram matrix X X^T is the smaller
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, u in enumerate(updates):
+        by_shape.setdefault(tuple(u.shape[::-1] if tall[i] else u.shape), []).append(i)
     out: list[torch.Tensor | None] = [None] * len(updates)
-    by_shape: dict[tuple[int, int], list[int]] = {}
-    for i, u in enumerate(updates):  # wide, so that the Gram matrix X X^T is the smaller square
-        by_shape.setdefault(tuple(u.shape) if u.shape[0] <= u.shape[1] else tuple(u.shape[::-1]), []).append(i)
-    for index in by_shape.values():
-        x = torch.stack([updates[i].bfloat16() if updates[i].shape[0] <= updates[i].shape[1]
-                         else updates[i].bfloat16().T for i in index])
+    for index in by_shape.values():  # one shape's bfloat16 copies at a time
+        x = torch.stack([updates[i].bfloat16().mT if tall[i] else updates[i].bfloat16() for i in index])
         x = x / x.norm(dim=(1, 2), keepdim=True).clamp(min=eps)
         for _ in range(steps):
             gram = x @ x.mT
             x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
         for i, y in zip(index, x, strict=True):
-            out[i] = y if updates[i].shape[0] <= updates[i].shape[1] else y.T
+            out[i] = y.mT if tall[i] else y
     return out
 
 
