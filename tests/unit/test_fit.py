@@ -64,3 +64,15 @@ def test_apply_fits_only_fresh_models_with_a_time_budget_in_local_mode():
     # the other limits bound the estimate: 10 steps of 8 x 256 tokens in a week of budget is still 20k tokens
     capped, _ = fit.apply(_config(time_budget=10**7, max_steps=10), master="local", **kw)
     assert _shape(capped.model) == (2, 128)
+
+
+def test_a_compiled_run_is_fitted_for_its_faster_steps():
+    # a budget that eager steps fall just short of for the configured 4 x 256, and compiled steps do not
+    cfg, v, t = ModelConfig(), 4096, 256
+    speed = fit.ASSUMED_MFU["float32"] * fit.matmul_peak(1, "float32")
+    budget = fit.TOKENS_PER_PARAM * fit.non_embedding(cfg, v, t) * fit.flops_per_token(cfg, v, t) / speed / 1.06
+    kw = dict(vocab=v, context=t, train_tokens=10**9, master="local[2]")
+    eager, note = fit.apply(_config(time_budget=budget, compile="off"), **kw)
+    assert _shape(eager.model) != (4, 256) and note
+    compiled, note = fit.apply(_config(time_budget=budget, compile="on"), **kw)
+    assert _shape(compiled.model) == (4, 256) and note is None

@@ -4,9 +4,9 @@ A budget of seconds trains on as many tokens as the machine computes in that tim
 parameters and a smaller model ends lower: on Tiny Shakespeare, 2 layers × 128 beat 4 × 256 at 26 s and at
 95 s of training, in bf16 and in fp32 (BENCHMARKS.md, time to quality). The rule: of the configured shape,
 half its width, then half its layers too, the first that the budget trains on at least
-``TOKENS_PER_PARAM`` tokens per non-embedding parameter, else the smallest. The tokens are estimated before Spark starts from
-the host's measured matmul peak (peak.py) and the model's FLOPs per token, so it applies in local mode,
-where the driver's host is the ranks'; on a cluster the model is as configured. The choice is written to the
+``TOKENS_PER_PARAM`` tokens per non-embedding parameter, else the smallest. The tokens are estimated before Spark
+starts from the host's measured matmul peak (peak.py), the model's FLOPs per token and whether it compiles, so it
+applies in local mode, where the driver's host is the ranks'; on a cluster the model is as configured. The choice is written to the
 run's config.json (with fit_budget off), so a resumed run builds the same model.
 """
 
@@ -22,6 +22,11 @@ from .peak import matmul_peak
 # Share of the matmul peak (peak.py) a training step reaches, measured here for these shapes: bf16 autocast
 # 25-36% (its square-matmul peak is far above what small layers get), float32 54-65%.
 ASSUMED_MFU = {"bfloat16": 0.33, "float32": 0.6}
+# A compiled run (train.compile) trains on more tokens in the same time: the main job's 4 x 256 ran 1.13x the
+# tokens/s compiled (BENCHMARKS.md). Without this, its fit ignored the speed-up and sat on the rule's edge: 0.44-0.46
+# estimated tokens per parameter, so a peak measured 4% lower (420 against 436 GFLOP/s) chose 4 x 128, which ended
+# 0.008 bits/byte worse than the compiled 4 x 256. Measured on the CPU; a GPU's larger gain is not counted.
+COMPILED_SPEEDUP = 1.13
 # Calibrated on measured runs (BENCHMARKS.md), in estimated tokens: 4 × 128 at ~0.34 tokens per parameter (fp32,
 # 26 s of Tiny Shakespeare) ended above 2 × 128 at ~1.0; the main job's 4 × 256 at ~0.54 (bf16, 360 s) ended
 # level with 4 × 128 (~1.5) and below 2 × 256 (~0.9); with BPE 8192, its 4 × 256 at 0.44 ended 0.01 bits/byte
@@ -86,6 +91,7 @@ def apply(config: Config, *, vocab: int, context: int, train_tokens: int, master
     if not (mc.fit_budget and tc.time_budget and not mc.init_from and master.startswith("local")):
         return config, None
     speed = ASSUMED_MFU[tc.dtype] * matmul_peak(tc.threads, tc.dtype) * tc.workers  # FLOP/s of all the ranks
+    speed *= COMPILED_SPEEDUP if tc.compile == "on" else 1.0
     per_step = tc.batch_size * tc.grad_accum * tc.workers * context
     limits = [tc.max_steps * per_step, tc.max_tokens, tc.epochs * train_tokens]  # 0: unset
 
