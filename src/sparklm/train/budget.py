@@ -6,8 +6,8 @@ parameters and a smaller model ends lower: on Tiny Shakespeare, 2 layers × 128 
 half its width, then half its layers too, the first that the budget trains on at least
 ``TOKENS_PER_PARAM`` tokens per non-embedding parameter, else the smallest. The tokens are estimated before Spark
 starts from the host's measured matmul peak (peak.py), the model's FLOPs per token and whether it compiles, so it
-applies in local mode, where the driver's host is the ranks'; on a cluster the model is as configured. The choice is written to the
-run's config.json (with fit_budget off), so a resumed run builds the same model.
+applies in local mode, where the driver's host is the ranks'; on a cluster the model is as configured. The choice
+is written to the run's config.json (with fit_budget off), so a resumed run builds the same model.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ ASSUMED_MFU = {"bfloat16": 0.33, "float32": 0.6}
 # A compiled run (train.compile) trains on more tokens in the same time: the main job's 4 x 256 ran 1.13x the
 # tokens/s compiled (BENCHMARKS.md). Without this, its fit ignored the speed-up and sat on the rule's edge: 0.44-0.46
 # estimated tokens per parameter, so a peak measured 4% lower (420 against 436 GFLOP/s) chose 4 x 128, which ended
-# 0.008 bits/byte worse than the compiled 4 x 256. Measured on the CPU; a GPU's larger gain is not counted.
+# 0.009 bits/byte worse than the compiled 4 x 256. Measured on the CPU; a GPU's larger gain is not counted.
 COMPILED_SPEEDUP = 1.13
 # Calibrated on measured runs (BENCHMARKS.md), in estimated tokens: 4 × 128 at ~0.34 tokens per parameter (fp32,
 # 26 s of Tiny Shakespeare) ended above 2 × 128 at ~1.0; the main job's 4 × 256 at ~0.54 (bf16, 360 s) ended
