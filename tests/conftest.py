@@ -189,15 +189,31 @@ def free_port() -> int:
 
 
 def spark_master(work: Path, env: dict) -> tuple[subprocess.Popen, str, int]:
-    """A standalone master started from the pyspark package: (process, master URL, web UI port)."""
+    """A standalone master started from the pyspark package: (process, master URL, web UI port).
+
+    The master binds ports of its own choosing (0), read back from its log: a port picked here and handed over could
+    be taken meanwhile by another test's JVM, and Spark would quietly move to the next one, leaving the workers
+    knocking on the wrong door until the wait gave up (seen once in CI)."""
+    import re
+
     import pyspark
 
-    port, ui = free_port(), free_port()
+    log = work / "master.log"
     proc = subprocess.Popen([str(Path(pyspark.__file__).parent / "bin" / "spark-class"),
-                             "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
-                             "--webui-port", str(ui)],
-                            env=env, stdout=open(work / "master.log", "wb"), stderr=subprocess.STDOUT)
-    return proc, f"spark://127.0.0.1:{port}", ui
+                             "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", "0",
+                             "--webui-port", "0"],
+                            env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while True:
+        text = log.read_text(errors="replace")
+        url = re.search(r"Starting Spark master at (spark://\S+)", text)
+        ui = re.search(r"Successfully started service 'MasterUI' on port (\d+)", text)
+        if url and ui:
+            return proc, url.group(1), int(ui.group(1))
+        if time.time() > deadline or proc.poll() is not None:
+            stop_processes([proc])
+            pytest.fail(f"standalone master (log in {log}) did not start")
+        time.sleep(0.5)
 
 
 def start_standalone(work: Path, workers: int = 2) -> tuple[list[subprocess.Popen], str, int]:
@@ -235,7 +251,7 @@ def add_worker(work: Path, url: str, name: str) -> subprocess.Popen:
     home = Path(pyspark.__file__).parent
     return subprocess.Popen(
         [str(home / "bin" / "spark-class"), "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
-         "--cores", "1", "--memory", "3g", "--webui-port", str(free_port()), "--work-dir", str(work / name), url],
+         "--cores", "1", "--memory", "3g", "--webui-port", "0", "--work-dir", str(work / name), url],
         env=standalone_env(work), stdout=open(work / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
         start_new_session=True)
 
