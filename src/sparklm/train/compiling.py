@@ -16,8 +16,8 @@ evaluation and samples eager (:func:`eager`).
 
 Inductor fuses what eager mode runs as separate passes over the activations: RMSNorm in float32, the rotary
 embedding, SwiGLU's product and autocast's casts. Measured on the CPU in bf16 (BENCHMARKS.md, 16 x 256 rows): the
-step 1.21x (main shape) and 1.11x (~10M) the eager one, 1.51x and 1.20-1.32x (two runs) a plain PyTorch loop, at
-68-70% and 65% MFU.
+step 1.21x (main shape) and 1.11x (~10M) the eager one, 1.34-1.51x and 1.20-1.37x (three runs) a plain PyTorch loop,
+at 65-70% and 65-71% MFU.
 """
 
 from __future__ import annotations
