@@ -203,17 +203,19 @@ def spark_master(work: Path, env: dict) -> tuple[subprocess.Popen, str, int]:
                              "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", "0",
                              "--webui-port", "0"],
                             env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
-    deadline = time.time() + 120
-    while True:
+
+    def ports() -> tuple[str, int] | None:
         text = log.read_text(errors="replace")
         url = re.search(r"Starting Spark master at (spark://\S+)", text)
         ui = re.search(r"Successfully started service 'MasterUI' on port (\d+)", text)
-        if url and ui:
-            return proc, url.group(1), int(ui.group(1))
-        if time.time() > deadline or proc.poll() is not None:
-            stop_processes([proc])
-            pytest.fail(f"standalone master (log in {log}) did not start")
-        time.sleep(0.5)
+        return (url.group(1), int(ui.group(1))) if url and ui else None
+
+    try:
+        url, ui = wait_until(ports, [proc], f"standalone master (log in {log})")
+    except BaseException:
+        stop_processes([proc])
+        raise
+    return proc, url, ui
 
 
 def start_standalone(work: Path, workers: int = 2) -> tuple[list[subprocess.Popen], str, int]:
@@ -257,18 +259,26 @@ def add_worker(work: Path, url: str, name: str) -> subprocess.Popen:
 
 
 def wait_for_workers(ui: int, n: int, procs: list[subprocess.Popen], what: str) -> None:
-    """Until the master's UI lists ``n`` live workers; fails the test after 2 minutes or when one exits."""
-    deadline = time.time() + 120
-    while True:
+    """Until the master's UI lists ``n`` live workers (wait_until)."""
+    def alive() -> bool | None:
         try:
             state = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=2).read())
-            if sum(w["state"] == "ALIVE" for w in state["workers"]) == n:
-                return
         except (OSError, ValueError):  # not up yet, or its UI answered before it was ready
-            pass
+            return None
+        return sum(w["state"] == "ALIVE" for w in state["workers"]) == n or None
+
+    wait_until(alive, procs, what)
+
+
+def wait_until(ready, procs: list[subprocess.Popen], what: str, seconds: float = 120):
+    """What ``ready()`` returns once it is not None, asked every half second; fails the test after ``seconds`` or
+    when one of ``procs`` exits."""
+    deadline = time.time() + seconds
+    while (found := ready()) is None:
         if time.time() > deadline or any(p.poll() is not None for p in procs):
             pytest.fail(f"{what} did not start")
-        time.sleep(1)
+        time.sleep(0.5)
+    return found
 
 
 def kill_tree(pid: int) -> None:
