@@ -90,3 +90,28 @@ def test_the_tokenizing_processes_allocator_is_chosen_where_its_host_is_known(mo
     assert allocator.environment("libmimalloc.so.2") == {"LD_PRELOAD": "libmimalloc.so.2 libtheirs.so"}
     if "malloc" not in preloaded:  # a test process started on the C library's malloc says so
         assert allocator.loaded() == "system"
+
+
+def test_a_worker_renders_and_encodes_with_each_tokenizers_own_template_and_post_processor():
+    """Two tokenizers with the same token-id fingerprint but different chat templates (or special tokens the template
+    reads, or post-processors) render and encode differently in one Python worker: a Spark worker reused by the next
+    prepare must not keep the first one's (CI saw a template check pass on a stale template)."""
+    import dataclasses
+    import json
+
+    from sparklm.config import TokenizerConfig
+    from sparklm.data import tokenizer
+
+    spec = tokenizer.train(["abc abd"] * 20, TokenizerConfig(vocab_size=270))
+    msgs = [{"role": "user", "content": "hi"}]
+    plain = dataclasses.replace(spec, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
+    marked = dataclasses.replace(plain, chat_template="{% for m in messages %}{{ m.content }}!{% endfor %}")
+    eos = dataclasses.replace(plain, chat_template="{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}")
+    renamed = dataclasses.replace(eos, eos_token="<|bos|>")
+    assert plain.sha256 == marked.sha256 == eos.sha256  # the same tokenization, so the same token-id fingerprint
+    assert [passes.renderer_for(s)(msgs, False) for s in (plain, marked, eos, renamed, plain)] == [
+        "hi", "hi!", "hi<|eos|>", "hi<|bos|>", "hi"]
+    bare = dataclasses.replace(spec, json=json.dumps({**json.loads(spec.json), "post_processor": None}))
+    assert bare.sha256 == spec.sha256
+    firsts = [passes.tokenizer_for(s, encoder=True).encode("abc").ids[0] for s in (spec, bare)]
+    assert firsts[0] == spec.bos_id != firsts[1]  # the trained post-processor starts with BOS; the bare one does not
