@@ -400,6 +400,42 @@ def test_batch_generation_on_spark_equals_one_by_one(spark, run_dir):
             generate_dataframe(frame, **{"model": str(run_dir), "sampling": one, **kwargs})
 
 
+def test_a_model_replaced_at_its_path_is_loaded_again_by_the_workers_that_held_it(spark, run_dir, tmp_path):
+    """Spark reuses a Python worker across jobs, and each keeps the model it loaded: one retrained into the same
+    directory (``--overwrite``, or a notebook's second run) must be loaded again, not answered from the old weights,
+    by batch generation, embedding and eval alike."""
+    import shutil
+
+    from sparklm.infer.batch import generate_dataframe
+    from sparklm.infer.encode import embed_dataframe
+    from sparklm.infer.evaluate import evaluate
+    from sparklm.infer.generate import load
+
+    path = tmp_path / "run"
+    shutil.copytree(run_dir, path)
+    greedy = Sampling(temperature=0.0, max_new_tokens=6)
+    prompts = spark.createDataFrame([(p,) for p in PROMPTS], "prompt string").coalesce(1)
+    (tmp_path / "eval.txt").write_text(" ".join(PROMPTS) + "\n")
+    asks = {
+        "generate": lambda where: sorted((r.prompt, r.generated) for r in generate_dataframe(
+            prompts, model=str(where), sampling=greedy).collect()),
+        "embed": lambda where: sorted((r.text, r.embedding) for r in embed_dataframe(
+            prompts.withColumnRenamed("prompt", "text"), model=str(where), pooling="last").collect()),
+        "eval": lambda where: evaluate(str(where), [str(tmp_path / "eval.txt")], spark=spark)["bits_per_byte"]}
+    for n, (name, ask) in enumerate(asks.items()):
+        before = ask(path)
+        lm = load(str(path))
+        with torch.no_grad():  # another model of the same shape saved over it: same file names and sizes
+            lm.model.lm_head.weight.neg_()
+            for p in lm.model.model.layers[0].parameters():
+                p.add_(0.5 + n)
+        lm.model.save_pretrained(str(path / "model"), safe_serialization=True)
+        fresh = tmp_path / f"fresh-{name}"
+        shutil.copytree(path, fresh)  # the new model where no worker has seen it
+        after = ask(path)
+        assert after == ask(fresh) and after != before, name
+
+
 def test_a_causal_model_embeds_its_texts_by_their_last_token(spark, run_dir):
     """embed_dataframe on a sparklm causal model: the last real token's hidden state (the decoder's summary of the
     whole text), the same batched on Spark as one text at a time through the base model."""

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..config import StorageConfig
 from ..infra.cache import process_local
 from ..infra.errors import SparklmError
-from ..infra.fs import effective, write_bytes
+from ..infra.fs import effective, version, write_bytes
 from ..spark.frames import check_columns
 from ..spark.resources import task_device
 from ..spark.session import check_workers_python
@@ -89,7 +89,8 @@ def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: st
         from .generate import generate
 
         where = "cpu" if backend == "llama.cpp" else task_device()  # the GPU Spark handed this task, if any
-        lm = process_local(("model", model_path, threads, where, backend, quantize, batch_size),
+        lm = process_local(("model", model_path, version(model_path, storage), threads, where, backend, quantize,
+                            batch_size),
                            lambda: backends.load(model_path, backend=backend, quantize=quantize, threads=threads,
                                                 storage=storage, device=where, batch_size=batch_size))
         for rb in batches:

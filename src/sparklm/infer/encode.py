@@ -22,7 +22,7 @@ import torch
 from ..config import StorageConfig
 from ..infra.cache import process_local
 from ..infra.errors import SparklmError
-from ..infra.fs import effective
+from ..infra.fs import effective, version
 from ..spark.frames import check_columns
 from ..spark.resources import task_device
 from ..spark.session import check_workers_python
@@ -191,7 +191,7 @@ def classify_dataframe(df, *, model: str, text_col: str = "text", label_col: str
             cols[probabilities_col] = pa.array(probs.astype(float).tolist(), pa.list_(pa.float64()))
         return cols
 
-    return _answered(df, text_col, added, ("classifier", path, threads),
+    return _answered(df, text_col, added, ("classifier", threads), path, storage,
                      lambda where: load_encoder(path, classify=True, threads=threads, storage=storage, device=where),
                      answer)
 
@@ -218,15 +218,15 @@ def embed_dataframe(df, *, model: str, text_col: str = "text", output_col: str =
         vecs, cut = embed_texts(enc, texts, pooling=pooling, normalize=normalize, batch_size=batch_size)
         return {output_col: pa.array(vecs.tolist(), pa.list_(pa.float32())), "truncated": pa.array(cut, pa.bool_())}
 
-    return _answered(df, text_col, added, ("encoder", path, threads),
+    return _answered(df, text_col, added, ("encoder", threads), path, storage,
                      lambda where: load_encoder(path, classify=False, threads=threads, storage=storage, device=where),
                      answer)
 
 
-def _answered(df, text_col: str, added: list, key: tuple, load, answer):
+def _answered(df, text_col: str, added: list, key: tuple, path: str, storage: StorageConfig, load, answer):
     """``df`` with the ``added`` columns: in each Arrow batch the non-blank texts go to ``answer(encoder, texts)``
-    (the encoder, ``load(device)``, loaded once per Python worker and GPU), which returns a column per added field,
-    a value per text; rows with a null or blank text get nulls."""
+    (the encoder, ``load(device)``, loaded once per Python worker, GPU and version of the model at ``path``), which
+    returns a column per added field, a value per text; rows with a null or blank text get nulls."""
     from pyspark.sql import types as T
 
     check_workers_python(df.sparkSession)
@@ -235,7 +235,7 @@ def _answered(df, text_col: str, added: list, key: tuple, load, answer):
         import pyarrow as pa
 
         where = task_device()  # per GPU: a Python worker Spark reuses may be handed another
-        enc = process_local((*key, where), lambda: load(where))
+        enc = process_local((*key, path, version(path, storage), where), lambda: load(where))
         for rb in batches:
             texts = rb.column(text_col).to_pylist()
             todo = [i for i, t in enumerate(texts) if t is not None and t.strip()]

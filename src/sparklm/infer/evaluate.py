@@ -16,7 +16,7 @@ import torch
 from ..config import Config
 from ..infra.cache import process_local
 from ..infra.errors import SparklmError, spark_errors
-from ..infra.fs import effective
+from ..infra.fs import effective, version
 from ..model import lm_head
 from ..model.figures import lm_figures
 from ..spark.resources import task_device
@@ -40,9 +40,16 @@ def windows(n_tokens: int, max_length: int, stride: int) -> list[tuple[int, int,
         begin += stride
 
 
+def _loaded(lm) -> tuple:
+    """A loaded model and whether its head may score in chunks (:func:`lm_head.supports` runs the model once, so it is
+    asked once per load, kept beside the model)."""
+    return lm, lm_head.supports(lm.model)
+
+
 @torch.no_grad()
-def score(lm, batch: list[tuple[list[int], int]]) -> torch.Tensor:
-    """Sums (nats, tokens, correct) over windows ``(ids, targets)`` (see :func:`windows`)."""
+def score(lm, batch: list[tuple[list[int], int]], chunked: bool) -> torch.Tensor:
+    """Sums (nats, tokens, correct) over windows ``(ids, targets)`` (see :func:`windows`); ``chunked``: the head
+    scores a chunk of tokens at a time, never holding every logit (where :func:`_loaded` found it equal)."""
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
     width = max(len(ids) for ids, _ in batch)
     x = torch.full((len(batch), width), pad, dtype=torch.long)
@@ -52,7 +59,6 @@ def score(lm, batch: list[tuple[list[int], int]]) -> torch.Tensor:
         x[i, :len(ids)] = torch.tensor(ids)
         mask[i, :len(ids)] = 1
         target_mask[i, len(ids) - scored:len(ids)] = True
-    chunked = process_local(("chunked-head", id(lm.model)), lambda: lm_head.supports(lm.model))
     dev = getattr(lm.model, "device", None) or torch.device("cpu")
     return lm_head.score(lm.model, x.to(dev), mask.to(dev), target_mask[:, 1:].to(dev), chunked=chunked)[:3].cpu()
 
@@ -86,8 +92,8 @@ def evaluate(model: str, inputs: list[str], *, config: Config | None = None, max
 
     def run(part):
         where = task_device()  # the GPU Spark handed this task, if any
-        lm = process_local(("model", source, env_threads, where),
-                           lambda: load(source, threads=env_threads, storage=storage, device=where))
+        lm, chunked = process_local(("model", source, version(source, storage), env_threads, where), lambda: _loaded(
+            load(source, threads=env_threads, storage=storage, device=where)))
         sums = torch.zeros(6, dtype=torch.float64)  # nats, tokens, correct, bytes, documents, dropped
         pending: list[tuple[list[int], int]] = []
         for _unit, _pos, status, text, _invalid, _digest in documents(list(part), data, storage):
@@ -102,10 +108,10 @@ def evaluate(model: str, inputs: list[str], *, config: Config | None = None, max
             for begin, end, scored in windows(len(ids), length, step):
                 pending.append((ids[begin:end], scored))
                 if len(pending) >= batch_size:
-                    sums[:3] += score(lm, pending)
+                    sums[:3] += score(lm, pending, chunked)
                     pending = []
         if pending:
-            sums[:3] += score(lm, pending)
+            sums[:3] += score(lm, pending, chunked)
         yield sums.tolist()
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -182,6 +182,44 @@ def upload_tree(local: Path, uri: str, storage: StorageConfig | None = None, *, 
         write_bytes(join(uri, *p.relative_to(local).parts), p.read_bytes(), storage)
 
 
+def version(uri: str, storage: StorageConfig | None = None) -> str:
+    """A fingerprint of directory ``uri``'s files (names, sizes, modification times), local or on an object store.
+
+    A process that keeps a model loaded (a Spark worker serving task after task) keys it by this as well as by its
+    path, so a model replaced at the same path (retrained with ``--overwrite``) is loaded again.
+    """
+    return _fingerprint(uri, _files(uri, storage))
+
+
+def _fingerprint(uri: str, files: list[tuple[str, int, int]]) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps([uri, files]).encode()).hexdigest()[:20]
+
+
+def _files(uri: str, storage: StorageConfig | None) -> list[tuple[str, int, int]]:
+    """``(relative name, size, mtime in ns)`` of each file under directory ``uri``, sorted; [] where there is none."""
+    local = local_path(uri)
+    if local is not None:
+        out = []
+        for root, _, names in os.walk(local):
+            for name in names:
+                try:
+                    st = os.stat(os.path.join(root, name))
+                except FileNotFoundError:  # removed while listed (a directory being replaced)
+                    continue
+                out.append((Path(root, name).relative_to(local).as_posix(), st.st_size, st.st_mtime_ns))
+        return sorted(out)
+    fs, path = resolve(uri, storage)
+    try:
+        infos = [i for i in fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+                 if i.type == pafs.FileType.File]
+    except OSError as e:
+        raise SparklmError(f"cannot list {uri}: {_short(e)}", hint=storage_hint(uri)) from None
+    return sorted((i.path[len(path):].lstrip("/"), i.size, i.mtime_ns or 0) for i in infos)
+
+
 def local_copy(uri: str, storage: StorageConfig | None = None) -> Path:
     """A local directory holding the files of directory ``uri``: the path itself when local, else a copy in
     sparklm's cache, downloaded once per host and content listing (names, sizes, times) and reused after.
@@ -190,29 +228,20 @@ def local_copy(uri: str, storage: StorageConfig | None = None) -> Path:
     task of a job is fetched from the object store once, not once a task. Concurrent downloads on one host
     each stage their own copy and rename it into place; the first wins.
     """
-    import hashlib
-    import json
-
     from .cache import cache_dir
 
     local = local_path(uri)
     if local is not None:
         return local
-    fs, path = resolve(uri, storage)
-    try:
-        infos = [i for i in fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
-                 if i.type == pafs.FileType.File]
-    except OSError as e:
-        raise SparklmError(f"cannot list {uri}: {_short(e)}", hint=storage_hint(uri)) from None
-    if not infos:
+    listing = _files(uri, storage)
+    if not listing:
         raise SparklmError(f"{uri} not found (no files there)", hint=storage_hint(uri))
-    listing = sorted((i.path[len(path):].lstrip("/"), i.size, i.mtime_ns or 0) for i in infos)
     for rel, _, _ in listing:
         inside(Path("."), rel, what=f"{uri}: an object")  # before anything is written
-    key = hashlib.sha256(json.dumps([uri, listing]).encode()).hexdigest()[:20]
-    target = cache_dir("remote", key)
+    target = cache_dir("remote", _fingerprint(uri, listing))
     if target.is_dir():
         return target
+    fs, path = resolve(uri, storage)
     try:
         with staged_once(target) as stage:
             for rel, _, _ in listing:
