@@ -10,7 +10,6 @@ functions of a task's documents and the plan the driver decided, so that both en
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
@@ -233,13 +232,10 @@ def gather(reports: Iterable[dict]) -> tuple[dict[str, list[dict]], list[dict]]:
     return files, agg
 
 
+# Both caches are keyed by what their objects are built from, the whole spec or its JSON: TokenizerSpec.sha256 keeps
+# only what decides token ids, and a Spark worker reused by the next prepare must not serve an earlier tokenizer's
+# post-processor (an encoder's [CLS] and [SEP]) or chat template.
 _TOKENIZERS: dict[tuple, object] = {}
-
-
-def _digest(text: str) -> str:
-    """The worker caches' key for a tokenizer's JSON: all of it (its post-processor adds an encoder's [CLS] and
-    [SEP]), where ``TokenizerSpec.sha256`` keeps only what decides token ids."""
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def share_cpus(cpus: int) -> None:
@@ -254,7 +250,7 @@ def tokenizer_for(spec: tokenizers_mod.TokenizerSpec, *, specials: bool = False,
     """The worker's tokenizer; ``specials``: special tokens written in the text are special tokens (a chat
     template's rendering), else they are text ("<|eos|>" inside a document is not the end of it). ``encoder``: one
     of its own, whose truncation the encoder writer sets."""
-    key = (_digest(spec.json), specials, encoder)
+    key = (spec.json, specials, encoder)
     tok = _TOKENIZERS.get(key)
     if tok is None:  # once per Python worker, not once per task
         tok = _TOKENIZERS[key] = spec.tokenizer()
@@ -267,16 +263,12 @@ def templated(data, spec: tokenizers_mod.TokenizerSpec) -> bool:
     return data.format != "text" and data.chat_template and bool(spec.chat_template)
 
 
-_RENDERERS: dict[tuple, instruct.Render] = {}
+_RENDERERS: dict[tokenizers_mod.TokenizerSpec, instruct.Render] = {}
 
 
 def renderer_for(spec: tokenizers_mod.TokenizerSpec) -> instruct.Render:
     """The chat template as :mod:`transformers` renders it (``apply_chat_template``), once per Python worker."""
-    # Everything hf() is built from: a Spark worker reused by the next prepare must not render with the template of
-    # an earlier tokenizer that tokenizes alike (spec.sha256 fingerprints the token ids only).
-    key = (_digest(spec.json), spec.chat_template, spec.bos_token if spec.add_bos else None, spec.eos_token,
-           spec.pad_token)
-    render = _RENDERERS.get(key)
+    render = _RENDERERS.get(spec)
     if render is None:
         hf = spec.hf()
 
@@ -286,7 +278,7 @@ def renderer_for(spec: tokenizers_mod.TokenizerSpec) -> instruct.Render:
             except Exception as e:  # the template's own raise_exception(), or jinja's errors
                 raise instruct.TemplateError(f"makes the chat template fail: {' '.join(str(e).split())[:200]}") from None
 
-        _RENDERERS[key] = render
+        _RENDERERS[spec] = render
     return render
 
 
