@@ -7,6 +7,7 @@ resolved configuration is saved as JSON beside every output (:meth:`Config.to_di
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import difflib
 import json
@@ -86,6 +87,15 @@ class DataConfig:
         "'sparklm[beam]')", flag="--engine")
     read_tasks: int = _f(0, "read tasks per pass; each packs its documents into its own part files, so the same "
                             "number gives the same rows on any engine or cluster; 0: 4 per core the engine has", min=0)
+
+    def __post_init__(self):
+        try:  # an unknown codec would fail first inside every read task; base64 and the like decode bytes to bytes
+            text = getattr(codecs.lookup(self.encoding), "_is_text_encoding", True)
+        except LookupError:
+            text = False
+        if not text:
+            raise SparklmError(f"data.encoding {self.encoding!r} is not a text encoding Python knows",
+                               hint="use a name from Python's codecs, e.g. utf-8, latin-1, cp1252, utf-16")
 
 
 @dataclass(kw_only=True)

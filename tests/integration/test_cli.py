@@ -23,6 +23,12 @@ from sparklm.cli import build_parser, main
         (["prepare", "--set", "data.nope=1", "-o", "x"], "error: unknown config key 'data.nope'"),
         (["prepare", "--config", "missing.toml"], "error: config file not found: missing.toml"),
         (["prepare", "--conf", "novalue"], "error: bad --conf 'novalue'"),
+        (["prepare", "--encoding", "nope", "-o", "x"], "error: data.encoding 'nope' is not a text encoding"),
+        # checked before Spark starts and the inputs are read (a later failure would print Spark's line first)
+        (["prepare", ".", "--tokenizer", "no/such/tokenizer", "-o", "x"], "error: tokenizer not found: no/such/tokenizer"),
+        (["prepare", "s3://corpus/a.txt", "-o", "x", "--endpoint-url", "http://127.0.0.1:9"],  # nothing listens
+         "error: cannot reach the object store"),
+        (["prepare", "hdfs://namenode:8020/corpus/a.txt", "-o", "x"], "error: cannot open hdfs://namenode:8020"),
     ],
 )
 def test_bad_input_is_one_line_without_traceback(tmp_path, args, message):
@@ -31,6 +37,20 @@ def test_bad_input_is_one_line_without_traceback(tmp_path, args, message):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert lines == [lines[0]] and lines[0].startswith(message), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_run_is_not_written_into_a_prepared_dataset(tmp_path):
+    """``--data d -o d``: the run's files would land among the dataset's, and a later ``prepare --overwrite`` of it
+    would refuse to touch them."""
+    data = tmp_path / "prepared"
+    data.mkdir()
+    manifest = '{"format": "sparklm.prepared/1"}'
+    (data / "manifest.json").write_text(manifest)
+    r = run_sparklm("train", "--data", str(data), "-o", str(data), cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()]
+    assert r.stderr.startswith(f"error: --output {data} holds a prepared dataset"), r.stderr
+    assert sorted(p.name for p in data.iterdir()) == ["manifest.json"]
 
 
 def test_debug_shows_the_traceback(tmp_path):

@@ -257,6 +257,32 @@ def test_a_model_directory_without_tokenizer_files_is_one_line_not_an_empty_toke
     assert "has no tokenizer files" in out.stderr
 
 
+def test_a_damaged_config_json_is_one_line_in_export_and_tokenizer_loading(run_dir, tmp_path, capsys):
+    """A config.json cut short: `export` read it before anything checked it (a JSONDecodeError traceback), and
+    `train --init-from` blamed the tokenizer files. A model with sparklm's checksums is named damaged; a plain HF
+    directory's config.json is named as not JSON."""
+    from sparklm.cli import main
+    from sparklm.data import tokenizer
+    from sparklm.infra.fs import write_checksums
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in (run_dir / "model").iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+    write_checksums(model)
+    (model / "config.json").write_text('{"architectures": [')
+    for damaged, words in ((True, "config.json is damaged"), (False, "config.json is not valid JSON")):
+        if not damaged:
+            (model / "sparklm_checksums.json").unlink()
+        capsys.readouterr()
+        assert main(["export", str(model), "--output", str(tmp_path / "onnx")]) == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert not (tmp_path / "onnx").exists()
+        with pytest.raises(SparklmError, match=words):
+            tokenizer.load(str(model))
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_batching(run_dir):
     from sparklm.infer.generate import generate, load
 

@@ -71,7 +71,8 @@ def test_formats_dedup_binary_and_invalid_utf8(spark, tmp_path, config):
     pq.write_table(pa.table({"text": ["eta six", "shared paragraph"]}), d / "f.parquet")
     (d / "g.bin").write_bytes(b"\x00\x01\x02" * 1000)
     (d / "_SUCCESS").write_text("")
-    cfg = dataclasses.replace(config, data=dataclasses.replace(config.data, val_fraction=0.0))
+    # each read task packs its own few tokens: a partial sequence is kept (padded), or no row would be written
+    cfg = dataclasses.replace(config, data=dataclasses.replace(config.data, val_fraction=0.0, last_block="pad"))
     ds = prepare([str(d)], output=str(tmp_path / "out"), config=cfg, spark=spark)
     m = ds.manifest
     assert m["input"]["files"] == 7  # _SUCCESS is not data
@@ -238,6 +239,27 @@ def test_errors_are_clear(spark, tmp_path, config):
         prepare([str(tmp_path / "broken.txt.gz")], output=str(tmp_path / "o"), config=config, spark=spark)
     with pytest.raises(SparklmError, match="not a complete prepared dataset|prepared dataset not found"):
         load_prepared(str(tmp_path / "o"))
+
+
+def test_text_that_fills_no_sequence_is_refused_for_training_and_counted(spark, tmp_path, config, capsys):
+    """Documents whose tokens are fewer than one sequence: prepare fails for the train split (before, it wrote a
+    dataset of no rows and `train` failed on it) and warns for validation; their tokens are counted either way."""
+    (tmp_path / "note.txt").write_text("A short note.\n\nAnother one.\n")
+    with pytest.raises(SparklmError, match=r"the train split fills no sequence of 32 tokens: its 2 document\(s\) "
+                                           r"hold \d+ tokens, and a last partial.*--last-block pad"):
+        prepare([str(tmp_path / "note.txt")], output=str(tmp_path / "o"), config=config, spark=spark)
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.sparklm-tmp-*"))
+    padded = dataclasses.replace(config, data=dataclasses.replace(config.data, last_block="pad", val_fraction=0.0))
+    ds = prepare([str(tmp_path / "note.txt")], output=str(tmp_path / "o"), config=padded, spark=spark)
+    train = ds.manifest["splits"]["train"]
+    assert train["sequences"] == 1 and train["tokens"] == 32 - train["pad_tokens"] > 4
+    (tmp_path / "train.txt").write_text(make_text(60, seed=3))
+    capsys.readouterr()
+    ds = prepare([str(tmp_path / "train.txt")], validation_inputs=[str(tmp_path / "note.txt")],
+                 output=str(tmp_path / "v"), config=config, spark=spark)
+    held = ds.manifest["splits"]["validation"]
+    assert held["sequences"] == 0 and held["tokens"] == held["dropped_tokens"] > 4  # was 0 and 0
+    assert "the validation split fills no sequence of 32 tokens" in " ".join(capsys.readouterr().err.split())
 
 
 def test_overwrite_is_required_and_keeps_the_old_output_until_done(spark, tmp_path, config):

@@ -34,6 +34,8 @@ def test_defaults_and_overrides(tmp_path):
         ("model.n_embd=90", ["model.n_embd (90) must be divisible by model.n_head (4)"]),
         ("train.strategy=allreduce", ["allowed values: 'ddp', 'average', 'diloco'"]),
         ("model.task=translation", ["allowed values: 'causal-lm'"]),
+        ("data.encoding=nope", ["data.encoding 'nope' is not a text encoding Python knows", "latin-1"]),
+        ("data.encoding=base64", ["data.encoding 'base64' is not a text encoding"]),
     ],
 )
 def test_bad_config_is_one_clear_message(override, words):
@@ -43,6 +45,11 @@ def test_bad_config_is_one_clear_message(override, words):
     assert "\n" not in line
     for w in words:
         assert w in line
+
+
+def test_a_known_text_encoding_is_accepted_under_any_of_its_names():
+    assert load_config(None, ["data.encoding=Latin-1"]).data.encoding == "Latin-1"
+    assert load_config(None, ["data.encoding=cp1252"]).data.encoding == "cp1252"
 
 
 def test_missing_and_invalid_files(tmp_path):

@@ -458,6 +458,38 @@ def test_an_error_reads_as_its_one_line_and_crosses_a_worker():
     assert from_spark(RuntimeError("something else")) is None
 
 
+@pytest.mark.parametrize("text, what", [
+    ("When getting information for key 'a.txt' in bucket 'b': AWS Error NETWORK_CONNECTION during HeadObject "
+     "operation: curlCode: 7, Could not connect to server", "cannot reach the object store"),
+    ("When listing objects under key 'x' in bucket 'b': AWS Error ACCESS_DENIED during ListObjectsV2 operation: "
+     "Access Denied", "the object store refused access"),
+    ("When reading information for key 'a' in bucket 'b': AWS Error UNKNOWN (HTTP status 403) during HeadObject "
+     "operation: No response body.", "the object store refused access"),
+    ("AWS Error INVALID_ACCESS_KEY_ID during ListObjectsV2 operation: The AWS Access Key Id you provided does not "
+     "exist in our records.", "the object store refused access"),
+])
+def test_object_store_failures_are_named_with_what_to_check(text, what):
+    from sparklm.infra.errors import known_cause
+
+    cause = known_cause(text)
+    assert cause is not None and cause[0] == what
+    assert "AWS_ENDPOINT_URL" in cause[1] or "credentials" in cause[1]
+
+
+def test_a_binary_file_is_not_read_as_prompts(tmp_path):
+    from sparklm.infer.batch import read_prompts
+    from sparklm.infra.errors import SparklmError
+
+    blob = tmp_path / "weights.txt"
+    blob.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(range(256)) * 4)
+    for name in ("weights.txt", "weights.jsonl"):
+        (tmp_path / name).write_bytes(blob.read_bytes())
+        with pytest.raises(SparklmError, match=f"{name} looks binary, not text"):
+            read_prompts(str(tmp_path / name))
+    (tmp_path / "ok.txt").write_text("caf\u00e9 au lait\n\nOnce upon\n", encoding="utf-8")
+    assert read_prompts(str(tmp_path / "ok.txt")) == [(0, "caf\u00e9 au lait"), (1, "Once upon")]
+
+
 def test_the_default_generation_length_fits_the_model():
     from sparklm.infer.sampling import Sampling
 

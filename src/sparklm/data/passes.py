@@ -223,13 +223,18 @@ def part_name(task: int, attempt: str) -> str:
     return f"part-{task:05d}-{attempt}.parquet"
 
 
-def gather(reports: Iterable[dict]) -> tuple[dict[str, list[dict]], list[dict]]:
-    """The write tasks' reports → (each split's non-empty files in path order, count rows of :data:`COUNT_COLUMNS`)."""
+def gather(reports: Iterable[dict]) -> tuple[dict[str, list[dict]], list[dict], dict[str, dict[str, int]]]:
+    """The write tasks' reports → (each split's non-empty files in path order, count rows of :data:`COUNT_COLUMNS`,
+    each split's tokens and dropped tokens over every task, a task whose tokens filled no row too, and the number
+    of tasks that had tokens)."""
     reports = list(reports)
     files = {s: sorted((m for m in reports if m["split"] == s and m["rows"] > 0), key=lambda m: m["path"])
              for s in SPLITS}
     agg = [dict(zip(COUNT_COLUMNS, c)) for m in reports if m["split"] == "" for c in m["counts"]]
-    return files, agg
+    tokens = {s: {"tokens": sum(m["tokens"] for m in reports if m["split"] == s),
+                  "dropped_tokens": sum(m["dropped_tokens"] for m in reports if m["split"] == s),
+                  "tasks": sum(1 for m in reports if m["split"] == s and m["tokens"])} for s in SPLITS}
+    return files, agg, tokens
 
 
 # Both caches are keyed by what their objects are built from, the whole spec or its JSON: TokenizerSpec.sha256 keeps

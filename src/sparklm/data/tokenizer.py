@@ -13,6 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from ..config import TokenizerConfig
 from ..infra.errors import SparklmError
+from ..infra.fs import read_config_json
 
 _EOS_NAMES = ("<|eos|>", "<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 _BOS_NAMES = ("<|bos|>", "<s>", "<bos>", "<|begin_of_text|>", "[CLS]")
@@ -115,8 +116,16 @@ def hf_tokenizer(directory: Path, name: str | None = None):
     try:
         return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as e:
+        if (directory / "config.json").is_file():  # a damaged config.json is named, not the tokenizer files
+            read_config_json(str(directory))
         raise SparklmError(f"cannot load the tokenizer in {name or directory}: {' '.join(str(e).split())[:200]}",
                            hint="save the model's tokenizer beside it: tokenizer.save_pretrained(DIR)") from None
+
+
+def check_found(path: str) -> None:
+    """A tokenizer path that names nothing, refused before any work (load() reads it later)."""
+    if not Path(path).exists():
+        raise SparklmError(f"tokenizer not found: {path}", hint="pass a tokenizer.json file or an HF tokenizer directory")
 
 
 def load(path: str) -> TokenizerSpec:
@@ -140,7 +149,7 @@ def load(path: str) -> TokenizerSpec:
         template = getattr(hf, "chat_template", None)
         return from_tokenizer(backend, bos, eos, pad, chat_template=template if isinstance(template, str) else "")
     if not p.is_file():
-        raise SparklmError(f"tokenizer not found: {p}", hint="pass a tokenizer.json file or an HF tokenizer directory")
+        check_found(path)
     try:
         tok = Tokenizer.from_file(str(p))
     except Exception as e:

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from ..config import StorageConfig
+from ..data.clean import BINARY_SNIFF_BYTES, looks_binary
 from ..infra.cache import process_local
 from ..infra.errors import SparklmError
 from ..infra.fs import effective, version, write_bytes
@@ -130,6 +131,11 @@ def read_prompts(path: str, *, field: str = "prompt") -> list[tuple[int, str]]:
         raise SparklmError(f"prompt file {path} not found", hint="pass a .txt, .jsonl or .parquet file")
     name = p.name.lower()
     rows: list[tuple[int, str]] = []
+    if not name.endswith(".parquet"):
+        with open(p, "rb") as f:
+            if looks_binary(f.read(BINARY_SNIFF_BYTES), "utf-8"):  # a model or archive given by mistake
+                raise SparklmError(f"{path} looks binary, not text",
+                                   hint="pass a UTF-8 .txt file (one prompt per line), a .jsonl or a .parquet file")
     if name.endswith(".parquet"):
         import pyarrow.parquet as pq
 

@@ -103,13 +103,13 @@ def _write_graph(graph: torch.nn.Module, tmp: Path, output: str, context: int, q
 
 def _architectures(model: str, storage: StorageConfig | None) -> list:
     """The architectures ``model``'s config.json names ([] for a LoRA adapter or a .gguf file: causal LMs)."""
-    from ..infra.fs import exists, join, read_text
+    from ..infra.fs import exists, join, read_config_json
     from .generate import model_uri
 
     path = model_uri(model, storage)
     if not exists(join(path, "config.json"), storage):
         return []
-    return json.loads(read_text(join(path, "config.json"), storage)).get("architectures") or []
+    return read_config_json(path, storage).get("architectures") or []
 
 
 class EncoderGraph(torch.nn.Module):

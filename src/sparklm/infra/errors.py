@@ -78,6 +78,16 @@ def from_spark(exc: BaseException) -> SparklmError | None:
 
 # Failures that are not sparklm's fault but are foreseeable, recognised in an exception's or a log's text.
 _CAUSES = [
+    # an object store's failures as pyarrow (AWS SDK) and boto report them, before the peer pattern's "timeout"
+    (re.compile(r"AWS Error NETWORK_CONNECTION|curlCode: (?:6|7),", re.I),
+     "cannot reach the object store",
+     "check --endpoint-url (AWS_ENDPOINT_URL, storage.endpoint_url), that its server is up and that this host reaches "
+     "it"),
+    (re.compile(r"AWS Error (?:ACCESS_DENIED|INVALID_ACCESS_KEY_ID|SIGNATURE_DOES_NOT_MATCH|MISSING_AUTHENTICATION_TOKEN"
+                r"|INVALID_CLIENT_TOKEN_ID)|AWS Error \w+ \(HTTP status 403\)|\b(?:AccessDenied|InvalidAccessKeyId|"
+                r"SignatureDoesNotMatch)\b", re.I),
+     "the object store refused access",
+     "check the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE) and the bucket's permissions"),
     (re.compile(r'Cannot run program "[^"]*python[^"]*"', re.I),
      "the executors cannot start the Python that runs sparklm (it is not installed on their hosts)",
      "set spark.ship_env = 'on' (--set spark.ship_env=\"on\") to send this environment with the job, or "

@@ -52,9 +52,12 @@ def resolve(uri: str, storage: StorageConfig | None = None) -> tuple[pafs.FileSy
         import fsspec
 
         fs, path = fsspec.core.url_to_fs(uri)
-    except (ImportError, ValueError):
-        raise SparklmError(f"cannot open {uri}: {first}",
-                           hint="use a local path, an s3:// URL, or install the fsspec package for this scheme") from None
+    except (ImportError, ValueError, OSError):  # OSError: a client library that is missing (HDFS's libhdfs)
+        hint = ("pyarrow reaches HDFS through Hadoop's libhdfs: set HADOOP_HOME, JAVA_HOME and ARROW_LIBHDFS_DIR "
+                "(and CLASSPATH from `hadoop classpath --glob`) on every host, or copy the data to an object store"
+                if uri.startswith(("hdfs://", "viewfs://")) else
+                "use a local path, an s3:// URL, or install the fsspec package for this scheme")
+        raise SparklmError(f"cannot open {uri}: {_short(first)}", hint=hint) from None
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
 
 
@@ -382,6 +385,26 @@ def file_sha256(path: Path) -> str:
         while chunk := f.read(8 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+def read_config_json(directory: str, storage: StorageConfig | None = None) -> dict:
+    """A model directory's ``config.json`` as a dict (a missing one raises as :func:`read_text` does); one line where
+    it is not a JSON object, naming it damaged where it differs from the checksum sparklm recorded."""
+    import json
+
+    uri = join(directory, "config.json")
+    try:
+        value = json.loads(read_text(uri, storage))
+    except ValueError as e:
+        local = local_path(directory)
+        if local is not None:
+            verify_checksums(local)  # a model sparklm wrote: say that the file changed since
+        why = f"{e.msg}, line {e.lineno}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+        raise SparklmError(f"{uri} is not valid JSON ({why})",
+                           hint="restore it from a copy of the model, or save the model again") from None
+    if not isinstance(value, dict):
+        raise SparklmError(f"{uri} is not a JSON object", hint="restore it from a copy of the model")
+    return value
 
 
 def write_checksums(directory: Path) -> None:

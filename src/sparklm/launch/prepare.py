@@ -89,6 +89,8 @@ def _prepare(inputs, *, output: str, config: Config | None, validation_inputs, o
                                 "use --format instruction for prompt/response records")
     if labelled.encoded(data):
         labelled.check(data, config.tokenizer.path)
+    if config.tokenizer.path:
+        tokenizers_mod.check_found(config.tokenizer.path)
     trackers.check(config, "prepare")
     preload, master = None, ""
     if data.engine != "beam":  # the malloc resolved once, with the checks: a path that is no file fails before any work
@@ -208,10 +210,12 @@ def _run(source: passes.Engine, config: Config, inputs: list[str], validation_in
             pack = _pack_spec(config, spec)
             plan = passes.WritePlan(config, spec, pack, staging, classes)
             with source.stage("tokenize + pack + write" if full_scan else "read + clean + tokenize + pack + write"):
-                files, write_agg = passes.gather(source.write(plan, scanned.losers))
+                files, write_agg, tokens = passes.gather(source.write(plan, scanned.losers))
             if not full_scan:  # one pass did it all: its counts are the statistics
                 stats = _stats(write_agg, source.count, data.encoding)
-        manifest = _manifest(config, inputs, validation_inputs, stats, files, spec, pack, started, spark_start)
+        manifest = _manifest(config, inputs, validation_inputs, stats, files, tokens, spec, pack, started,
+                             spark_start)
+        _check_rows(manifest["splits"], tokens, pack)
         manifest["engine"] = source.describe()
         if labelled.encoded(data):
             manifest = _encoder_manifest(manifest, config, files, classes)
@@ -380,7 +384,25 @@ def _remove(fs, path: str) -> None:
 # -- manifest and summary --------------------------------------------------------------------
 
 
-def _manifest(config, inputs, validation_inputs, stats, files, spec, pack: PackSpec, started, spark_start) -> dict:
+def _check_rows(splits: dict, tokens: dict, pack: PackSpec) -> None:
+    """Documents that fill no row: refused for the train split (nothing would train), a warning for validation. Each
+    read task packs its own documents, so small inputs spread over many tasks may fill none where one task would."""
+    for split in SPLITS:
+        entry, tasks = splits[split], tokens[split]["tasks"]
+        if entry["sequences"] or not entry["documents"]:
+            continue
+        apart = f", packed by {tasks} read tasks apart" if tasks > 1 else ""
+        what = (f"the {split} split fills no sequence of {pack.seq_len:,} tokens: its {entry['documents']:,} "
+                f"document(s) hold {entry['tokens']:,} tokens{apart}, and a last partial sequence is dropped")
+        hint = ("prepare more text, a shorter --seq-len, " + ("fewer read tasks (--set data.read_tasks=1), " if apart
+                else "") + "or --last-block pad to keep the partial sequences (padded)")
+        if split == "train":
+            raise SparklmError(what, hint=hint)
+        progress.warn(f"{what} ({hint})")
+
+
+def _manifest(config, inputs, validation_inputs, stats, files, tokens, spec, pack: PackSpec, started,
+              spark_start) -> dict:
     splits = {}
     for split in SPLITS:
         metas = files[split]
@@ -389,10 +411,10 @@ def _manifest(config, inputs, validation_inputs, stats, files, spec, pack: PackS
             "documents": entry["documents"],
             "duplicates_dropped": entry["duplicates"],
             "text_bytes": entry["text_bytes"],
-            "tokens": sum(m["tokens"] for m in metas),
+            "tokens": tokens[split]["tokens"],
             "sequences": sum(m["rows"] for m in metas),
             "pad_tokens": sum(m["pad_tokens"] for m in metas),
-            "dropped_tokens": sum(m["dropped_tokens"] for m in metas),
+            "dropped_tokens": tokens[split]["dropped_tokens"],
             "files": [{"path": m["path"].rsplit("-", 1)[0] + ".parquet", "rows": m["rows"], "bytes": m["bytes"],
                        "row_groups": m["row_groups"]} for m in sorted(metas, key=lambda m: m["path"])],
         }

@@ -16,7 +16,7 @@ import uuid
 from typing import Any
 
 from ..config import Config, TrackingConfig, diff, flatten, from_dict, merge
-from ..data.manifest import PreparedDataset, load_prepared, load_tokenizer
+from ..data.manifest import MANIFEST, PreparedDataset, load_prepared, load_tokenizer
 from ..data.tokenizer import TokenizerSpec
 from ..infra import progress, redact
 from ..infra.errors import SparklmError
@@ -52,6 +52,16 @@ def train(data: str | None, *, output: str, config: Config | None = None, resume
                       storage=storage, lock=lock)
 
 
+def _check_fresh(run_dir: str, storage) -> None:
+    """A new run's directory holds no run, nor a prepared dataset (`--data d -o d`: their files would mix)."""
+    if exists(join(run_dir, "config.json"), storage) or exists(join(run_dir, "checkpoints"), storage):
+        raise SparklmError(f"run directory {run_dir} already holds a run",
+                           hint="use --resume to continue it, or another --output")
+    if exists(join(run_dir, MANIFEST), storage):
+        raise SparklmError(f"--output {run_dir} holds a prepared dataset ({MANIFEST}), not a run",
+                           hint="choose another --output for the run, e.g. runs/NAME")
+
+
 def _train(data: str | None, *, output: str, config: Config | None, resume: bool, spark, changes, storage,
            lock: RunLock) -> dict:
     from ..spark.session import check_shared, get_session, planned_master
@@ -60,9 +70,8 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
     run_dir, saved_plan = output, None
     if resume:
         config, data, saved_plan = _resumed(run_dir, config, changes, data, storage)
-    elif exists(join(run_dir, "config.json"), storage) or exists(join(run_dir, "checkpoints"), storage):
-        raise SparklmError(f"run directory {run_dir} already holds a run",
-                           hint="use --resume to continue it, or another --output")
+    else:
+        _check_fresh(run_dir, storage)
     config = config or Config()
     config = config.replace(storage=effective(config.storage))
     storage = config.storage
