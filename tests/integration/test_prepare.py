@@ -206,6 +206,18 @@ def test_an_allocator_the_workers_cannot_load_is_a_warning_and_changes_nothing(s
     assert not (tmp_path / "bad").exists()
 
 
+def test_one_long_line_trains_a_tokenizer_on_its_share(spark, tmp_path, config):
+    """A file without a blank line is one document, here ~4x the tokenizer's sample: the sample took a document
+    whole or not at all, and this one (by its hash) not, so the tokenizer knew bytes alone (1 token per byte)."""
+    import random
+
+    words = make_text(400, seed=5).split()
+    (tmp_path / "line.txt").write_text(" ".join(random.Random(3).choice(words) for _ in range(500_000)))
+    cfg = from_dict({"data": {"seq_len": 64, "val_fraction": 0.0}, "tokenizer": {"vocab_size": 1000, "sample_mb": 1}})
+    ds = prepare([str(tmp_path / "line.txt")], output=str(tmp_path / "o"), config=cfg, spark=spark)
+    assert ds.manifest["splits"]["train"]["bytes_per_token"] > 2.5
+
+
 def test_explicit_validation_and_a_loaded_tokenizer(spark, tmp_path, config):
     import datasets
 

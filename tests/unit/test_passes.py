@@ -28,6 +28,30 @@ def test_bins_are_balanced_ordered_and_a_function_of_the_units_and_their_number(
     assert len(passes.bins(units, 10)) == 6 and len(passes.bins([], 4)) == 1
 
 
+def test_a_long_document_gives_the_tokenizer_its_share_piece_by_piece():
+    """A document is sampled whole or not at all by its hash; one longer than a piece (a file without blank lines,
+    doc_mode file) gave the tokenizer all of it or nothing: one 100 MB line trained a tokenizer of bytes alone."""
+    import random
+
+    rng = random.Random(0)
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "looked", "out", "at", "rain"]
+    text = " ".join(rng.choice(words) for _ in range(6 * passes.SAMPLE_PIECE // 4))  # ~6 pieces
+    for fraction in (0.25, 0.5):  # 240 pieces drawn each: within half of the share either way
+        got = [passes.sample_of(text, doc, fraction) for doc in range(-20, 20)]
+        sizes = [len(g or "") for g in got]
+        assert 0.5 * fraction * len(text) * 40 < sum(sizes) < 1.5 * fraction * len(text) * 40
+        assert sum(s == 0 for s in sizes) < 40  # not all or nothing any more
+        for g in filter(None, got):
+            for piece in g.split("\n"):
+                assert piece in text and not piece.startswith(" ")  # cut at white space, so words stay whole
+    assert passes.sample_of(text, 7, 0.34) == passes.sample_of(text, 7, 0.34)  # a function of content and fraction
+    assert passes.sample_of(text, 7, 1.0) == text
+    short = "a short paragraph"
+    picked = [passes.sample_of(short, doc, 0.5) for doc in (-5, 3, 2**40, 17 << 20)]
+    assert all(p in (None, short) for p in picked)  # whole or not at all, by the hash, as before
+    assert picked == [short if (d & 0xFFFFFF) < 0.5 * 2**24 else None for d in (-5, 3, 2**40, 17 << 20)]
+
+
 def test_reports_gather_into_files_and_counts():
     reports = [{"split": "train", "path": "train/part-00001-0.parquet", "rows": 2, "tokens": 70, "dropped_tokens": 6},
                {"split": "validation", "path": "validation/part-00001-0.parquet", "rows": 0, "tokens": 9,

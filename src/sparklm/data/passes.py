@@ -134,12 +134,45 @@ def scan_rows(docs: Iterable[tuple], data, fraction: float) -> Iterator[tuple]:
         # labelled records of hash-split inputs get their split from their class's threshold (stratified)
         split = None if not ok or (classify and unit.group == "auto") else hash_split(unit, dig, data.val_fraction)
         doc = clean.doc_id(dig) if ok else None
-        sampled = fraction > 0 and ok and split == "train" and (doc & 0xFFFFFF) < fraction * 2**24
         label = text.label if ok and classify else None
         text = sources.text_of(text) if ok else None
+        sample = sample_of(text, doc, fraction) if fraction > 0 and ok and split == "train" else None
         yield (unit.uri, pos, status, split, len(text.encode("utf-8", "surrogatepass")) if ok else 0,
-               invalid, doc, dig, text if sampled else None, label,
+               invalid, doc, dig, sample, label,
                labelled.split_key(dig) if ok and classify else None, unit.group == "auto")
+
+
+# Characters: a document longer than this is sampled piece by piece, not whole or not at all (one long line, a file
+# in doc_mode file); the paragraphs of ordinary text are shorter, and sampled as before.
+SAMPLE_PIECE = 1 << 18
+_CUT_SEARCH = 1024  # how far a piece's edge moves to the next white space (text without any is cut where it is)
+
+
+def sample_of(text: str, doc: int, fraction: float) -> str | None:
+    """A training document's share of the tokenizer's sample, ``fraction`` of its text on average: a short one whole
+    or not at all (by its id, a content hash), a longer one as the pieces of :data:`SAMPLE_PIECE` characters that its
+    id and their index pick (joined by newlines), each cut at white space so words stay whole. A function of the
+    content alone, so every engine and partitioning trains the same tokenizer."""
+    if fraction >= 1.0:
+        return text
+    if len(text) <= SAMPLE_PIECE:
+        return text if (doc & 0xFFFFFF) < fraction * 2**24 else None
+    import hashlib
+
+    cuts = [0, *(_cut(text, at) for at in range(SAMPLE_PIECE, len(text), SAMPLE_PIECE)), len(text)]
+    key = doc.to_bytes(8, "little", signed=True)
+    picked = [text[a:b].strip() for i, (a, b) in enumerate(zip(cuts, cuts[1:]))
+              if int.from_bytes(hashlib.blake2b(key + i.to_bytes(4, "little"), digest_size=4).digest(), "little")
+              < fraction * 2**32]
+    return "\n".join(p for p in picked if p) or None
+
+
+def _cut(text: str, at: int) -> int:
+    """The first white space at or after ``at`` (within :data:`_CUT_SEARCH`), else ``at``."""
+    for i in range(at, min(at + _CUT_SEARCH, len(text))):
+        if text[i].isspace():
+            return i
+    return at
 
 
 def copy_order(split: str | None, source: str, pos: int) -> tuple:
