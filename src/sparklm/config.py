@@ -193,6 +193,10 @@ class ModelConfig:
         if not self.init_from and self.n_embd % self.n_head:
             raise SparklmError(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})",
                                hint="each head gets n_embd / n_head dimensions")
+        if not self.init_from and self.arch == "llama" and (self.n_embd // self.n_head) % 2:
+            raise SparklmError(f"each head gets n_embd / n_head = {self.n_embd // self.n_head} dimensions, and "
+                               "RoPE (model.arch llama) rotates them in pairs: it needs an even number",
+                               hint="change model.n_head or model.n_embd, or use model.arch gpt2")
 
     @property
     def mlp_hidden(self) -> int:

@@ -202,6 +202,19 @@ def test_too_few_slots_is_one_line_before_submitting(spark, dataset, tmp_path):
     assert not (tmp_path / "r").exists()  # nothing written: the same --output works once there are slots
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "average"])
+def test_a_diverged_run_stops_with_one_line_not_a_nan_model(spark, dataset, tmp_path, strategy):
+    """An lr a million times too large: the loss went nan by the second step, and the run trained on to its end,
+    exported a model of nan weights and exited 0. It stops once the mean loss stays non-finite (a few steps: fp16's
+    scaler skips a step of inf gradients, and a run recovers from it), and says what to change."""
+    rounds = {"sync_every": 2} if strategy != "ddp" else {}
+    config = cfg(max_steps=40, lr=1e6, warmup_steps=0, strategy=strategy, workers=2 if rounds else 1, **rounds)
+    with pytest.raises(SparklmError, match=r"training diverged: the mean loss is nan since step \d+ .*lower train.lr "
+                                           r"\(it is 1e\+06\)"):
+        train(dataset, output=str(tmp_path / "r"), config=config, spark=spark)
+    assert not (tmp_path / "r" / "model").exists()
+
+
 def test_an_elastic_run_starts_on_the_slots_there_are_between_min_and_max(spark, dataset, tmp_path):
     """--workers MIN:MAX on local[2]: 2:4 runs on 2 ranks with the global batch of 4 (twice the accumulation);
     3:4 is the one slots line, before anything is written."""

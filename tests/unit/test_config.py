@@ -34,6 +34,7 @@ def test_defaults_and_overrides(tmp_path):
         ("model.n_embd=90", ["model.n_embd (90) must be divisible by model.n_head (4)"]),
         ("train.strategy=allreduce", ["allowed values: 'ddp', 'average', 'diloco'"]),
         ("model.task=translation", ["allowed values: 'causal-lm'"]),
+        ("model.n_head=256", ["each head gets n_embd / n_head = 1 dimensions", "RoPE", "even"]),
         ("data.encoding=nope", ["data.encoding 'nope' is not a text encoding Python knows", "latin-1"]),
         ("data.encoding=base64", ["data.encoding 'base64' is not a text encoding"]),
     ],

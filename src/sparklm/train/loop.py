@@ -11,10 +11,12 @@ recorded, the recorder.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..infra.errors import SparklmError
 from ..metrics.recorder import NOTE_STEP, Best, Recorder, RunResult
 from .schedule import Schedule, crossed
 
@@ -138,6 +140,12 @@ class _Run:
     started: float
     best_weights: dict | None = None
     window: tuple[float, int, int] = field(default=(0.0, 0, 0))
+    nonfinite: tuple[int, int] = (0, 0)  # units in a row whose mean loss was inf or nan, and the step they began
+
+
+# Units in a row with a non-finite mean loss before the run stops as diverged. Not 1: fp16's loss scaler skips a step
+# whose gradients overflowed, and the run goes on; weights gone nan keep the loss nan at every step after.
+DIVERGED_AFTER = 3
 
 
 def run(unit: Unit, rec: Recorder, schedule: Schedule, *, keep_best: bool, info: dict[str, Any]) -> RunResult:
@@ -154,6 +162,7 @@ def run(unit: Unit, rec: Recorder, schedule: Schedule, *, keep_best: bool, info:
         after = before + schedule.unit(before, unit.size)
         ckpt = schedule.checkpoint(before, after)
         adv = unit.advance(after - before, done=done, evaluate=r.pos.pending_eval, checkpoint=ckpt)
+        _diverged(r, adv.loss, after, rec.tc.lr)
         ckpt = ckpt or adv.leave
         if not rec.has_facts:
             rec.info(unit.facts() or {}, schedule.total_steps, **info)
@@ -180,6 +189,17 @@ def run(unit: Unit, rec: Recorder, schedule: Schedule, *, keep_best: bool, info:
         if stop and rec.should_stop(unit.where()):
             break
     return _finish(unit, rec, r, keep_best)
+
+
+def _diverged(r: _Run, loss: float, step: int, lr: float) -> None:
+    """Stop a run whose mean loss (the same figure on every worker) stayed inf or nan for :data:`DIVERGED_AFTER`
+    units: it would train on to its end and export weights of nan."""
+    count, since = r.nonfinite
+    r.nonfinite = (0, 0) if math.isfinite(loss) else (count + 1, since or step)
+    if r.nonfinite[0] >= DIVERGED_AFTER:
+        raise SparklmError(f"training diverged: the mean loss is {loss} since step {r.nonfinite[1]}",
+                           hint=f"lower train.lr (it is {lr:g}) or raise train.warmup_steps; keep train.grad_clip on "
+                                "(1.0); the checkpoints written before stay in the run directory")
 
 
 def _restore(unit: Unit, rec: Recorder) -> _Run:
