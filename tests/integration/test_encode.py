@@ -86,6 +86,13 @@ def test_scoring_mistakes_are_one_line_on_the_driver(spark, bert, tmp_path):
         sparklm.embed_dataframe(df, model=bert, text_col="body", output_col="n")
     with pytest.raises(SparklmError, match="not found"):
         sparklm.embed_dataframe(df, model=str(tmp_path / "nothing"), text_col="body")
+    # was: a range() of step 0 failing in every task, and torch refusing -1 threads there
+    with pytest.raises(SparklmError, match=r"--batch-size must be >= 1 \(got 0\)"):
+        sparklm.classify_dataframe(df, model=bert, text_col="body", batch_size=0)
+    with pytest.raises(SparklmError, match=r"--threads must be >= 0"):
+        sparklm.embed_dataframe(df, model=bert, text_col="body", threads=-1)
+    with pytest.raises(SparklmError, match=r"--batch-size must be >= 1"):
+        sparklm.generate_dataframe(df.withColumnRenamed("body", "prompt"), model=bert, batch_size=0)
 
 
 @pytest.mark.parametrize("quantize", ["none", "int8"])

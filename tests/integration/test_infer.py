@@ -480,6 +480,23 @@ def test_a_causal_model_embeds_its_texts_by_their_last_token(spark, run_dir):
         assert len(got[i]) == 32 and torch.allclose(torch.tensor(got[i]), want, atol=1e-4), i
 
 
+@pytest.mark.parametrize("settings, message", [
+    ({"max_length": 1}, "--max-length 1 leaves no token to predict"),  # was: "no tokens to score in the input"
+    ({"batch_size": 0}, "--batch-size must be >= 1"),  # was taken as 1
+    ({"threads": -2}, "--threads must be >= 0"),  # was a traceback inside every task
+])
+def test_eval_settings_are_checked_before_spark_starts(run_dir, tmp_path, settings, message):
+    from sparklm.infer.evaluate import evaluate
+
+    (tmp_path / "t.txt").write_text("Some text to score.\n")
+
+    def no_spark():
+        raise AssertionError("Spark was started")
+
+    with pytest.raises(SparklmError, match=message):
+        evaluate(str(run_dir), [str(tmp_path / "t.txt")], spark=no_spark, **settings)
+
+
 def test_eval_equals_a_direct_computation(spark, run_dir, tmp_path):
     from sparklm.config import from_dict
     from sparklm.infer.evaluate import evaluate
@@ -582,6 +599,7 @@ def test_cli_generate_streams_and_writes(run_dir, tmp_path):
     (["--prompt", "a", "--temperature", "-1"], "temperature"),
     (["--prompt", "a", "--max-new-tokens", "500"], "does not fit"),
     (["--prompt", "   "], "empty prompt"),
+    (["--prompt", "a", "--threads", "-1"], "--threads must be >= 0"),
 ])
 def test_cli_generate_bad_input_is_one_line(run_dir, args, message):
     out = run_sparklm("generate", str(run_dir), *args)

@@ -15,7 +15,7 @@ from ..infra.cache import process_local
 from ..infra.errors import SparklmError
 from ..infra.fs import effective, version, write_bytes
 from ..spark.frames import check_columns
-from ..spark.resources import task_device
+from ..spark.resources import check_batching, task_device
 from ..spark.session import check_workers_python
 from .sampling import Sampling
 
@@ -68,6 +68,7 @@ def generate_dataframe(df, *, model: str, prompt_col: str = "prompt", id_col: st
              T.StructField("prompt_tokens", T.IntegerType()), T.StructField("new_tokens", T.IntegerType()),
              T.StructField("truncated", T.BooleanType())]
     check_columns(df, prompt_col, "prompt_col", added, "generate_dataframe")
+    check_batching(batch_size, threads)
     if backend not in ("torch", "llama.cpp"):
         raise SparklmError(f"backend {backend!r}: generate_dataframe runs on torch or llama.cpp")
     from .backends import check_quantize

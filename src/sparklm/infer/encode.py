@@ -24,7 +24,7 @@ from ..infra.cache import process_local
 from ..infra.errors import SparklmError
 from ..infra.fs import effective, version
 from ..spark.frames import check_columns
-from ..spark.resources import task_device
+from ..spark.resources import check_batching, task_device
 from ..spark.session import check_workers_python
 
 POOLINGS = ("mean", "cls", "last")
@@ -175,6 +175,7 @@ def classify_dataframe(df, *, model: str, text_col: str = "text", label_col: str
     if probabilities_col:
         added.append(T.StructField(probabilities_col, T.ArrayType(T.DoubleType())))
     check_columns(df, text_col, "text_col", added, "classify_dataframe")
+    check_batching(batch_size, threads)
     storage = effective(storage or StorageConfig())
     path = _model_path(model, storage, classify=True)
 
@@ -209,6 +210,7 @@ def embed_dataframe(df, *, model: str, text_col: str = "text", output_col: str =
                            hint="mean (sentence-transformers' usual), cls (BERT's first token) or last (decoders)")
     added = [T.StructField(output_col, T.ArrayType(T.FloatType())), T.StructField("truncated", T.BooleanType())]
     check_columns(df, text_col, "text_col", added, "embed_dataframe")
+    check_batching(batch_size, threads)
     storage = effective(storage or StorageConfig())
     path = _model_path(model, storage, classify=False)
 

@@ -19,7 +19,7 @@ from ..infra.errors import SparklmError, spark_errors
 from ..infra.fs import effective, version
 from ..model import lm_head
 from ..model.figures import lm_figures
-from ..spark.resources import task_device
+from ..spark.resources import check_batching, task_device
 
 
 def windows(n_tokens: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:
@@ -63,6 +63,16 @@ def score(lm, batch: list[tuple[list[int], int]], chunked: bool) -> torch.Tensor
     return lm_head.score(lm.model, x.to(dev), mask.to(dev), target_mask[:, 1:].to(dev), chunked=chunked)[:3].cpu()
 
 
+def _check_settings(max_length: int, stride: int, batch_size: int, threads: int) -> None:
+    """The settings a task would fail on (or take as another), refused before the model loads and Spark starts."""
+    check_batching(batch_size, threads)
+    if max_length < 0 or stride < 0:
+        raise SparklmError("--max-length and --stride must be >= 0 (0: the default)")
+    if max_length == 1:
+        raise SparklmError("--max-length 1 leaves no token to predict: a window scores each token after its first",
+                           hint="use 2 or more (0: the model's context)")
+
+
 def evaluate(model: str, inputs: list[str], *, config: Config | None = None, max_length: int = 0, stride: int = 0,
              batch_size: int = 8, threads: int = 0, spark=None) -> dict:
     """Evaluate ``model`` (run directory or HF directory) on ``inputs``; returns the figures."""
@@ -72,6 +82,7 @@ def evaluate(model: str, inputs: list[str], *, config: Config | None = None, max
     from ..spark.session import check_shared, get_session
     from .generate import load, model_uri, token_ids
 
+    _check_settings(max_length, stride, batch_size, threads)
     config = config or Config()
     # eval scores text; instruction records are scored through the prepared dataset's validation split instead
     config = config.replace(data=dataclasses.replace(config.data, format="text"))

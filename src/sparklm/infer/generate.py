@@ -93,6 +93,8 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
     from ..model.build import context_length
 
     check_quantize(quantize)
+    if threads < 0:
+        raise SparklmError("--threads must be >= 0 (0: every core)")
     if threads:
         torch.set_num_threads(threads)
     directory = model_dir(path, storage)

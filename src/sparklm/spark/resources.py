@@ -42,6 +42,17 @@ def task_gpu(ctx=None) -> str | None:
     return res.addresses[0] if res is not None and res.addresses else None
 
 
+def check_batching(batch_size: int, threads: int) -> None:
+    """A task's batch size and torch threads, refused on the driver: in every task they would fail (a negative
+    thread count) or be taken as another (a batch of 0)."""
+    from ..infra.errors import SparklmError
+
+    if batch_size < 1:
+        raise SparklmError(f"--batch-size must be >= 1 (got {batch_size})")
+    if threads < 0:
+        raise SparklmError(f"--threads must be >= 0 (0: every core; got {threads})")
+
+
 def task_device(setting: str = "auto") -> str:
     """Where an inference task computes: with ``setting`` auto, the GPU Spark assigned it ("cuda:N"), else auto
     (the one torch sees, if any: local mode); an explicit setting as it is."""
