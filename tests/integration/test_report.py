@@ -111,3 +111,17 @@ def test_cli_writes_one_run_again_and_compares_several(runs, tmp_path, capsys):
     assert main(["report", str(runs["ddp"]), str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {tmp_path} is not a sparklm run directory"), err
+    # --output replaces a page sparklm wrote (the comparison above, again), never another file: it wrote its page
+    # over a user's text file given by mistake
+    assert main(["report", str(runs["ddp"]), str(runs["diloco"]), "--output", str(out)]) == 0
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    for runs_given in ([runs["ddp"]], [runs["ddp"], runs["diloco"]]):
+        capsys.readouterr()
+        assert main(["report", *map(str, runs_given), "--output", str(notes)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: refusing to replace {notes}: it is not a page sparklm "
+                                                   "wrote"), err
+        assert notes.read_text() == "my notes\n"
+    assert main(["report", str(runs["ddp"]), "--output", str(tmp_path)]) == 2  # a directory
+    assert "is a directory" in capsys.readouterr().err

@@ -93,6 +93,8 @@ def read_run(run_dir: str, storage: StorageConfig | None = None) -> RunData:
 
 def write_report(run_dir: str, storage: StorageConfig | None = None, output: str | None = None) -> str:
     """Write the run's page (``run_dir``/report.html, or ``output``); return where it went."""
+    if output:
+        _check_replaceable(output, storage)
     output = output or join(run_dir, REPORT)
     write_text(output, render_run(read_run(run_dir, storage)), storage)
     return output
@@ -100,8 +102,30 @@ def write_report(run_dir: str, storage: StorageConfig | None = None, output: str
 
 def write_comparison(run_dirs: list[str], output: str, storage: StorageConfig | None = None) -> str:
     """Write a page with the runs side by side to ``output``; return it."""
+    _check_replaceable(output, storage)
     write_text(output, render_comparison([read_run(r, storage) for r in run_dirs]), storage)
     return output
+
+
+_GENERATOR = '<meta name="generator" content="sparklm">'
+
+
+def _check_replaceable(output: str, storage: StorageConfig | None) -> None:
+    """An ``output`` the user named may replace a page sparklm wrote (its generator tag, or the title of pages
+    written before the tag), never another file: a path given by mistake must not lose what it held."""
+    from ..infra.fs import resolve
+
+    fs, path = resolve(output, storage)
+    kind = fs.get_file_info(path).type
+    if kind == kind.NotFound:
+        return
+    if kind == kind.Directory:
+        raise SparklmError(f"--output {output} is a directory", hint="name the page's file, e.g. DIR/report.html")
+    with fs.open_input_stream(path) as f:
+        head = f.read(4096).decode("utf-8", "replace")
+    if _GENERATOR not in head and "<title>sparklm run" not in head:
+        raise SparklmError(f"refusing to replace {output}: it is not a page sparklm wrote",
+                           hint="choose another --output, or move the file away first")
 
 
 # -- the pages --------------------------------------------------------------------------------------------------------
@@ -166,7 +190,7 @@ def render_comparison(runs: list[RunData]) -> str:
 
 def page(title: str, body: list[str]) -> str:
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-            f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
+            f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">{_GENERATOR}'
             f'<meta name="viewport" content="width=device-width,initial-scale=1">'
             f"<title>{esc(title)}</title><style>{_CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")
 
