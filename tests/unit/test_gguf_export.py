@@ -96,6 +96,21 @@ def test_f32_round_trip_through_transformers(tmp_path, tied):
     assert hf_tok.convert_tokens_to_ids("<|pad|>") == 1
 
 
+def test_a_qwen3_of_any_head_width_imports_back(tmp_path):
+    """transformers' GGUF reader leaves a Qwen3 file's head width out and builds heads of 128: every model sparklm
+    trains from scratch (Llama-style with QK norm, saved as Qwen3) failed to import back from its own export, and
+    `generate model.gguf` with it. The import reads the width from the file."""
+    from transformers import AutoModelForCausalLM
+
+    original, tok = _model_dir(tmp_path / "m", arch="qwen3")
+    gguf_export.export_gguf(str(tmp_path / "m"), str(tmp_path / "out"))
+    gguf_import.convert(str(tmp_path / "out" / gguf_export.GGUF_FILE), str(tmp_path / "back"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), local_files_only=True).eval()
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.head_dim == 16
+    ids = tok.encode(TEXTS[1]).ids
+    assert torch.allclose(_logits(model, ids), _logits(original, ids), atol=1e-5)
+
+
 def test_qwen3_tensors_as_llama_cpp_names_them(tmp_path):
     """transformers' GGUF reader does not read a Qwen3 head width (it assumes 128): the file is checked directly —
     the per-head norms present, queries and keys in transformers' order (Qwen3 rotates halves in llama.cpp too)."""

@@ -132,8 +132,8 @@ def _inspect(path: Path) -> dict:
     type it does not know, is left to transformers to accept or refuse."""
     read = _header(path)
     if read is None:
-        return {"architecture": None, "types": []}
-    arch, tensors, data_start = read
+        return {"architecture": None, "types": [], "head_dim": None}
+    arch, tensors, data_start, meta = read
     if not arch:
         raise SparklmError(f"{path} does not say which model it holds (no general.architecture in its metadata)",
                            hint="convert the model again with llama.cpp's convert_hf_to_gguf.py")
@@ -145,7 +145,9 @@ def _inspect(path: Path) -> dict:
         raise SparklmError(f"{path} is truncated ({size} bytes, its tensors need {max(ends)})",
                            hint="download or convert the file again")
     names = {int(t): t.name for t in _quant_sizes()}
-    return {"architecture": arch, "types": sorted({names.get(kind, f"type {kind}") for kind, _, _ in tensors})}
+    head_dim = meta.get(f"{arch}.attention.key_length")
+    return {"architecture": arch, "types": sorted({names.get(kind, f"type {kind}") for kind, _, _ in tensors}),
+            "head_dim": head_dim if isinstance(head_dim, int) and head_dim > 0 else None}
 
 
 def _quant_sizes() -> dict:
@@ -161,8 +163,9 @@ def _quant_sizes() -> dict:
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
-def _header(path: Path) -> tuple[str | None, list[tuple[int, int, int]], int] | None:
-    """``(architecture, [(ggml type, elements, offset)], data start)`` from a GGUF v2/v3 header; None where it
+def _header(path: Path) -> tuple[str | None, list[tuple[int, int, int]], int, dict] | None:
+    """``(architecture, [(ggml type, elements, offset)], data start, scalar metadata)`` from a GGUF v2/v3 header; None
+    where it
     cannot be read. Written here because both readers at hand refuse more than the loader does: transformers'
     header rejects tensor types its fast path lacks (Q5_0 in every Q4_K_M file), and gguf's reader fails on a
     truncated file while mapping tensors, before anything can say it is truncated."""
@@ -173,20 +176,20 @@ def _header(path: Path) -> tuple[str | None, list[tuple[int, int, int]], int] | 
         return None
 
 
-def _parse_header(blob) -> tuple[str | None, list[tuple[int, int, int]], int] | None:
-    """The walk behind :func:`_header`: metadata (arrays skipped), then the tensor table; raises where it is cut."""
+def _parse_header(blob) -> tuple[str | None, list[tuple[int, int, int]], int, dict] | None:
+    """The walk behind :func:`_header`: metadata (arrays skipped: None), then the tensor table; raises where it is
+    cut."""
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", blob, 4)
     if version < 2:
         return None
-    pos, arch, alignment = 24, None, 32
+    pos, meta = 24, {}
     for _ in range(n_kv):
         key, pos = _string(blob, pos)
         (kind,), pos = struct.unpack_from("<I", blob, pos), pos + 4
-        value, pos = _value(blob, pos, kind)
-        if key == "general.architecture":
-            arch = value
-        elif key == "general.alignment" and isinstance(value, int) and value > 0:
-            alignment = value
+        meta[key], pos = _value(blob, pos, kind)
+    arch = meta.get("general.architecture")
+    alignment = meta.get("general.alignment")
+    alignment = alignment if isinstance(alignment, int) and alignment > 0 else 32
     tensors = []
     for _ in range(n_tensors):
         _, pos = _string(blob, pos)
@@ -195,7 +198,7 @@ def _parse_header(blob) -> tuple[str | None, list[tuple[int, int, int]], int] | 
         kind, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * n_dims)
         pos += 4 + 8 * n_dims + 12
         tensors.append((kind, int(np.prod(dims, dtype=np.uint64)), offset))
-    return (arch if isinstance(arch, str) else None), tensors, -(-pos // alignment) * alignment
+    return (arch if isinstance(arch, str) else None), tensors, -(-pos // alignment) * alignment, meta
 
 
 def _string(blob: bytes, pos: int) -> tuple[str, int]:
@@ -236,8 +239,9 @@ def _supported() -> list[str]:
     return sorted(names)
 
 
-def _load(path: Path, arch: str | None) -> tuple[Any, Any]:
-    """Model (float32, dequantized) and tokenizer, through transformers' GGUF loader; local file only."""
+def _load(path: Path, arch: str | None, head_dim: int | None = None) -> tuple[Any, Any]:
+    """Model (float32, dequantized) and tokenizer, through transformers' GGUF loader; local file only. ``head_dim``:
+    the file's head width (``ARCH.attention.key_length``), which that loader leaves out for some architectures."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -260,6 +264,8 @@ def _load(path: Path, arch: str | None) -> tuple[Any, Any]:
     what = f"a {arch!r} model" if arch else "the model"
     try:
         with _quiet_loader():
+            if head_dim:
+                kwargs["config"] = _with_head_dim(folder, name, head_dim)
             model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     except (ValueError, NotImplementedError, KeyError, OSError, RuntimeError, struct.error, IndexError) as e:
         import transformers
@@ -284,6 +290,17 @@ def _load(path: Path, arch: str | None) -> tuple[Any, Any]:
     return model.to(torch.float32), tokenizer
 
 
+def _with_head_dim(folder: str, name: str, head_dim: int):
+    """transformers' config of the GGUF file, with the file's head width: its mapping of Qwen3 (among others) leaves
+    ``key_length`` out, so the config's default (128) was taken and a model of narrower heads did not load."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    if getattr(config, "head_dim", None) not in (None, head_dim):
+        config.head_dim = head_dim
+    return config
+
+
 @contextlib.contextmanager
 def _quiet_loader() -> Iterator[None]:
     """Silence the tqdm bar transformers' GGUF reader draws itself (``disable_progress_bar`` does not reach it)."""
@@ -306,7 +323,7 @@ def _write(path: Path, sha256: str, directory: Path) -> dict:
 
     t0 = time.perf_counter()
     inspected = _inspect(path)
-    model, tokenizer = _load(path, inspected["architecture"])
+    model, tokenizer = _load(path, inspected["architecture"], inspected["head_dim"])
     arch = inspected["architecture"] or model.config.model_type
     # transformers' loader leaves the config's default special-token ids; the file's are the real ones.
     for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
