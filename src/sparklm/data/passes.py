@@ -10,6 +10,7 @@ functions of a task's documents and the plan the driver decided, so that both en
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
@@ -157,8 +158,6 @@ def sample_of(text: str, doc: int, fraction: float) -> str | None:
         return text
     if len(text) <= SAMPLE_PIECE:
         return text if (doc & 0xFFFFFF) < fraction * 2**24 else None
-    import hashlib
-
     cuts = [0, *(_cut(text, at) for at in range(SAMPLE_PIECE, len(text), SAMPLE_PIECE)), len(text)]
     key = doc.to_bytes(8, "little", signed=True)
     picked = [text[a:b].strip() for i, (a, b) in enumerate(zip(cuts, cuts[1:]))

@@ -113,13 +113,15 @@ _GENERATOR = '<meta name="generator" content="sparklm">'
 def _check_replaceable(output: str, storage: StorageConfig | None) -> None:
     """An ``output`` the user named may replace a page sparklm wrote (its generator tag, or the title of pages
     written before the tag), never another file: a path given by mistake must not lose what it held."""
+    import pyarrow.fs as pafs
+
     from ..infra.fs import resolve
 
     fs, path = resolve(output, storage)
     kind = fs.get_file_info(path).type
-    if kind == kind.NotFound:
+    if kind == pafs.FileType.NotFound:
         return
-    if kind == kind.Directory:
+    if kind == pafs.FileType.Directory:
         raise SparklmError(f"--output {output} is a directory", hint="name the page's file, e.g. DIR/report.html")
     with fs.open_input_stream(path) as f:
         head = f.read(4096).decode("utf-8", "replace")
