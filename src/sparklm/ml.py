@@ -118,8 +118,11 @@ class _ModelWriter(MLWriter):
         import pyarrow.fs as pafs
 
         from .infer.generate import model_uri
-        from .infra.fs import resolve
+        from .infra.fs import exists, resolve
 
+        if exists(path):  # overwrite() removed it before this; Spark's JVM stages refuse it in these words
+            raise SparklmError(f"path {path} already exists",
+                               hint="to replace it, save with model.write().overwrite().save(path)")
         DefaultParamsWriter.saveMetadata(self.instance, path, self.sparkSession)
         source_fs, source = resolve(model_uri(self.instance.getOrDefault(self.instance.runDir)))
         target_fs, target = resolve(f"{path.rstrip('/')}/model")

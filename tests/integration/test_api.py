@@ -213,6 +213,15 @@ def test_a_pipeline_fits_saves_loads_and_transforms(spark, tmp_path):
     # saved with a copy of its model: it loads and transforms the same once the run directory is gone
     model.write().save(str(tmp_path / "saved"))
     lm.write().save(str(tmp_path / "estimator"))
+    # a stage saved over an existing path: one line, as Spark's JVM stages say it (was a Py4J error, and written
+    # over a file's path, "Parent path is not a directory"); overwrite() replaces it
+    fitted.write().save(str(tmp_path / "stage"))
+    (tmp_path / "notes.txt").write_text("mine\n")
+    for taken in ("stage", "notes.txt"):
+        with pytest.raises(SparklmError, match=r"already exists.*write\(\)\.overwrite\(\)\.save"):
+            fitted.write().save(str(tmp_path / taken))
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
+    fitted.write().overwrite().save(str(tmp_path / "stage"))
     shutil.rmtree(work)
     after = sorted((r.tag, r.generated) for r in PipelineModel.load(str(tmp_path / "saved")).transform(prompts).collect())
     assert after == before and all(text is not None for _, text in after)
