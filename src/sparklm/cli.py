@@ -393,10 +393,12 @@ def _sampling(args: argparse.Namespace):
 
 def _generate(args: argparse.Namespace) -> int:
     from .infer import batch
+    from .spark.resources import check_batching
 
     sampling = _sampling(args)
-    if args.show_top < 0 or args.batch_size < 1:
-        raise SparklmError("--show-top must be >= 0 and --batch-size >= 1")
+    if args.show_top < 0:
+        raise SparklmError("--show-top must be >= 0")
+    check_batching(args.batch_size, args.threads)
     if args.input:
         return _generate_on_spark(args, sampling)
     from .infer.generate import generate
@@ -482,9 +484,9 @@ def _generate_on_spark(args: argparse.Namespace, sampling) -> int:
 def _predict(args: argparse.Namespace) -> int:
     from .infer.predict import check_output, predict
     from .infra.fs import effective
+    from .spark.resources import check_batching
 
-    if args.batch_size < 1:
-        raise SparklmError("--batch-size must be >= 1")
+    check_batching(args.batch_size, args.threads)
     config, _ = _config(args)
     storage = effective(config.storage)
     check_output(Path(args.output).expanduser().resolve(), args.overwrite)  # before Spark starts

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
@@ -147,6 +148,7 @@ def scan_rows(docs: Iterable[tuple], data, fraction: float) -> Iterator[tuple]:
 # in doc_mode file); the paragraphs of ordinary text are shorter, and sampled as before.
 SAMPLE_PIECE = 1 << 18
 _CUT_SEARCH = 1024  # how far a piece's edge moves to the next white space (text without any is cut where it is)
+_SPACE = re.compile(r"\s")
 
 
 def sample_of(text: str, doc: int, fraction: float) -> str | None:
@@ -168,10 +170,8 @@ def sample_of(text: str, doc: int, fraction: float) -> str | None:
 
 def _cut(text: str, at: int) -> int:
     """The first white space at or after ``at`` (within :data:`_CUT_SEARCH`), else ``at``."""
-    for i in range(at, min(at + _CUT_SEARCH, len(text))):
-        if text[i].isspace():
-            return i
-    return at
+    found = _SPACE.search(text, at, at + _CUT_SEARCH)
+    return found.start() if found else at
 
 
 def copy_order(split: str | None, source: str, pos: int) -> tuple:

@@ -21,6 +21,7 @@ from ..config import StorageConfig
 from ..infra import progress
 from ..infra.errors import SparklmError
 from ..infra.fs import exists, is_remote, join, list_names, local_copy
+from ..spark.resources import check_threads
 from .sampling import Sampling, next_tokens, row_generator, softmax
 
 if TYPE_CHECKING:
@@ -93,8 +94,7 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
     from ..model.build import context_length
 
     check_quantize(quantize)
-    if threads < 0:
-        raise SparklmError("--threads must be >= 0 (0: every core)")
+    check_threads(threads)
     if threads:
         torch.set_num_threads(threads)
     directory = model_dir(path, storage)

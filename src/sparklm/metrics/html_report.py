@@ -94,7 +94,7 @@ def read_run(run_dir: str, storage: StorageConfig | None = None) -> RunData:
 def write_report(run_dir: str, storage: StorageConfig | None = None, output: str | None = None) -> str:
     """Write the run's page (``run_dir``/report.html, or ``output``); return where it went."""
     if output:
-        _check_replaceable(output, storage)
+        _check_page_output(output, storage)
     output = output or join(run_dir, REPORT)
     write_text(output, render_run(read_run(run_dir, storage)), storage)
     return output
@@ -102,7 +102,7 @@ def write_report(run_dir: str, storage: StorageConfig | None = None, output: str
 
 def write_comparison(run_dirs: list[str], output: str, storage: StorageConfig | None = None) -> str:
     """Write a page with the runs side by side to ``output``; return it."""
-    _check_replaceable(output, storage)
+    _check_page_output(output, storage)
     write_text(output, render_comparison([read_run(r, storage) for r in run_dirs]), storage)
     return output
 
@@ -110,7 +110,7 @@ def write_comparison(run_dirs: list[str], output: str, storage: StorageConfig | 
 _GENERATOR = '<meta name="generator" content="sparklm">'
 
 
-def _check_replaceable(output: str, storage: StorageConfig | None) -> None:
+def _check_page_output(output: str, storage: StorageConfig | None) -> None:
     """An ``output`` the user named may replace a page sparklm wrote (its generator tag, or the title of pages
     written before the tag), never another file: a path given by mistake must not lose what it held."""
     import pyarrow.fs as pafs

@@ -49,6 +49,13 @@ def check_batching(batch_size: int, threads: int) -> None:
 
     if batch_size < 1:
         raise SparklmError(f"--batch-size must be >= 1 (got {batch_size})")
+    check_threads(threads)
+
+
+def check_threads(threads: int) -> None:
+    """torch threads: 0 (every core) or more; torch refuses a negative count with a traceback."""
+    from ..infra.errors import SparklmError
+
     if threads < 0:
         raise SparklmError(f"--threads must be >= 0 (0: every core; got {threads})")
 
