@@ -23,6 +23,7 @@ from ..config import StorageConfig
 from ..infra.cache import process_local
 from ..infra.errors import SparklmError
 from ..infra.fs import effective, version
+from ..model.encoders import positions
 from ..spark.frames import check_columns
 from ..spark.resources import check_batching, task_device
 from ..spark.session import check_workers_python
@@ -86,11 +87,9 @@ def load_encoder(path: str, *, classify: bool, threads: int = 0, storage: Storag
 
 
 def max_positions(config, tokenizer) -> int:
-    """The longest input the model takes: its position table (RoBERTa's starts after the padding index, so two
-    fewer), or the tokenizer's limit when that is smaller and sane."""
-    n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 512
-    if getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "camembert"):
-        n -= 2
+    """The longest input the model takes: its position table (less the padding offset where positions start after
+    it, as RoBERTa's do), or the tokenizer's limit when that is smaller and sane."""
+    n = positions(config.to_dict()) or 512
     limit = getattr(tokenizer, "model_max_length", None)
     return int(min(n, limit)) if isinstance(limit, int) and 0 < limit < 1_000_000 else int(n)
 

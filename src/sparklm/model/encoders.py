@@ -82,17 +82,21 @@ def load_pretrained(config: Config, auto_class, what: str, **overrides) -> torch
                            ) from None
 
 
-# model types whose position ids start after the padding id (RoBERTa's convention): that many positions fewer
-_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "longformer", "data2vec-text", "ibert")
+# model types whose position ids start after the padding id (RoBERTa's convention: transformers'
+# create_position_ids_from_input_ids): padding id + 1 positions fewer. MPNet's padding id is 1 whatever its config says.
+_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "longformer", "data2vec-text", "ibert",
+                     "mpnet", "roberta-prelayernorm", "esm", "luke", "xmod", "markuplm", "lilt")
+_FIXED_PADDING = {"mpnet": 1}
 
 
 def positions(hf_config: dict) -> int | None:
     """How many tokens a row may hold for the model of ``hf_config`` (config.json as a dict); None: no limit known."""
-    n = hf_config.get("max_position_embeddings")
+    n = hf_config.get("max_position_embeddings", hf_config.get("n_positions"))
     if not isinstance(n, int):
         return None
-    if hf_config.get("model_type") in _OFFSET_POSITIONS:
-        n -= int(hf_config.get("pad_token_id") or 0) + 1
+    kind = hf_config.get("model_type")
+    if kind in _OFFSET_POSITIONS:
+        n -= int(_FIXED_PADDING.get(kind, hf_config.get("pad_token_id") or 0)) + 1
     return n
 
 
