@@ -566,6 +566,37 @@ def test_onnx_export_matches_torch_and_generates_the_same(run_dir, tmp_path):
     assert torch.isfinite(logits8).all() and logits8.shape == ref.shape
 
 
+@pytest.mark.parametrize("family", ["Mixtral", "Qwen2Moe"])
+def test_a_mixture_of_experts_exports_to_onnx(run_dir, tmp_path, family):
+    """transformers' default experts kernel (grouped_mm) has no ONNX form: the export runs the experts through
+    batched matrix products instead, which give the same logits."""
+    pytest.importorskip("onnxruntime")
+    import shutil
+
+    import transformers
+
+    from sparklm.infer.export import LogitsGraph, export, load_onnx
+
+    tokenizer = json.loads((run_dir / "model" / "config.json").read_text())
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=tokenizer["vocab_size"], hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=4, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    hf = tmp_path / "hf"
+    model.save_pretrained(str(hf))
+    for f in (run_dir / "model").glob("tokenizer*"):
+        shutil.copy(f, hf / f.name)
+    info = export(str(hf), str(tmp_path / "onnx"))
+    ids = torch.tensor([[1, 5, 9, 200, 17, 3], [2, 2, 7, 8, 9, 10]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        ref = LogitsGraph(model)(ids, mask)
+    got = load_onnx(info["path"]).model(input_ids=ids, attention_mask=mask).logits
+    assert (got - ref)[mask.bool()].abs().max() <= 1e-4
+
+
 # -- the CLI ---------------------------------------------------------------------------------------
 
 

@@ -70,6 +70,14 @@ def export(model: str, output: str, *, quantize: str = "none", overwrite: bool =
     return {**info, "path": str(out), "bytes": (out / ONNX_FILE).stat().st_size}
 
 
+def _traceable_experts(model: torch.nn.Module) -> None:
+    """A mixture of experts (Mixtral, Qwen-MoE, ...) with its experts as batched matrix products: transformers'
+    default kernel (grouped_mm) has no ONNX form; the batched one gives the same logits and exports."""
+    setter = getattr(model, "set_experts_implementation", None)  # transformers 5; a dense model only notes it
+    if callable(setter):
+        setter("batched_mm")
+
+
 MARKER = "sparklm_export.json"  # what an export of ours holds: --overwrite replaces nothing else
 
 
@@ -81,6 +89,7 @@ def _write_graph(graph: torch.nn.Module, tmp: Path, output: str, context: int, q
     mask = torch.ones((2, 8), dtype=torch.long)
     fp32 = tmp / ("model-fp32.onnx" if quantize != "none" else ONNX_FILE)
     batch, seq = torch.export.Dim("batch", min=1), torch.export.Dim("sequence", min=1, max=context)
+    _traceable_experts(getattr(graph, "model", graph))
     with torch.no_grad(), _quiet_toolchain():
         torch.onnx.export(graph, (ids, mask), str(fp32), input_names=["input_ids", "attention_mask"],
                           output_names=[output], dynamo=True, external_data=False,
