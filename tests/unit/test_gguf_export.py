@@ -1,4 +1,4 @@
-"""GGUF export: a tiny Llama/Qwen3 written by sparklm and read back by transformers' own GGUF reader (through
+"""GGUF export: a tiny Llama/Qwen2/Qwen3 written by sparklm and read back by transformers' own GGUF reader (through
 sparklm's import) gives the same logits and the same tokens; quantized files keep their blocks; what llama.cpp
 would read differently is refused with one line."""
 
@@ -181,6 +181,80 @@ def test_smollm_pre_tokenizer_is_named():
     assert gguf_export.pre_tokenizer_name(_tokenizer()) == "gpt-2"
 
 
+# The regexes Llama 3's and Qwen2's tokenizer.json split text with before their byte-level BPE (Qwen2 takes digits
+# one at a time, Llama 3 up to three); both then map bytes without a regex of their own.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
+
+def _split_then_bytes(pattern: str):
+    from tokenizers import Regex
+    from tokenizers import pre_tokenizers as pt
+
+    return pt.Sequence([pt.Split(Regex(pattern), behavior="isolated"),
+                        pt.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def _qwen2_dir(path):
+    """A tiny random Qwen2 (its query, key and value biases random too) with a Qwen2-style tokenizer: NFC, its split,
+    byte-level BPE."""
+    from tokenizers import normalizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    tok = _tokenizer(_split_then_bytes(QWEN2_SPLIT))
+    tok.normalizer = normalizers.NFC()
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=-(-tok.get_vocab_size() // 64) * 64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6,
+        rope_theta=50000.0, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=1)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    model.save_pretrained(str(path))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>").save_pretrained(
+        str(path))
+    return model, tok
+
+
+def test_llama3_and_qwen2_pre_tokenizers_are_named():
+    assert gguf_export.pre_tokenizer_name(_tokenizer(_split_then_bytes(LLAMA3_SPLIT))) == "llama-bpe"
+    assert gguf_export.pre_tokenizer_name(_tokenizer(_split_then_bytes(QWEN2_SPLIT))) == "qwen2"
+
+
+def test_a_qwen2_runs_in_llama_cpp_and_imports_back_as_torch_computes_it(tmp_path):
+    """A fine-tuned Qwen2 / Qwen2.5 (or a Qwen3 on Qwen's tokenizer: NFC, its own split) exports to GGUF: llama.cpp
+    reads it with the same tokens and logits as torch, and transformers' GGUF reader imports it back."""
+    pytest.importorskip("llama_cpp")
+    from transformers import AutoModelForCausalLM
+
+    from sparklm.infer.llamacpp import LlamaCppModel
+
+    original, tok = _qwen2_dir(tmp_path / "m")
+    info = gguf_export.export_gguf(str(tmp_path / "m"), str(tmp_path / "out"))
+    assert info["arch"] == "qwen2" and info["pre_tokenizer"] == "qwen2"
+    path = tmp_path / "out" / gguf_export.GGUF_FILE
+    assert "blk.0.attn_q.bias" in _read(tmp_path / "out") and "output.weight" not in _read(tmp_path / "out")
+
+    llama = LlamaCppModel(path, context=64, threads=1, max_batch=1)
+    api, vocab = llama.api, llama.api.llama_model_get_vocab(llama.res["model"])
+    for text in TEXTS:
+        raw = text.encode()
+        out = (api.llama_token * 256)()
+        n = api.llama_tokenize(vocab, raw, len(raw), out, 256, False, False)
+        assert list(out[:n]) == tok.encode(text).ids, text
+    ids = np.array([tok.encode(TEXTS[1]).ids])
+    got = llama.start(ids, np.ones_like(ids), 1)[0]
+    want = _logits(original, ids[0].tolist())[-1].numpy()
+    assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
+
+    gguf_import.convert(str(path), str(tmp_path / "back"))
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), local_files_only=True).eval()
+    assert type(back).__name__ == "Qwen2ForCausalLM"
+    assert torch.allclose(_logits(back, ids[0].tolist()), _logits(original, ids[0].tolist()), atol=1e-5)
+
+
 def _one_line(e: pytest.ExceptionInfo) -> str:
     line = e.value.one_line()
     assert "\n" not in line and "Traceback" not in line
@@ -200,7 +274,7 @@ def test_refuses_what_llama_cpp_reads_otherwise(tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=_tokenizer()).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(SparklmError) as e:
         gguf_export.export_gguf(str(tmp_path / "gpt2"), str(tmp_path / "o2"))
-    assert "Llama and Qwen3" in _one_line(e) and "GPT2LMHeadModel" in _one_line(e)
+    assert "Llama, Qwen2 and Qwen3" in _one_line(e) and "GPT2LMHeadModel" in _one_line(e)
 
     _model_dir(tmp_path / "m")
     with pytest.raises(SparklmError) as e:

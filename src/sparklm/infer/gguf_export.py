@@ -28,7 +28,8 @@ _TYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"), "bf16": ("BF1
           "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
           "q4_0": ("Q4_0", "MOSTLY_Q4_0"), "q4_1": ("Q4_1", "MOSTLY_Q4_1")}
 QUANTS = tuple(_TYPES)
-ARCHS = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_BIASED = {"qwen2": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")}  # the biases each arch reads
 # A probe that tells pre-tokenizers apart: contractions, digits, runs of spaces, punctuation, letters beyond ASCII.
 _PROBE = "Hello world!  It's 2026: 3.14159 apples,\n\n  don't   you'll café Ωmega\t123456 x=y+1 ...?"
 
@@ -88,8 +89,9 @@ def checked_arch(cfg) -> str:
     llama.cpp would read otherwise."""
     names = [a for a in (cfg.architectures or []) if a in ARCHS]
     if not names:
-        raise SparklmError(f"--format gguf writes Llama and Qwen3 models; this one is {cfg.architectures}",
-                           hint="export it with --format onnx, or train with model.arch = \"llama\"")
+        raise SparklmError(f"--format gguf writes Llama, Qwen2 and Qwen3 models; this one is {cfg.architectures}",
+                           hint="export it with --format onnx (any model); llama.cpp reads models trained with "
+                           "model.arch = \"llama\" (the default) or fine-tuned from a Llama or Qwen")
     rope = getattr(cfg, "rope_scaling", None) or {}
     kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if kind not in ("default", None):
@@ -97,6 +99,8 @@ def checked_arch(cfg) -> str:
                            hint="export with --format onnx, or a model without rope_scaling")
     if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
         raise SparklmError("--format gguf: attention or MLP biases are not exported", hint="export with --format onnx")
+    if getattr(cfg, "use_sliding_window", False):
+        raise SparklmError("--format gguf: a sliding attention window is not exported", hint="export with --format onnx")
     return ARCHS[names[0]]
 
 
@@ -114,7 +118,8 @@ def head_dim(cfg) -> int:
 
 def gguf_tensors(state: dict[str, np.ndarray], cfg, arch: str) -> dict[str, np.ndarray]:
     """An HF state dict (float32) as llama.cpp's tensors: its names, the query and key rows reordered for its RoPE
-    (llama), the output layer only where it is not the embedding. Pure."""
+    (llama), the output layer only where it is not the embedding, the biases the arch has (Qwen2's query, key and
+    value). Pure."""
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
@@ -132,11 +137,13 @@ def gguf_tensors(state: dict[str, np.ndarray], cfg, arch: str) -> dict[str, np.n
             continue
         parts = name.split(".")  # model.layers.N.<module>.<...>.weight
         module = ".".join(parts[3:-1])
-        if parts[:2] != ["model", "layers"] or module not in layer or parts[-1] != "weight":
+        kind = parts[-1]
+        if parts[:2] != ["model", "layers"] or module not in layer or (
+                kind != "weight" and not (kind == "bias" and module in _BIASED.get(arch, ()))):
             raise SparklmError(f"--format gguf: no llama.cpp tensor for {name}", hint="export with --format onnx")
         if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
             array = interleave_rope(array, heads if module == "self_attn.q_proj" else kv)
-        out[f"blk.{parts[2]}.{layer[module]}.weight"] = array
+        out[f"blk.{parts[2]}.{layer[module]}.{kind}"] = array
     return out
 
 
@@ -195,7 +202,9 @@ def vocabulary(tokenizer, rows: int) -> dict:
         raise SparklmError("--format gguf exports byte-level BPE tokenizers; this one is "
                            f"{model.get('type')} with a {(spec.get('decoder') or {}).get('type')} decoder",
                            hint="export with --format onnx")
-    if spec.get("normalizer"):
+    # NFC (Qwen's) is let through, as llama.cpp's own converter does: llama.cpp does not normalize, which changes
+    # nothing for text already composed (nearly all text)
+    if spec.get("normalizer") and spec["normalizer"].get("type") != "NFC":
         raise SparklmError(f"--format gguf: the tokenizer's normalizer ({spec['normalizer'].get('type')}) has no "
                            "llama.cpp counterpart", hint="export with --format onnx")
     pre = pre_tokenizer_name(tokenizer.backend_tokenizer)
@@ -224,6 +233,8 @@ def pre_tokenizer_name(backend) -> str:
     candidates = {
         "gpt-2": pt.ByteLevel(add_prefix_space=False, use_regex=True),  # sparklm's own tokenizers
         "smollm": pt.Sequence([pt.Digits(individual_digits=True), pt.ByteLevel(add_prefix_space=False)]),
+        "llama-bpe": _split_then_bytes(_LLAMA3_SPLIT),  # Llama 3's
+        "qwen2": _split_then_bytes(_LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")),  # Qwen2's, Qwen2.5's, Qwen3's
     }
     ours = backend.pre_tokenizer
     if ours is None:
@@ -234,6 +245,19 @@ def pre_tokenizer_name(backend) -> str:
             return name
     raise SparklmError("--format gguf: the tokenizer splits text in a way llama.cpp has no name for "
                        f"(known: {', '.join(candidates)})", hint="export with --format onnx")
+
+
+# Llama 3's split before its byte-level BPE, as its tokenizer.json has it (Qwen's takes digits one at a time)
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _split_then_bytes(pattern: str):
+    from tokenizers import Regex
+    from tokenizers import pre_tokenizers as pt
+
+    return pt.Sequence([pt.Split(Regex(pattern), behavior="isolated"),
+                        pt.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 def _tokenizer(w, lm, tokens: dict) -> None:
