@@ -283,6 +283,52 @@ def test_a_damaged_config_json_is_one_line_in_export_and_tokenizer_loading(run_d
             tokenizer.load(str(model))
 
 
+def test_a_model_that_brings_its_own_code_is_refused_without_a_prompt(spark, run_dir, tmp_path):
+    """A model type transformers does not ship, whose config.json maps the Auto classes to Python files beside it
+    (auto_map): transformers asked "Do you wish to run the custom code? [y/N]" on the terminal (a command waits on
+    it; "y" would run the file). sparklm never runs a model's own code: one line, before anything loads."""
+    model = tmp_path / "custom"
+    model.mkdir()
+    for f in (run_dir / "model").iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+    config = json.loads((model / "config.json").read_text())
+    config.update(model_type="mycustom", architectures=["MyCustomForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_my.MyConfig", "AutoModelForCausalLM": "modeling_my.MyModel"})
+    (model / "config.json").write_text(json.dumps(config))
+    ran = tmp_path / "ran"
+    for name in ("configuration_my.py", "modeling_my.py"):
+        (model / name).write_text(f"open({str(ran)!r}, 'w').write('the model code ran')\n")
+    from sparklm.config import from_dict
+    from sparklm.launch.prepare import prepare
+
+    (tmp_path / "text.txt").write_text(make_text(40))
+    data = tmp_path / "data"
+    prepare([str(tmp_path / "text.txt")], output=str(data), spark=spark, config=from_dict(
+        {"data": {"seq_len": 16}, "tokenizer": {"path": str(run_dir / "model")}}))
+    for args in (["generate", str(model), "--prompt", "Hi"], ["export", str(model), "-o", str(tmp_path / "o")],
+                 ["eval", str(model), "--input", str(model / "config.json")],
+                 ["train", "--data", str(data), "-o", str(tmp_path / "run"), "--init-from", str(model)]):
+        out = subprocess.run([sys.executable, "-m", "sparklm", *args], capture_output=True, text=True, input="y\n",
+                             timeout=300)
+        assert out.returncode == 2 and "[y/N]" not in out.stdout + out.stderr, (args, out.stderr)
+        assert "brings its own Python code" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    # a tokenizer of its own code (tokenizer_config.json's auto_map), as `prepare --tokenizer` loads it
+    from sparklm.data import tokenizer
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_bytes((run_dir / "model" / "tokenizer.json").read_bytes())
+    (tok / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "MyTok",
+                                                           "auto_map": {"AutoTokenizer": ["tok_my.MyTok", None]}}))
+    (tok / "tok_my.py").write_text(f"open({str(ran)!r}, 'w').write('the tokenizer code ran')\n")
+    out = subprocess.run([sys.executable, "-c", f"from sparklm.data import tokenizer; tokenizer.load({str(tok)!r})"],
+                         capture_output=True, text=True, input="y\n", timeout=300)
+    assert "[y/N]" not in out.stdout + out.stderr and "brings its own Python code (tok_my.py)" in out.stderr
+    with pytest.raises(SparklmError, match="brings its own Python code"):
+        tokenizer.load(str(tok))
+    assert not ran.exists()
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_batching(run_dir):
     from sparklm.infer.generate import generate, load
 

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from ..config import TokenizerConfig
 from ..infra.errors import SparklmError
-from ..infra.fs import read_config_json
+from ..infra.fs import own_code_files, read_config_json
 
 _EOS_NAMES = ("<|eos|>", "<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 _BOS_NAMES = ("<|bos|>", "<s>", "<bos>", "<|begin_of_text|>", "[CLS]")
@@ -113,13 +113,28 @@ def hf_tokenizer(directory: Path, name: str | None = None):
                            "or vocab.txt)", hint="save the model's tokenizer beside it: tokenizer.save_pretrained(DIR)")
     from transformers import AutoTokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    try:  # never a tokenizer's own code (transformers would ask on the terminal whether to run it)
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
     except Exception as e:
         if (directory / "config.json").is_file():  # a damaged config.json is named, not the tokenizer files
             read_config_json(str(directory))
+        files = own_code_files(_settings(directory))
+        if files:
+            raise SparklmError(f"the tokenizer in {name or directory} brings its own Python code ({', '.join(files)});"
+                               " sparklm does not run a tokenizer's code",
+                               hint="save it as a fast tokenizer (tokenizer.json) whose tokenizer_config.json has no "
+                                    "auto_map") from None
         raise SparklmError(f"cannot load the tokenizer in {name or directory}: {' '.join(str(e).split())[:200]}",
                            hint="save the model's tokenizer beside it: tokenizer.save_pretrained(DIR)") from None
+
+
+def _settings(directory: Path) -> dict:
+    """``tokenizer_config.json`` as a dict; empty where it is missing or not a JSON object."""
+    try:
+        value = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def check_found(path: str) -> None:

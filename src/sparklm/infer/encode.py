@@ -61,13 +61,13 @@ def load_encoder(path: str, *, classify: bool, threads: int = 0, storage: Storag
     check_model_dir(directory, path)
     verify_checksums(directory)
     tokenizer = hf_tokenizer(directory, path)
-    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
     if classify:  # from_pretrained would add a randomly initialised head and answer at random
         require_head(path, config.architectures)
     cls = AutoModelForSequenceClassification if classify else AutoModel
     try:
-        model = cls.from_pretrained(str(directory), local_files_only=True, use_safetensors=True,
-                                    dtype=torch.float32).eval()
+        model = cls.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False,
+                                    use_safetensors=True, dtype=torch.float32).eval()
     except Exception as e:
         raise SparklmError(f"cannot load {path} as a {'text classifier' if classify else 'text encoder'}: "
                            f"{' '.join(str(e).split())[:200]}") from None

@@ -259,7 +259,7 @@ def load_onnx(path: str, *, threads: int = 0):
     if info.get("task", "text-generation") != "text-generation":
         raise SparklmError(f"{path} is an export of an encoder ({info['task']}), which does not generate text",
                            hint="run it with onnxruntime: its inputs are input_ids and attention_mask")
-    tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
     return LoadedModel(OnnxModel(directory / ONNX_FILE, threads), tok, str(directory), int(info["context"]),
                        bool(info["add_bos"]))
 

@@ -141,7 +141,7 @@ def cached_export(path: str, directory: Path, quant: str, storage: StorageConfig
         from ..infra import progress
 
         try:
-            cfg = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+            cfg = AutoConfig.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
         except Exception as e:
             raise SparklmError(f"cannot load the model in {path}: {' '.join(str(e).split())[:200]}") from None
         try:  # from the config, before the model loads; export's own hint (--format onnx) is not a `generate` user's

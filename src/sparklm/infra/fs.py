@@ -407,6 +407,19 @@ def read_config_json(directory: str, storage: StorageConfig | None = None) -> di
     return value
 
 
+def own_code_files(config: dict) -> list[str]:
+    """The Python files a model's or tokenizer's config (``config.json``, ``tokenizer_config.json``) maps
+    transformers' Auto classes to (``auto_map``: "file.Class", "repo--file.Class", or pairs for tokenizers). Pure."""
+    def refs(value) -> list[str]:
+        if isinstance(value, dict):
+            return [x for v in value.values() for x in refs(v)]
+        if isinstance(value, (list, tuple)):
+            return [x for v in value for x in refs(v)]
+        return [value.split("--")[-1]] if isinstance(value, str) else []
+
+    return sorted({ref.split(".")[0] + ".py" for ref in refs(config.get("auto_map") or {})})
+
+
 def write_checksums(directory: Path) -> None:
     """``sparklm_checksums.json``: the SHA-256 of every file in a local directory (written last, before publishing)."""
     import json

@@ -60,8 +60,8 @@ def load_model(directory: str, *, dtype: torch.dtype | None = None, storage: Sto
     check_model_dir(path, directory)
     verify_checksums(path)  # a sparklm model/ records its files' SHA-256
     try:  # transformers picks SDPA where the architecture has it, and its eager attention otherwise (Gemma 2)
-        return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, use_safetensors=True,
-                                                    dtype=dtype or torch.float32)
+        return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, trust_remote_code=False,
+                                                    use_safetensors=True, dtype=dtype or torch.float32)
     except Exception as e:
         raise SparklmError(f"cannot load the model in {directory}: {' '.join(str(e).split())[:200]}") from None
 
@@ -108,6 +108,26 @@ def check_model_dir(path: Path, name: str) -> None:
         why = f" (only {', '.join(pickled)}: sparklm never unpickles weights)" if pickled else ""
         raise SparklmError(f"{name} has no safetensors weights{why}",
                            hint="save the model with save_pretrained(..., safe_serialization=True)")
+    refuse_own_code(path, name)
+
+
+def refuse_own_code(path: Path, name: str) -> None:
+    """One line for a model whose type transformers does not ship and whose config maps the Auto classes to Python
+    files of its own (``auto_map``): transformers would ask on the terminal whether to run them. sparklm never runs
+    a model's code (as it never unpickles its weights). A type transformers ships loads with its own classes."""
+    from ..infra.fs import own_code_files, read_config_json
+
+    config = read_config_json(str(path))
+    files = own_code_files(config)
+    if not files:
+        return
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if config.get("model_type") not in CONFIG_MAPPING_NAMES:
+        raise SparklmError(f"{name} is a {config.get('model_type')!r} model that brings its own Python code "
+                           f"({', '.join(files)}); sparklm does not run a model's code",
+                           hint="use a model type transformers ships (its Auto classes list them), or convert the "
+                                "weights to one")
 
 
 def param_count(model: torch.nn.Module, *, non_embedding: bool = False) -> int:

@@ -73,9 +73,9 @@ def load_pretrained(config: Config, auto_class, what: str, **overrides) -> torch
     check_model_dir(path, name)
     verify_checksums(path)
     try:
-        hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True, **overrides)
-        return auto_class.from_pretrained(str(path), config=hf_config, local_files_only=True, use_safetensors=True,
-                                          dtype=torch.float32, ignore_mismatched_sizes=True)
+        hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False, **overrides)
+        return auto_class.from_pretrained(str(path), config=hf_config, local_files_only=True, trust_remote_code=False,
+                                          use_safetensors=True, dtype=torch.float32, ignore_mismatched_sizes=True)
     except Exception as e:
         raise SparklmError(f"cannot load {name} as {what}: {' '.join(str(e).split())[:200]}",
                            hint="pass a model whose architecture has that head (transformers' Auto classes list them)"

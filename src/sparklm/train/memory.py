@@ -188,8 +188,9 @@ def model_shapes(config, spec, context: int) -> Shapes:
     extra = task.hf_config(config) if task.hf_config is not None else {}
     try:  # float32: a bfloat16 base's bytes are counted by plan_for, which knows the dtype training computes in
         with torch.device("meta"):
-            model = auto.from_config(transformers.AutoConfig.from_pretrained(str(path), local_files_only=True,
-                                                                             **extra), dtype=torch.float32)
+            hf_config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True,
+                                                                trust_remote_code=False, **extra)
+            model = auto.from_config(hf_config, dtype=torch.float32)
     except Exception as e:
         raise SparklmError(f"cannot read the model config in {name}: {' '.join(str(e).split())[:200]}") from None
     if config.lora.r:
