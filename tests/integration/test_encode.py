@@ -127,6 +127,38 @@ def test_an_encoder_exports_to_onnx_and_answers_as_torch(bert, tmp_path, quantiz
             assert (p - q).abs().max() < (1e-5 if quantize == "none" else 0.02)
 
 
+def test_an_encoder_decoder_embeds_and_exports_through_its_encoder(bert, tmp_path):
+    """A T5 (or BART) given to --embed or export: its whole model wants decoder inputs too (a ValueError in every
+    task, a torch.export traceback); its encoder embeds, as sentence-T5 does."""
+    import onnxruntime as ort
+    from transformers import AutoTokenizer, T5Config, T5EncoderModel, T5Model
+
+    from sparklm.infer.encode import embed_texts, load_encoder
+    from sparklm.infer.export import export
+
+    tok = AutoTokenizer.from_pretrained(bert)
+    torch.manual_seed(0)
+    T5Model(T5Config(vocab_size=len(tok), d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16,
+                     pad_token_id=tok.pad_token_id)).save_pretrained(str(tmp_path / "t5"))
+    tok.save_pretrained(str(tmp_path / "t5"))
+    lines = [t for t in texts() if t and t.strip()][:5]
+    got, _ = embed_texts(load_encoder(str(tmp_path / "t5"), classify=False), lines, batch_size=2)
+    encoder = T5EncoderModel.from_pretrained(str(tmp_path / "t5")).eval()
+    batch = tok(lines, padding=True, truncation=True, max_length=48, return_tensors="pt")
+    with torch.no_grad():
+        hidden = encoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    assert np.allclose(got, ((hidden * mask).sum(1) / mask.sum(1)).numpy(), atol=1e-5)
+
+    info = export(str(tmp_path / "t5"), str(tmp_path / "onnx"))
+    assert info["outputs"] == ["last_hidden_state"]
+    feed = {"input_ids": batch["input_ids"].numpy(), "attention_mask": batch["attention_mask"].numpy()}
+    out = ort.InferenceSession(str(tmp_path / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"]).run(
+        None, feed)[0]
+    keep = feed["attention_mask"].astype(bool)
+    assert np.abs(out[keep] - hidden.numpy()[keep]).max() < 1e-4
+
+
 def test_predict_scores_a_csv_into_parquet_with_its_columns_and_replaces_only_its_own(bert, tmp_path):
     """`sparklm predict` as a user runs it: a CSV with a header (quoted commas and newlines in the text), the labels
     and scores equal classify_dataframe's, embeddings with --embed; mistakes are one line with nothing written."""

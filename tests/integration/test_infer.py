@@ -329,6 +329,31 @@ def test_a_model_that_brings_its_own_code_is_refused_without_a_prompt(spark, run
     assert not ran.exists()
 
 
+def test_a_model_that_is_not_a_causal_lm_is_one_line(spark, run_dir, tmp_path):
+    """A T5 given to generate or to train --init-from: transformers' "Unrecognized configuration class ... Model
+    type should be one of" and a list cut at 200 characters; it says what the model is and what takes it."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from sparklm.config import from_dict
+    from sparklm.launch.prepare import prepare
+
+    model = tmp_path / "t5"
+    vocab = json.loads((run_dir / "model" / "config.json").read_text())["vocab_size"]
+    T5ForConditionalGeneration(T5Config(vocab_size=vocab, d_model=32, d_ff=64, num_layers=1, num_heads=2,
+                                        d_kv=16)).save_pretrained(str(model))
+    for f in (run_dir / "model").glob("tokenizer*"):
+        (model / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "text.txt").write_text(make_text(40))
+    prepare([str(tmp_path / "text.txt")], output=str(tmp_path / "data"), spark=spark, config=from_dict(
+        {"data": {"seq_len": 16}, "tokenizer": {"path": str(model)}}))
+    for args in (["generate", str(model), "--prompt", "Hi"],
+                 ["train", "--data", str(tmp_path / "data"), "-o", str(tmp_path / "run"), "--init-from", str(model)]):
+        out = run_sparklm(*args)
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert "is a 't5' model (T5ForConditionalGeneration), not a causal LM" in out.stderr, out.stderr
+        assert "predict --embed" in out.stderr
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_batching(run_dir):
     from sparklm.infer.generate import generate, load
 

@@ -71,6 +71,8 @@ def load_encoder(path: str, *, classify: bool, threads: int = 0, storage: Storag
     except Exception as e:
         raise SparklmError(f"cannot load {path} as a {'text classifier' if classify else 'text encoder'}: "
                            f"{' '.join(str(e).split())[:200]}") from None
+    if not classify and getattr(model.config, "is_encoder_decoder", False):
+        model = model.get_encoder()  # T5, BART: the whole model wants decoder inputs; its encoder embeds (sentence-T5)
     if (where := inference_device(device)) != "cpu":
         model = model.to(where)
     if tokenizer.pad_token_id is None:  # decoders often have none: batches pad with end-of-text, masked out

@@ -58,6 +58,7 @@ def load_model(directory: str, *, dtype: torch.dtype | None = None, storage: Sto
 
         return load_adapter(path, lambda base: load_model(base, dtype=dtype, storage=storage))
     check_model_dir(path, directory)
+    check_causal(path, directory)
     verify_checksums(path)  # a sparklm model/ records its files' SHA-256
     try:  # transformers picks SDPA where the architecture has it, and its eager attention otherwise (Gemma 2)
         return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, trust_remote_code=False,
@@ -109,6 +110,24 @@ def check_model_dir(path: Path, name: str) -> None:
         raise SparklmError(f"{name} has no safetensors weights{why}",
                            hint="save the model with save_pretrained(..., safe_serialization=True)")
     refuse_own_code(path, name)
+
+
+def check_causal(path: Path, name: str) -> None:
+    """One line for a model of a type transformers ships with no causal-LM class (an encoder, T5), where
+    AutoModelForCausalLM's own error lists every type it knows, cut short."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from ..infra.fs import read_config_json
+
+    config = read_config_json(str(path))
+    kind = config.get("model_type")
+    if kind in CONFIG_MAPPING_NAMES and kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        what = ", ".join(config.get("architectures") or []) or kind
+        raise SparklmError(f"{name} is a {kind!r} model ({what}), not a causal LM",
+                           hint="generate and train --task causal-lm take decoder-only models (Llama, Qwen, GPT-2, "
+                                "...); an encoder embeds with `predict --embed` or trains with --task classify, "
+                                "regress or mlm")
 
 
 def refuse_own_code(path: Path, name: str) -> None:
