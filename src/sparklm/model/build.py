@@ -123,11 +123,13 @@ def check_causal(path: Path, name: str) -> None:
     config = read_config_json(str(path))
     kind = config.get("model_type")
     if kind in CONFIG_MAPPING_NAMES and kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        from ..tasks import NAMES
+
         what = ", ".join(config.get("architectures") or []) or kind
+        others = ", ".join(n for n in NAMES if n != "causal-lm")
         raise SparklmError(f"{name} is a {kind!r} model ({what}), not a causal LM",
                            hint="generate and train --task causal-lm take decoder-only models (Llama, Qwen, GPT-2, "
-                                "...); an encoder embeds with `predict --embed` or trains with --task classify, "
-                                "regress or mlm")
+                                f"...); an encoder embeds with `predict --embed` or trains with --task {others}")
 
 
 def refuse_own_code(path: Path, name: str) -> None:
