@@ -91,7 +91,7 @@ _FIXED_PADDING = {"mpnet": 1}
 
 def positions(hf_config: dict) -> int | None:
     """How many tokens a row may hold for the model of ``hf_config`` (config.json as a dict); None: no limit known."""
-    n = hf_config.get("max_position_embeddings", hf_config.get("n_positions"))
+    n = hf_config.get("max_position_embeddings") or hf_config.get("n_positions")  # GPT-2 names it n_positions
     if not isinstance(n, int):
         return None
     kind = hf_config.get("model_type")
