@@ -354,6 +354,46 @@ def test_a_model_that_is_not_a_causal_lm_is_one_line(spark, run_dir, tmp_path):
         assert "predict --embed" in out.stderr
 
 
+@pytest.mark.parametrize("kind", ["metaspace", "wordpiece"])
+def test_the_continuation_reads_on_from_the_prompt_whatever_the_tokenizer(tmp_path, kind):
+    """SentencePiece-style tokenizers (Llama 2, Mistral, Gemma: a leading "▁" per word) drop the first token's space
+    when the new tokens are decoded alone, and WordPiece keeps a "##" there: "the king" + "was" printed "the kingwas".
+    The continuation is the prompt and its new tokens decoded together, less the prompt, as HF's text-generation
+    pipeline returns it; streamed pieces add up to it."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from sparklm.infer.generate import generate, load
+
+    if kind == "metaspace":
+        tok = Tokenizer(models.Unigram())
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+        trainer = trainers.UnigramTrainer(vocab_size=200, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>",
+                                          show_progress=False)
+    else:
+        tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
+        tok.normalizer, tok.pre_tokenizer = normalizers.BertNormalizer(), pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece()
+        trainer = trainers.WordPieceTrainer(vocab_size=200, special_tokens=["<pad>", "</s>", "<unk>"],
+                                            show_progress=False)
+    tok.train_from_iterator(make_text(100).splitlines(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, max_position_embeddings=64, eos_token_id=1,
+                                 pad_token_id=0)).save_pretrained(str(tmp_path / "m"))
+    fast.save_pretrained(str(tmp_path / "m"))
+    lm = load(str(tmp_path / "m"))
+    prompts = ["the king", "and so it was"]
+    streamed = {0: "", 1: ""}
+    out = generate(lm, prompts, sampling=Sampling(temperature=1.0, max_new_tokens=12, min_new_tokens=12, seed=1),
+                   on_text=lambda i, piece: streamed.__setitem__(i, streamed[i] + piece))
+    for i, (prompt, g) in enumerate(zip(prompts, out)):
+        ids = lm.tokenizer(prompt)["input_ids"] + g.token_ids
+        assert prompt + g.text == lm.tokenizer.decode(ids, skip_special_tokens=True), (prompt, g.text)
+        assert streamed[i] == g.text
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_batching(run_dir):
     from sparklm.infer.generate import generate, load
 

@@ -197,9 +197,24 @@ def generate(lm: LoadedModel, prompts: list[str], *, sampling: Sampling = Sampli
         stream = (lambda i, piece, where=picked: on_text(where[i], piece)) if on_text else None
         ids, tops = _generate_batch(lm, [r[3] for r in batch], sampling, gens, show_top, stream)
         for i, (key, s, prompt, prompt_ids, truncated), new, top in zip(picked, batch, ids, tops):
-            text = lm.tokenizer.decode(new, skip_special_tokens=True)
+            text = continuation(lm.tokenizer, prompt_ids, new)
             out[i] = Generation(key, s, prompt, text, new, len(prompt_ids), truncated, top)
     return out
+
+
+# prompt tokens decoded with the new ones: enough to give the first new token its joining (a word's space)
+_LEAD = 8
+
+
+def continuation(tok, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """The text of ``new_ids`` as it reads on from the prompt: the prompt's last tokens and the new ones decoded
+    together, less the prompt's part (HF's text-generation pipeline does the same with the whole prompt). Decoded
+    alone, a SentencePiece-style token (Llama 2, Mistral, Gemma) loses its leading space and a WordPiece one keeps
+    its "##"."""
+    lead = list(prompt_ids[-_LEAD:])
+    before = tok.decode(lead, skip_special_tokens=True)
+    text = tok.decode(lead + list(new_ids), skip_special_tokens=True)
+    return text[len(before):] if text.startswith(before) else tok.decode(list(new_ids), skip_special_tokens=True)
 
 
 def bucketed(rows: list[tuple], batch_size: int) -> list[int]:
@@ -269,7 +284,7 @@ def _generate_batch(lm: LoadedModel, prompts: list[list[int]], sampling: Samplin
             if show_top:
                 tops[i].append([(tok.decode([int(j)]), float(probs[i, j])) for j in top_ids[i]])
             if stream:
-                text = tok.decode(new[i], skip_special_tokens=True)
+                text = continuation(tok, prompts[i], new[i])
                 if len(text) > len(texts[i]) and not text.endswith("\ufffd"):  # whole characters only
                     stream(i, text[len(texts[i]):])
                     texts[i] = text
