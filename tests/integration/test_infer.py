@@ -326,6 +326,9 @@ def test_a_model_that_brings_its_own_code_is_refused_without_a_prompt(spark, run
     assert "[y/N]" not in out.stdout + out.stderr and "brings its own Python code (tok_my.py)" in out.stderr
     with pytest.raises(SparklmError, match="brings its own Python code"):
         tokenizer.load(str(tok))
+    out = run_sparklm("prepare", str(tmp_path / "text.txt"), "-o", str(tmp_path / "d2"), "--tokenizer", str(tok))
+    assert out.returncode == 2 and "brings its own Python code (tok_my.py)" in out.stderr, out.stderr
+    assert not spark_started(out.stderr)  # refused before Spark starts and reads the inputs
     assert not ran.exists()
 
 

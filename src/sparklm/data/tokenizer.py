@@ -118,12 +118,7 @@ def hf_tokenizer(directory: Path, name: str | None = None):
     except Exception as e:
         if (directory / "config.json").is_file():  # a damaged config.json is named, not the tokenizer files
             read_config_json(str(directory))
-        files = own_code_files(_settings(directory))
-        if files:
-            raise SparklmError(f"the tokenizer in {name or directory} brings its own Python code ({', '.join(files)});"
-                               " sparklm does not run a tokenizer's code",
-                               hint="save it as a fast tokenizer (tokenizer.json) whose tokenizer_config.json has no "
-                                    "auto_map") from None
+        _refuse_own_code(directory, name)
         raise SparklmError(f"cannot load the tokenizer in {name or directory}: {' '.join(str(e).split())[:200]}",
                            hint="save the model's tokenizer beside it: tokenizer.save_pretrained(DIR)") from None
 
@@ -137,10 +132,29 @@ def _settings(directory: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def _refuse_own_code(directory: Path, name: str | None = None) -> None:
+    """One line for a tokenizer whose class transformers does not ship and whose tokenizer_config.json maps it to a
+    Python file of its own (``auto_map``): transformers would ask on the terminal whether to run it."""
+    settings = _settings(directory)
+    files = own_code_files(settings)
+    if not files:
+        return
+    import transformers  # only on this path: a tokenizer with an auto_map
+
+    if not hasattr(transformers, str(settings.get("tokenizer_class") or "")):
+        raise SparklmError(f"the tokenizer in {name or directory} brings its own Python code ({', '.join(files)}); "
+                           "sparklm does not run a tokenizer's code",
+                           hint="save it as a fast tokenizer (tokenizer.json) whose tokenizer_config.json has no "
+                                "auto_map")
+
+
 def check_found(path: str) -> None:
-    """A tokenizer path that names nothing, refused before any work (load() reads it later)."""
+    """A tokenizer path that names nothing, or a tokenizer of its own code, refused before any work (load() reads
+    it later)."""
     if not Path(path).exists():
         raise SparklmError(f"tokenizer not found: {path}", hint="pass a tokenizer.json file or an HF tokenizer directory")
+    if Path(path).is_dir():
+        _refuse_own_code(Path(path), path)
 
 
 def load(path: str) -> TokenizerSpec:
