@@ -197,7 +197,7 @@ def generate(lm: LoadedModel, prompts: list[str], *, sampling: Sampling = Sampli
         stream = (lambda i, piece, where=picked: on_text(where[i], piece)) if on_text else None
         ids, tops = _generate_batch(lm, [r[3] for r in batch], sampling, gens, show_top, stream)
         for i, (key, s, prompt, prompt_ids, truncated), new, top in zip(picked, batch, ids, tops):
-            text = continuation(lm.tokenizer, prompt_ids, new)
+            text = continuation(lm.tokenizer, lead_of(lm.tokenizer, prompt_ids), new)
             out[i] = Generation(key, s, prompt, text, new, len(prompt_ids), truncated, top)
     return out
 
@@ -206,14 +206,19 @@ def generate(lm: LoadedModel, prompts: list[str], *, sampling: Sampling = Sampli
 _LEAD = 8
 
 
-def continuation(tok, prompt_ids: list[int], new_ids: list[int]) -> str:
-    """The text of ``new_ids`` as it reads on from the prompt: the prompt's last tokens and the new ones decoded
-    together, less the prompt's part (HF's text-generation pipeline does the same with the whole prompt). Decoded
-    alone, a SentencePiece-style token (Llama 2, Mistral, Gemma) loses its leading space and a WordPiece one keeps
-    its "##"."""
-    lead = list(prompt_ids[-_LEAD:])
-    before = tok.decode(lead, skip_special_tokens=True)
-    text = tok.decode(lead + list(new_ids), skip_special_tokens=True)
+def lead_of(tok, prompt_ids: list[int]) -> tuple[list[int], str]:
+    """The prompt's last tokens and their text: what a continuation is decoded after (once per prompt)."""
+    ids = list(prompt_ids[-_LEAD:])
+    return ids, tok.decode(ids, skip_special_tokens=True)
+
+
+def continuation(tok, lead: tuple[list[int], str], new_ids: list[int]) -> str:
+    """The text of ``new_ids`` as it reads on from the prompt: the prompt's last tokens (``lead``) and the new ones
+    decoded together, less the prompt's part (HF's text-generation pipeline does the same with the whole prompt).
+    Decoded alone, a SentencePiece-style token (Llama 2, Mistral, Gemma) loses its leading space and a WordPiece one
+    keeps its "##"."""
+    ids, before = lead
+    text = tok.decode(ids + list(new_ids), skip_special_tokens=True)
     return text[len(before):] if text.startswith(before) else tok.decode(list(new_ids), skip_special_tokens=True)
 
 
@@ -265,6 +270,7 @@ def _generate_batch(lm: LoadedModel, prompts: list[list[int]], sampling: Samplin
     new: list[list[int]] = [[] for _ in range(b)]
     tops: list[list] = [[] for _ in range(b)]
     texts = [""] * b
+    leads = [lead_of(tok, p) for p in prompts] if stream else []
     done = np.zeros(b, dtype=bool)
     for step in range(sampling.max_new_tokens):
         # a copy: the masks below must not write into a backend's buffer, which its next step overwrites (llama.cpp)
@@ -284,7 +290,7 @@ def _generate_batch(lm: LoadedModel, prompts: list[list[int]], sampling: Samplin
             if show_top:
                 tops[i].append([(tok.decode([int(j)]), float(probs[i, j])) for j in top_ids[i]])
             if stream:
-                text = continuation(tok, prompts[i], new[i])
+                text = continuation(tok, leads[i], new[i])
                 if len(text) > len(texts[i]) and not text.endswith("\ufffd"):  # whole characters only
                     stream(i, text[len(texts[i]):])
                     texts[i] = text

@@ -287,9 +287,9 @@ def _check_init_from(config: Config, spec: TokenizerSpec, seq_len: int | None = 
     path = model_source(name, config.storage)  # a .gguf file is converted here, once per host
     if (path / ADAPTER_CONFIG).is_file():  # a LoRA run's model/: its base is checked when it loads
         return
-    check_model_dir(path, name)
+    hf_config = check_model_dir(path, name)
     if not info.pretrained:  # causal-lm
-        check_causal(path, name)
+        check_causal(hf_config, name)
     if (path / "tokenizer.json").is_file() and load(str(path)).sha256 != spec.sha256:
         raise SparklmError(f"the tokenizer of {name} differs from the dataset's",
                            hint=f"prepare the data with --tokenizer {name}")

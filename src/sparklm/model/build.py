@@ -57,8 +57,7 @@ def load_model(directory: str, *, dtype: torch.dtype | None = None, storage: Sto
         from .lora import load_adapter
 
         return load_adapter(path, lambda base: load_model(base, dtype=dtype, storage=storage))
-    check_model_dir(path, directory)
-    check_causal(path, directory)
+    check_causal(check_model_dir(path, directory), directory)
     verify_checksums(path)  # a sparklm model/ records its files' SHA-256
     try:  # transformers picks SDPA where the architecture has it, and its eager attention otherwise (Gemma 2)
         return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, trust_remote_code=False,
@@ -97,8 +96,9 @@ def model_source(directory: str, storage: StorageConfig | None = None) -> Path:
     return path
 
 
-def check_model_dir(path: Path, name: str) -> None:
-    """One line when ``path`` is not a loadable HF model directory: no config.json, or no safetensors weights."""
+def check_model_dir(path: Path, name: str) -> dict:
+    """One line when ``path`` is not a loadable HF model directory: no config.json, no safetensors weights, or a
+    model of its own code; returns its config.json (read once, for the checks that follow)."""
     if not path.exists():
         raise SparklmError(f"model {name} not found", hint="pass an HF model directory, a sparklm run or a .gguf file")
     if not (path / "config.json").is_file():
@@ -109,18 +109,19 @@ def check_model_dir(path: Path, name: str) -> None:
         why = f" (only {', '.join(pickled)}: sparklm never unpickles weights)" if pickled else ""
         raise SparklmError(f"{name} has no safetensors weights{why}",
                            hint="save the model with save_pretrained(..., safe_serialization=True)")
-    refuse_own_code(path, name)
-
-
-def check_causal(path: Path, name: str) -> None:
-    """One line for a model of a type transformers ships with no causal-LM class (an encoder, T5), where
-    AutoModelForCausalLM's own error lists every type it knows, cut short."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     from ..infra.fs import read_config_json
 
     config = read_config_json(str(path))
+    _refuse_own_code(config, name)
+    return config
+
+
+def check_causal(config: dict, name: str) -> None:
+    """One line for a model of a type transformers ships with no causal-LM class (an encoder, T5), where
+    AutoModelForCausalLM's own error lists every type it knows, cut short (``config``: its config.json)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     kind = config.get("model_type")
     if kind in CONFIG_MAPPING_NAMES and kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         from ..tasks import NAMES
@@ -132,13 +133,12 @@ def check_causal(path: Path, name: str) -> None:
                                 f"...); an encoder embeds with `predict --embed` or trains with --task {others}")
 
 
-def refuse_own_code(path: Path, name: str) -> None:
+def _refuse_own_code(config: dict, name: str) -> None:
     """One line for a model whose type transformers does not ship and whose config maps the Auto classes to Python
     files of its own (``auto_map``): transformers would ask on the terminal whether to run them. sparklm never runs
     a model's code (as it never unpickles its weights). A type transformers ships loads with its own classes."""
-    from ..infra.fs import own_code_files, read_config_json
+    from ..infra.fs import own_code_files
 
-    config = read_config_json(str(path))
     files = own_code_files(config)
     if not files:
         return
