@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare", help="raw text → tokenized, packed Parquet (a Spark job, or a Beam pipeline)",
                        description="Read, clean, deduplicate, split, tokenize and pack text into Parquet.")
     p.add_argument("inputs", nargs="*", metavar="INPUT",
-                   help="files, directories or globs (.txt[.gz|.bz2], .jsonl[.gz], .csv, .parquet; local or s3://); "
+                   help="files, directories or globs (.txt[.gz|.bz2|.zst|.xz], .jsonl, .json, .csv, .parquet; local or s3://); "
                         "default: the bundled corpus")
     p.add_argument("--output", "-o", default="prepared", metavar="DIR", help="output directory (default: prepared)")
     p.add_argument("--validation-input", dest="validation_inputs", action="append", default=[], metavar="PATH",

@@ -949,3 +949,20 @@ def test_eval_reads_the_inputs_as_its_flags_say(spark, run_dir, tmp_path):
                             (["--input", str(tmp_path / "body.jsonl"), "--text-field", "body"], 3)):
         assert main(["eval", str(run_dir), *args, "--output", str(tmp_path / "docs.json"), "--overwrite"]) == 0
         assert json.loads((tmp_path / "docs.json").read_text())["documents"] == documents, args
+
+
+def test_eval_names_the_first_record_it_could_not_read(spark, run_dir, tmp_path, capsys):
+    """Tried as a new user would: `eval` of JSONL without `--text-field` said "no tokens to score in the input" and
+    nothing of why; a JSON array file was not read at all."""
+    from sparklm.infer.evaluate import evaluate
+
+    (tmp_path / "body.jsonl").write_text("".join(json.dumps({"body": f"record {i} says hello"}) + "\n" for i in range(3)))
+    with pytest.raises(SparklmError, match=r"no tokens to score in the input \(3 records dropped; the first malformed: "
+                       r".*body\.jsonl line 1 has no field 'text' \(its fields: body\)\)"):
+        evaluate(str(run_dir), [str(tmp_path / "body.jsonl")], spark=spark)
+    (tmp_path / "some.json").write_text(json.dumps([{"text": "the first record says hello"}, {"text": 7},
+                                                    {"text": "the third says hello too"}]))
+    got = evaluate(str(run_dir), [str(tmp_path / "some.json")], spark=spark)
+    assert (got["documents"], got["dropped_records"]) == (2, 1)
+    assert ("dropped 1 record(s) it could not read; the first malformed: "
+            f"{tmp_path / 'some.json'} record 2: field 'text' holds a JSON number, not a string") in capsys.readouterr().err

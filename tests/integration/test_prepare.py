@@ -253,6 +253,27 @@ def test_errors_are_clear(spark, tmp_path, config):
         load_prepared(str(tmp_path / "o"))
 
 
+def test_json_arrays_are_read_and_what_is_dropped_is_named(spark, tmp_path, config, capsys):
+    d = tmp_path / "in"
+    d.mkdir()
+    records = [{"text": f"array record {i}: " + make_text(2, seed=i)} for i in range(6)] + [{"text": ["a list"]}]
+    (d / "a.json").write_text(json.dumps(records, indent=2))  # as json.dump and pandas' to_json write records
+    (d / "b.jsonl").write_text('{"text": "a line of its own"}\n{"body": "no text field"}\n')
+    (d / "c.txt").write_bytes("UTF-16 text without its byte-order mark".encode("utf-16-le"))
+    ds = prepare([str(d)], output=str(tmp_path / "out"), config=config, spark=spark)
+    m = ds.manifest["input"]
+    assert m["dropped"] == {"binary_file": 1, "malformed": 2}
+    assert sum(ds.manifest["splits"][s]["documents"] for s in ("train", "validation")) == 7
+    err = capsys.readouterr().err
+    assert f"skipped 1 file(s) that look binary (NUL bytes in their first 8 kB): {d / 'c.txt'}; text in UTF-16" in err
+    assert f"dropped 2 malformed record(s); the first: {d / 'a.json'} record 7: field 'text' holds a JSON array" in err
+
+    (tmp_path / "fields.jsonl").write_text('{"content": "one", "id": 1}\n{"content": "two", "id": 2}\n')
+    with pytest.raises(SparklmError, match=r"no training documents left after cleaning \(2 malformed; the first "
+                       r"malformed: .*fields\.jsonl line 1 has no field 'text' \(its fields: content, id\)\)"):
+        prepare([str(tmp_path / "fields.jsonl")], output=str(tmp_path / "o"), config=config, spark=spark)
+
+
 def test_text_that_fills_no_sequence_is_refused_for_training_and_counted(spark, tmp_path, config, capsys):
     """Documents whose tokens are fewer than one sequence: prepare fails for the train split (before, it wrote a
     dataset of no rows and `train` failed on it) and warns for validation; their tokens are counted either way."""

@@ -110,3 +110,108 @@ def test_a_five_megabyte_line_is_one_document(tmp_path):
     (tmp_path / "big.txt").write_text(f"short\n{big}\nafter\n")
     docs = _read(tmp_path / "big.txt", "line", 1024 * 1024)
     assert [len(t) for _, t in docs] == [6, len(big) + 1, 6]
+
+
+def _records(path, **kw):
+    """(status, text or record) of every record of one file, read whole."""
+    fmt, comp = sources.detect_format(path.name)
+    unit = sources.ReadUnit(str(path), fmt, comp, size=path.stat().st_size)
+    return [(s, t) for _, s, t, _ in sources._read_unit(unit, DataConfig(**kw), StorageConfig())]
+
+
+def test_a_json_file_that_holds_an_array_of_records_is_read_record_by_record(tmp_path):
+    import json
+
+    long = "word " * 600_000  # 3 MB: an element longer than the reader's block
+    records = [{"text": "one"}, {"text": 2}, {"other": "x"}, {"text": None}, {"text": 'two ] , [ {"text": "x"}'},
+               {"text": long}, {"text": "last"}]
+    want = [("ok", "one"), ("malformed", None), ("malformed", None), ("empty", None), ("ok", records[4]["text"]),
+            ("ok", long), ("ok", "last")]
+    (tmp_path / "pretty.json").write_text(json.dumps(records, indent=2))
+    with gzip.open(tmp_path / "compact.json.gz", "wt") as f:
+        f.write(" \n" + json.dumps(records))
+    (tmp_path / "bom.json").write_bytes("\ufeff[{\"text\": \"één\"}]\n".encode("utf-8"))
+    assert _records(tmp_path / "pretty.json") == want
+    assert _records(tmp_path / "compact.json.gz") == want
+    assert _records(tmp_path / "bom.json") == [("ok", "één")]
+    # cut in byte ranges as the planner cuts a large file: the first range reads the whole array, the others nothing
+    assert _read(tmp_path / "pretty.json", "line", 1 << 20, fmt="jsonl") == \
+        _read(tmp_path / "pretty.json", "line", 10**9, fmt="jsonl")
+    assert len(_read(tmp_path / "pretty.json", "line", 1 << 20, fmt="jsonl")) == len(records)
+    # instruction records, and an array that is empty
+    (tmp_path / "pairs.json").write_text(json.dumps([{"prompt": "p", "response": "r"}]))
+    [(status, record)] = _records(tmp_path / "pairs.json", format="instruction")
+    assert status == "ok" and record.messages == (("user", "p"), ("assistant", "r"))
+    (tmp_path / "none.json").write_text("[ ]")
+    assert _records(tmp_path / "none.json") == []
+
+
+@pytest.mark.parametrize("broken", ['[{"text": "a"}, {"text": "b"', '[{"text": "a"} {"text": "b"}]',
+                                    '[{"text": "a"}] [{"text": "b"}]', '[{"text": "a"}, {text: "b"}]'])
+def test_a_broken_json_array_is_one_line_that_says_where(tmp_path, broken):
+    from sparklm.infra.errors import SparklmError
+
+    (tmp_path / "cut.json").write_text(broken)
+    with pytest.raises(SparklmError, match=r"cannot read .*cut\.json: the JSON array breaks at line 1 column \d+"):
+        _records(tmp_path / "cut.json")
+
+
+def test_xz_compressed_text_and_records_are_read(tmp_path):
+    import lzma
+
+    with lzma.open(tmp_path / "a.txt.xz", "wt") as f:
+        f.write("para one\n\npara two\n")
+    with lzma.open(tmp_path / "b.jsonl.xz", "wt") as f:
+        f.write('{"text": "x one"}\n{"text": "x two"}\n')
+    with lzma.open(tmp_path / "c.csv.xz", "wt") as f:
+        f.write("text\ncsv one\n")
+    assert _records(tmp_path / "a.txt.xz", doc_mode="paragraph") == [("ok", "para one\n"), ("ok", "para two\n")]
+    assert _records(tmp_path / "b.jsonl.xz") == [("ok", "x one"), ("ok", "x two")]
+    assert _records(tmp_path / "c.csv.xz") == [("ok", "csv one")]
+
+
+def test_a_malformed_record_is_named_with_where_it_is_and_why(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n{"content": "x", "id": 1}\n[1, 2]\nnot json\n'
+                                      '{"text": ["a"]}\n{"text": 3}\n')
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
+        f.write('{"text": "fine"}\n{"body": "y"}\n')
+    (tmp_path / "c.json").write_text('[{"text": "fine"},\n {"text": {"a": 1}}]')
+    (tmp_path / "d.csv").write_text("id,text\n1,fine\n2\n")
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "e.parquet")
+
+    def named(name, **kw):
+        data = DataConfig(**kw)
+        fmt, comp = sources.detect_format(name)
+        unit = sources.ReadUnit(str(tmp_path / name), fmt, comp)
+        return [sources.malformed(unit.uri, pos, data, StorageConfig())
+                for pos, status, _, _ in sources._read_unit(unit, data, StorageConfig()) if status == "malformed"]
+
+    a = str(tmp_path / "a.jsonl")
+    assert named("a.jsonl") == [f"{a} line 2 has no field 'text' (its fields: content, id)",
+                                f"{a} line 3 is a JSON array, not an object of fields",
+                                f"{a} line 4 is not JSON (Expecting value at column 1)",
+                                f"{a} line 5: field 'text' holds a JSON array, not a string",
+                                f"{a} line 6: field 'text' holds a JSON number, not a string"]
+    assert named("b.jsonl.gz") == [f"{tmp_path / 'b.jsonl.gz'} line 2 has no field 'text' (its fields: body)"]
+    assert named("c.json") == [f"{tmp_path / 'c.json'} record 2: field 'text' holds a JSON object, not a string"]
+    assert named("d.csv") == [f"{tmp_path / 'd.csv'} row 2 has 1 field, the header 2"]
+    assert named("e.parquet") == [f"{tmp_path / 'e.parquet'} row {i}: column 'text' holds int64, not strings"
+                                  for i in (1, 2)]
+
+
+@pytest.mark.parametrize("encoding, told", [("utf-16", ""), ("utf-32", ""), ("utf-16-le", "UTF-16LE"),
+                                            ("utf-32-be", "utf_32_be")])
+def test_a_utf16_or_utf32_file_cut_in_byte_ranges_is_read_once(tmp_path, encoding, told):
+    paragraphs = [f"paragraph {i} ü\nits second line" for i in range(300)]
+    path = tmp_path / "wide.txt"
+    path.write_bytes("\n\n".join(paragraphs).encode(encoding))
+    size = path.stat().st_size
+    data = DataConfig(doc_mode="paragraph", encoding=told or "utf-8")  # a BOM says it, or data.encoding must
+    docs = []
+    for start in range(0, size, 4096):  # as the planner cuts a file larger than data.split_mb
+        unit = sources.ReadUnit(str(path), "text", "", start, min(start + 4096, size))
+        docs += [t for _, status, t, _ in sources._read_unit(unit, data, StorageConfig())]
+    assert [clean.clean_text(t) for t in docs] == paragraphs

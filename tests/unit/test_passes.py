@@ -57,14 +57,14 @@ def test_reports_gather_into_files_and_counts():
                {"split": "validation", "path": "validation/part-00001-0.parquet", "rows": 0, "tokens": 9,
                 "dropped_tokens": 9},
                {"split": "train", "path": "train/part-00000-7.parquet", "rows": 5, "tokens": 170, "dropped_tokens": 10},
-               {"split": "", "counts": [("a.txt", "ok", "train", True, 3, 30, 0)]}]
+               {"split": "", "counts": [("a.txt", "ok", "train", True, 3, 30, 0, 12)]}]
     files, agg, tokens = passes.gather(reports)
     assert [m["path"] for m in files["train"]] == ["train/part-00000-7.parquet", "train/part-00001-0.parquet"]
     assert files["validation"] == []  # a task with nothing for a split leaves no file
     assert tokens == {"train": {"tokens": 240, "dropped_tokens": 16, "tasks": 2},  # but its tokens count
                       "validation": {"tokens": 9, "dropped_tokens": 9, "tasks": 1}}
     assert agg == [{"source": "a.txt", "status": "ok", "split": "train", "kept": True, "n": 3, "bytes": 30,
-                    "invalid": 0}]
+                    "invalid": 0, "first": 12}]
     assert passes.part_name(7, "ab12").rsplit("-", 1)[0] == "part-00007"
 
 

@@ -286,16 +286,18 @@ def _stratified(m, cut: dict):
 
 
 def _count_key(m):
-    """(source, status, split, kept) → (documents, text bytes, invalid bytes), as Spark's group-by counts them."""
+    """(source, status, split, kept) → (documents, text bytes, invalid bytes, first position), as Spark's group-by
+    counts them."""
     r, copy = m
-    return (r[_SOURCE], r[_STATUS], r[_SPLIT], copy == 1), (1, r[_BYTES], r[_INVALID])
+    return (r[_SOURCE], r[_STATUS], r[_SPLIT], copy == 1), (1, r[_BYTES], r[_INVALID], r[_POS])
 
 
 def _add(values):
     n = b = bad = 0
-    for x, y, z in values:
-        n, b, bad = n + x, b + y, bad + z
-    return n, b, bad
+    first = None
+    for x, y, z, p in values:
+        n, b, bad, first = n + x, b + y, bad + z, p if first is None else min(first, p)
+    return n, b, bad, first
 
 
 def _save(value, scratch: str, name: str, storage) -> None:

@@ -56,7 +56,12 @@ def sniff_encoding(head: bytes, default: str) -> str:
 
 def looks_binary(head: bytes, encoding: str) -> bool:
     """A NUL byte in the first bytes of a text in a byte-oriented encoding means it is not text."""
-    return not encoding.startswith(("utf-16", "utf-32")) and b"\x00" in head[:BINARY_SNIFF_BYTES]
+    return not wide(encoding) and b"\x00" in head[:BINARY_SNIFF_BYTES]
+
+
+def wide(encoding: str) -> bool:
+    """Whether an encoding (any of Python's spellings) is UTF-16 or UTF-32, whose lines a byte reader cannot find."""
+    return codecs.lookup(encoding).name.startswith(("utf-16", "utf-32"))
 
 
 def clean_text(text: str, normalize: str = "NFC") -> str:

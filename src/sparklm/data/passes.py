@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import sys
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
@@ -36,8 +37,9 @@ _SCAN_SCHEMA = (("source", "string"), ("pos", "long"), ("status", "string"), ("s
                 ("label", "string"), ("split_key", "long"), ("auto", "boolean"))
 SCAN_COLUMNS = tuple(name for name, _ in _SCAN_SCHEMA)
 SCAN_DDL = ", ".join(f"{name} {kind}" for name, kind in _SCAN_SCHEMA)
-# the counts a write task reports per (source, status, split, kept), and the scan's aggregate rows
-COUNT_COLUMNS = ("source", "status", "split", "kept", "n", "bytes", "invalid")
+# the counts a write task reports per (source, status, split, kept), and the scan's aggregate rows; "first": the
+# position of the group's first document in its source (to name a malformed record)
+COUNT_COLUMNS = ("source", "status", "split", "kept", "n", "bytes", "invalid", "first")
 
 
 def bins(units: list[sources.ReadUnit], n: int) -> list[list[sources.ReadUnit]]:
@@ -205,7 +207,8 @@ def write_part(docs: Iterable[tuple], name: str, plan: WritePlan, losers: Mappin
     render = renderer_for(spec) if templated(data, spec) else None
     writers = {s: _writer(plan, s, name) for s in SPLITS}
     batch: dict[str, tuple[list, list]] = {s: ([], []) for s in SPLITS}
-    counts: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0])  # (source, status, split, kept) -> n, bytes, invalid
+    # (source, status, split, kept) -> n, bytes, invalid, first position
+    counts: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0, sys.maxsize])
     cut = classes["cut"] if classes else None
     size = 0
     for unit, pos, status, doc, invalid, dig in docs:
@@ -217,6 +220,7 @@ def write_part(docs: Iterable[tuple], name: str, plan: WritePlan, losers: Mappin
         c = counts[(unit.uri, status, split, kept or status != sources.OK)]
         c[0] += 1
         c[2] += invalid
+        c[3] = min(c[3], pos)
         if not kept:
             continue
         nbytes = len(sources.text_of(doc).encode("utf-8", "surrogatepass"))

@@ -8,9 +8,12 @@ reads the last one to its end, so every record is read exactly once whatever the
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
+import lzma
+import re
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -24,7 +27,8 @@ from ..infra.errors import SparklmError
 from ..infra.fs import expand, resolve, storage_hint, uri_like
 from . import clean, instruct, labelled
 
-_COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4"}
+# pyarrow's codecs, and xz (Arrow has none for LZMA) through the standard library's lzma
+_COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4", ".xz": "xz"}
 _FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv",
             ".parquet": "parquet", ".pq": "parquet"}
 
@@ -177,13 +181,97 @@ def text_of(doc: str | instruct.Record | labelled.Record) -> str:
 
 
 def where(unit: ReadUnit, pos: int, storage: StorageConfig) -> str:
-    """Where the record read at ``pos`` of ``unit`` is, for a message: ``FILE line N`` or ``FILE row N``."""
+    """Where the record read at ``pos`` of ``unit`` is, for a message: ``FILE line N``, ``FILE row N`` or, in a JSON
+    array, ``FILE record N``."""
     if unit.fmt != "jsonl":
         return _where(None, "", unit, pos, by_line=True)
     fs, path = resolve(unit.uri, storage)
-    with fs.open_input_stream(path, compression=unit.compression or None) as s:
-        encoding = clean.sniff_encoding(s.read(clean.BINARY_SNIFF_BYTES), "utf-8")
-    return _where(fs, path, unit, pos, by_line=bool(unit.compression) or encoding in ("utf-16", "utf-32"))
+    head, encoding = _sniff(fs, path, unit, "utf-8")
+    if _starts_array(head, encoding):
+        return f"{unit.uri} record {pos + 1}"
+    return _where(fs, path, unit, pos, by_line=_by_line(unit, encoding))
+
+
+def malformed(uri: str, pos: int, data: DataConfig, storage: StorageConfig) -> str:
+    """Where the record counted malformed at ``pos`` of ``uri`` is and why, read again on the driver for one
+    message: ``FILE line 3 has no field 'text' (its fields: body)``; the file alone where that fails."""
+    try:
+        return _malformed(uri, pos, data, storage)
+    except Exception:  # noqa: BLE001 - a message must not fail the run: the file may have changed since it was read
+        return uri
+
+
+def _malformed(uri: str, pos: int, data: DataConfig, storage: StorageConfig) -> str:
+    if uri.startswith(f"{DATAFRAME}:"):
+        return f"{uri} row {pos + 1}: column '{data.text_field}' does not hold strings"
+    fmt, compression = detect_format(uri)
+    unit = ReadUnit(uri, fmt, compression)
+    fs, path = resolve(uri, storage)
+    if fmt == "parquet":
+        with fs.open_input_file(path) as raw:
+            kind = pq.ParquetFile(raw).schema_arrow.field(data.text_field).type
+        return f"{uri} row {pos + 1}: column '{data.text_field}' holds {kind}, not strings"
+    head, encoding = _sniff(fs, path, unit, data.encoding)
+    if fmt == "jsonl" and not _starts_array(head, encoding) and not _by_line(unit, encoding):
+        with fs.open_input_file(path) as f:  # pos: the line's byte offset
+            f.seek(pos)
+            line = io.BufferedReader(f).readline().decode(encoding, errors="replace")
+    else:
+        with _open(fs, path, compression) as raw:
+            text = io.TextIOWrapper(io.BufferedReader(raw, 1 << 20), encoding=encoding, errors="replace", newline="")
+            if fmt in ("csv", "tsv"):
+                rows = csv.reader(text, delimiter="\t" if fmt == "tsv" else ",")
+                header = next(rows)
+                row = next(r for number, r in enumerate(rows, start=1) if number == pos)
+                return f"{uri} row {pos} has {len(row)} field{'s' * (len(row) != 1)}, the header {len(header)}"
+            if _starts_array(head, encoding):
+                return f"{uri} record {pos + 1}{_why(next(v for i, v in json_array(text) if i == pos), data)}"
+            line = next(line for number, line in enumerate(text) if number == pos)
+    place = _where(fs, path, unit, pos, by_line=_by_line(unit, encoding))
+    try:
+        return place + _why(json.loads(line), data)
+    except json.JSONDecodeError as e:
+        return f"{place} is not JSON ({e.msg} at column {e.colno})"
+
+
+def _why(value, data: DataConfig) -> str:
+    """Why a JSON value is not a record with a text field (the end of :func:`malformed`'s sentence)."""
+    if not isinstance(value, dict):
+        return f" is a JSON {_json_kind(value)}, not an object of fields"
+    field = data.text_field
+    if reads_records(data):
+        return " is not a record of the fields asked for"
+    if field not in value:
+        return f" has no field '{field}' (its fields: {', '.join(list(value)[:20]) or 'none'})"
+    return f": field '{field}' holds a JSON {_json_kind(value[field])}, not a string"
+
+
+def _json_kind(value) -> str:
+    kinds = ((bool, "boolean"), (int, "number"), (float, "number"), (str, "string"), (list, "array"), (dict, "object"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), "null")
+
+
+def _sniff(fs, path: str, unit: ReadUnit, default: str) -> tuple[bytes, str]:
+    """A file's first bytes (decompressed) and its encoding: a byte-order mark's, else ``default``."""
+    with _open(fs, path, unit.compression) as s:
+        head = s.read(clean.BINARY_SNIFF_BYTES)
+    return head, clean.sniff_encoding(head, default)
+
+
+def _by_line(unit: ReadUnit, encoding: str) -> bool:
+    """Whether a JSONL unit's positions are line numbers (a decoded stream) rather than byte offsets."""
+    return bool(unit.compression) or clean.wide(encoding)
+
+
+@contextlib.contextmanager
+def _open(fs, path: str, compression: str):
+    """A file's bytes as a stream, decompressed."""
+    with fs.open_input_stream(path, compression=compression if compression not in ("", "xz") else None) as raw:
+        if compression == "xz":
+            with lzma.LZMAFile(raw) as xz:
+                yield xz
+        else:
+            yield raw
 
 
 def _where(fs, path: str, unit: ReadUnit, pos: int, *, by_line: bool) -> str:
@@ -247,9 +335,7 @@ def _read_unit(unit: ReadUnit, data: DataConfig, storage: StorageConfig) -> Iter
         if unit.fmt == "parquet":
             yield from _read_parquet(fs, path, unit, data)
             return
-        with fs.open_input_stream(path, compression=unit.compression or None) as s:
-            head = s.read(clean.BINARY_SNIFF_BYTES)
-        encoding = clean.sniff_encoding(head, data.encoding)
+        head, encoding = _sniff(fs, path, unit, data.encoding)
         if clean.looks_binary(head, encoding):
             if unit.start == 0:
                 yield 0, BINARY, None, 0
@@ -257,11 +343,17 @@ def _read_unit(unit: ReadUnit, data: DataConfig, storage: StorageConfig) -> Iter
         if unit.fmt in ("csv", "tsv"):
             yield from _read_csv(fs, path, unit, data, encoding)
             return
+        array = unit.fmt == "jsonl" and _starts_array(head, encoding)
+        if unit.start > 0 and (array or _by_line(unit, encoding)):
+            return  # read whole, by the file's first range: a JSON array, or UTF-16/32 (no byte offset of a line)
+        if array:
+            yield from _read_json_array(fs, path, unit, data, encoding)
+            return
         tally = _Tally()
         lines = tally.feed(_lines(fs, path, unit, encoding, data.doc_mode))
-        stop = unit.end if unit.end >= 0 else None
+        stop = unit.end if unit.end >= 0 and not _by_line(unit, encoding) else None
         if unit.fmt == "jsonl" and reads_records(data):
-            by_line = bool(unit.compression) or encoding in ("utf-16", "utf-32")
+            by_line = _by_line(unit, encoding)
             for pos, line in clean.group_documents(lines, "line", stop=stop):
                 status, values = _json_object(line)
                 record = None
@@ -303,8 +395,8 @@ def _lines(fs, path: str, unit: ReadUnit, encoding: str, mode: str) -> Iterator[
     Byte-oriented, uncompressed files are read by byte offset (so ranges work); compressed and
     UTF-16/32 files are decoded as one stream and positions are line numbers.
     """
-    if unit.compression or encoding in ("utf-16", "utf-32"):
-        with fs.open_input_stream(path, compression=unit.compression or None) as raw:
+    if _by_line(unit, encoding):
+        with _open(fs, path, unit.compression) as raw:
             text = io.TextIOWrapper(io.BufferedReader(raw, 1 << 20), encoding=encoding,
                                     errors="sparklm-count", newline="")
             before = clean.invalid_total()
@@ -362,6 +454,11 @@ def _json_text(line: str, field: str) -> tuple[str, str | None]:
         record = json.loads(line)
     except json.JSONDecodeError:
         return MALFORMED, None
+    return _field_text(record, field)
+
+
+def _field_text(record, field: str) -> tuple[str, str | None]:
+    """(status, text) of a JSON record's text field: a string, null (empty), or anything else (malformed)."""
     value = record.get(field) if isinstance(record, dict) else None
     if isinstance(value, str):
         return OK, value
@@ -370,9 +467,116 @@ def _json_text(line: str, field: str) -> tuple[str, str | None]:
     return MALFORMED, None
 
 
+def _starts_array(head: bytes, encoding: str) -> bool:
+    """Whether a JSON file holds one array (of records), not a record a line: its first character is ``[``."""
+    return head.decode(encoding, errors="ignore").lstrip("\ufeff \t\r\n").startswith("[")
+
+
+def _read_json_array(fs, path: str, unit: ReadUnit, data: DataConfig, encoding: str) -> Iterator[tuple]:
+    """(index, status, text or record, invalid bytes) of each element of a file's JSON array (the layout of
+    ``json.dump(records)`` and of pandas' ``to_json(orient="records")``, which HF ``datasets`` reads too)."""
+    with _open(fs, path, unit.compression) as raw:
+        text = io.TextIOWrapper(io.BufferedReader(raw, 1 << 20), encoding=encoding, errors="sparklm-count")
+        before = clean.invalid_total()
+        for index, value in json_array(text):
+            now = clean.invalid_total()
+            if not reads_records(data):
+                yield (index, *_field_text(value, data.text_field), now - before)
+            elif isinstance(value, dict):
+                yield index, OK, _record(value, data, partial(_nth_record, unit.uri, index)), now - before
+            else:
+                yield index, MALFORMED, None, now - before
+            before = now
+
+
+def _nth_record(uri: str, index: int) -> str:
+    return f"{uri} record {index + 1}"
+
+
+_JSON_BLOCK = 1 << 20  # characters read at a time
+_JSON_SPACE = re.compile(r"[ \t\r\n]*")
+
+
+def json_array(text: io.TextIOBase) -> Iterator[tuple[int, object]]:
+    """(index, element) of the JSON array a text stream holds, decoded one element at a time.
+
+    Memory holds an element and a block, not the file (``json.load``, as pandas and ``datasets`` read one, holds all
+    of it). A break in the array is a ``ValueError`` naming its line and column.
+    """
+    r = _JsonBuffer(text)
+    r.space()
+    r.i += 1  # the "[" that made this an array
+    index = 0
+    if r.space() == "]":
+        r.i += 1
+    else:
+        while True:
+            yield index, r.value()
+            index += 1
+            after = r.space()
+            r.i += 1
+            if after == "]":
+                break
+            if after != ",":
+                raise r.broken(r.i - 1, "expected ',' or ']' after an element" if after else
+                               "the file ends inside the array")
+            r.space()
+    if r.space():
+        raise r.broken(r.i, "more after the array's end")
+
+
+class _JsonBuffer:
+    """A text stream's characters from the position ``i`` on, read a block at a time as the decoding needs them."""
+
+    def __init__(self, text: io.TextIOBase) -> None:
+        self.text, self.buf, self.i, self.eof = text, "", 0, False
+        self.lines_before = self.column_before = 0  # of the text already dropped from the buffer
+        self.decoder = json.JSONDecoder()
+
+    def more(self) -> bool:
+        """Read a block (as long as what the buffer holds, so a long element costs linear time) and drop what was
+        decoded; False at the end of the stream."""
+        block = "" if self.eof else self.text.read(max(_JSON_BLOCK, len(self.buf) - self.i))
+        if not block:
+            self.eof = True
+            return False
+        gone = self.buf[:self.i]
+        newline = gone.rfind("\n")
+        self.lines_before += gone.count("\n")
+        self.column_before = len(gone) - newline - 1 if newline >= 0 else self.column_before + len(gone)
+        self.buf, self.i = self.buf[self.i:] + block, 0
+        return True
+
+    def space(self) -> str:
+        """Skip white space; the next character ("" at the end)."""
+        while True:
+            self.i = _JSON_SPACE.match(self.buf, self.i).end()
+            if self.i < len(self.buf) or not self.more():
+                return self.buf[self.i:self.i + 1]
+
+    def value(self):
+        """Decode the value at ``i`` once the buffer holds the whole of it."""
+        while True:
+            try:
+                value, end = self.decoder.raw_decode(self.buf, self.i)
+            except json.JSONDecodeError as e:
+                if not self.more():
+                    raise self.broken(e.pos, e.msg) from None
+                continue
+            if end < len(self.buf) or not self.more():  # a number at the buffer's end may go on
+                self.i = end
+                return value
+
+    def broken(self, at: int, why: str) -> ValueError:
+        line = self.lines_before + self.buf.count("\n", 0, at)
+        newline = self.buf.rfind("\n", 0, at)
+        column = at - newline if newline >= 0 else self.column_before + at + 1
+        return ValueError(f"the JSON array breaks at line {line + 1} column {column}: {why}")
+
+
 def _read_csv(fs, path: str, unit: ReadUnit, data: DataConfig, encoding: str) -> Iterator[tuple[int, str, str | None, int]]:
     csv.field_size_limit(sys.maxsize)
-    with fs.open_input_stream(path, compression=unit.compression or None) as raw:
+    with _open(fs, path, unit.compression) as raw:
         text = io.TextIOWrapper(io.BufferedReader(raw, 1 << 20), encoding=encoding,
                                 errors="sparklm-count", newline="")
         reader = csv.reader(text, delimiter="\t" if unit.fmt == "tsv" else ",")

@@ -118,7 +118,7 @@ class SparkSource:
                     out.agg = [r.asDict() for r in meta.groupBy("source", "status", "split",
                                                                 (F.col("copy") == 1).alias("kept"))
                                .agg(F.count("*").alias("n"), F.sum("n_bytes").alias("bytes"),
-                                    F.sum("n_invalid").alias("invalid")).collect()]
+                                    F.sum("n_invalid").alias("invalid"), F.min("pos").alias("first")).collect()]
                     # collect(), not toLocalIterator(): that runs one Spark job per shuffle partition (200)
                     losers: dict[str, list[int]] = defaultdict(list)
                     for r in meta.where(F.col("copy") > 1).select("source", "pos").collect():

@@ -14,6 +14,7 @@ import dataclasses
 import torch
 
 from ..config import Config
+from ..infra import progress
 from ..infra.cache import process_local
 from ..infra.errors import SparklmError, spark_errors
 from ..infra.fs import effective, version
@@ -78,7 +79,7 @@ def evaluate(model: str, inputs: list[str], *, config: Config | None = None, max
     """Evaluate ``model`` (run directory or HF directory) on ``inputs``; returns the figures."""
     import os
 
-    from ..data.sources import OK, documents, plan_units
+    from ..data.sources import MALFORMED, OK, documents, malformed, plan_units
     from ..spark.session import check_shared, get_session
     from .generate import load, model_uri, token_ids
 
@@ -107,9 +108,12 @@ def evaluate(model: str, inputs: list[str], *, config: Config | None = None, max
             load(source, threads=env_threads, storage=storage, device=where)))
         sums = torch.zeros(6, dtype=torch.float64)  # nats, tokens, correct, bytes, documents, dropped
         pending: list[tuple[list[int], int]] = []
-        for _unit, _pos, status, text, _invalid, _digest in documents(list(part), data, storage):
+        first = None  # (source, position) of the task's first malformed record
+        for unit, pos, status, text, _invalid, _digest in documents(list(part), data, storage):
             if status != OK:
                 sums[5] += 1
+                if status == MALFORMED and first is None:
+                    first = (unit.uri, pos)
                 continue
             ids = token_ids(lm, text)
             sums[3] += len(text.encode("utf-8"))
@@ -123,14 +127,20 @@ def evaluate(model: str, inputs: list[str], *, config: Config | None = None, max
                     pending = []
         if pending:
             sums[:3] += score(lm, pending, chunked)
-        yield sums.tolist()
+        yield sums.tolist(), first
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     rdd = spark.sparkContext.parallelize(units, max(1, len(units))).mapPartitions(run)
     with spark_errors():
         parts = rdd.collect()
-    nats, tokens, correct, nbytes, docs, dropped = [sum(p[i] for p in parts) for i in range(6)]
+    nats, tokens, correct, nbytes, docs, dropped = [sum(sums[i] for sums, _ in parts) for i in range(6)]
+    firsts = [first for _, first in parts if first is not None]
+    why = f"the first malformed: {malformed(*min(firsts), data, storage)}" if firsts else ""
     if tokens == 0:
-        raise SparklmError("no tokens to score in the input", hint="check --input (empty, or every record dropped)")
+        dropped_part = f"{int(dropped)} records dropped; {why}" if why else ""
+        raise SparklmError(f"no tokens to score in the input{f' ({dropped_part})' if dropped_part else ''}",
+                           hint="check --input and --text-field (empty, or every record dropped)")
+    if why:
+        progress.warn(f"dropped {int(dropped)} record(s) it could not read; {why}")
     return {**lm_figures(nats, tokens, correct, nbytes), "tokens": int(tokens), "bytes": int(nbytes), "documents": int(docs),
             "dropped_records": int(dropped), "max_length": length, "stride": step, "model": source}

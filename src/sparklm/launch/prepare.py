@@ -193,7 +193,7 @@ def _run(source: passes.Engine, config: Config, inputs: list[str], validation_in
             full_scan, ready = passes.full_scan(data), None
             if full_scan:
                 scanned = source.scan(config, sample_only=False, staging=staging)
-                stats = _stats(scanned.agg, source.count, data.encoding)
+                stats = _stats(scanned.agg, source.count, config)
                 if scanned.class_counts is not None:
                     classes = _classes(scanned.class_counts, scanned.cut, data)
             else:
@@ -212,7 +212,7 @@ def _run(source: passes.Engine, config: Config, inputs: list[str], validation_in
             with source.stage("tokenize + pack + write" if full_scan else "read + clean + tokenize + pack + write"):
                 files, write_agg, tokens = passes.gather(source.write(plan, scanned.losers))
             if not full_scan:  # one pass did it all: its counts are the statistics
-                stats = _stats(write_agg, source.count, data.encoding)
+                stats = _stats(write_agg, source.count, config)
         manifest = _manifest(config, inputs, validation_inputs, stats, files, tokens, spec, pack, started,
                              spark_start)
         _check_rows(manifest["splits"], tokens, pack)
@@ -253,8 +253,10 @@ def _tokenizer_sample(source: passes.Engine, config: Config, staging: str) -> pa
     return source.subset(passes.bins(chosen, len(source.bins)), config).scan(config, sample_only=True, staging=staging)
 
 
-def _stats(agg: list[dict], files: int, encoding: str) -> dict:
-    """Documents kept and dropped by reason, per split, from rows of (source, status, split, kept, n, bytes, invalid)."""
+def _stats(agg: list[dict], files: int, config: Config) -> dict:
+    """Documents kept and dropped by reason, per split, from rows of :data:`passes.COUNT_COLUMNS`; the files skipped
+    and the first malformed record are named."""
+    encoding = config.data.encoding
     dropped: dict[str, int] = defaultdict(int)
     invalid_by_file: dict[str, int] = defaultdict(int)
     splits = {s: {"documents": 0, "text_bytes": 0, "duplicates": 0} for s in SPLITS}
@@ -273,17 +275,37 @@ def _stats(agg: list[dict], files: int, encoding: str) -> dict:
             progress.warn(f"{uri}: {bad} bytes invalid in {encoding} were replaced with U+FFFD "
                           f"(set data.encoding if the file uses another encoding)")
     if dropped.get(sources.BINARY):
-        progress.warn(f"skipped {dropped[sources.BINARY]} file(s) that look binary")
+        progress.warn(_binary_files(sorted(r["source"] for r in agg if r["status"] == sources.BINARY)))
+    first_malformed = _first_malformed(agg, config) if dropped.get(sources.MALFORMED) else ""
     stats = {"files": files, "splits": splits, "dropped": dict(sorted(dropped.items())),
              "documents_read": sum(r["n"] for r in agg if r["status"] != sources.BINARY),
              "invalid_bytes_replaced": sum(invalid_by_file.values())}
     if splits["train"]["documents"] == 0:
         reasons = ", ".join(f"{n} {k}" for k, n in stats["dropped"].items()) or "the inputs hold no text"
+        if first_malformed:
+            reasons += f"; the first malformed: {first_malformed}"
         raise SparklmError(f"no training documents left after cleaning ({reasons})",
                            hint="check the inputs, data.text_field (and data.label_field), data.doc_mode and data.min_chars")
+    if first_malformed:
+        progress.warn(f"dropped {dropped[sources.MALFORMED]} malformed record(s); the first: {first_malformed}")
     if splits["validation"]["documents"] == 0:
         progress.warn("the validation split is empty: raise data.val_fraction or pass --validation-input")
     return stats
+
+
+def _binary_files(names: list[str]) -> str:
+    """The warning for files skipped as binary: which, and what they might be."""
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    archives = any(n.lower().endswith((".zip", ".7z", ".tar", ".rar", ".tgz")) for n in names)
+    why = ("archives are not read: extract them" if archives else
+           "text in UTF-16 or UTF-32 without a byte-order mark needs data.encoding (e.g. utf-16-le)")
+    return f"skipped {len(names)} file(s) that look binary (NUL bytes in their first 8 kB): {shown}; {why}"
+
+
+def _first_malformed(agg: list[dict], config: Config) -> str:
+    """Where the first malformed record is and why, read again from its file."""
+    source, pos = min((r["source"], r["first"]) for r in agg if r["status"] == sources.MALFORMED)
+    return sources.malformed(source, pos, config.data, config.storage)
 
 
 def _tokenizer(source: passes.Engine, sample: list[str], config: Config) -> tokenizers_mod.TokenizerSpec:
