@@ -24,7 +24,7 @@ from .version import __version__
 # Which config sections give each command its flags (the flags come from the fields' metadata).
 _FLAG_SECTIONS = {"prepare": ("data", "tokenizer"), "train": ("train", "model", "lora", "tracking"),
                   "run": ("data", "tokenizer", "train", "model", "lora", "tracking")}
-_FLAG_KEYS = {"eval": ("data.doc_mode", "data.text_field", "data.encoding"),  # single fields a command reads
+_FLAG_KEYS = {"eval": ("data.doc_mode", "data.text_field", "data.encoding", "data.csv_delimiter"),  # single fields a command reads
               "prepare": ("beam.runner", "tracking.mlflow_uri", "tracking.mlflow_experiment", "tracking.wandb_project")}
 _COMMON_SECTIONS = ("spark", "storage")
 _STARTED: list = []  # sessions this command started, stopped when it ends

@@ -71,6 +71,8 @@ class DataConfig:
         "paragraph", "how plain-text files split into documents: whole file, blank-line paragraphs, or lines", flag="--doc-mode",
     )
     encoding: str = _f("utf-8", "text encoding of the inputs; bytes invalid in it are replaced and counted", flag="--encoding")
+    csv_delimiter: str = _f("", "the character between the fields of CSV files (e.g. ';'); empty: ',' for .csv and a "
+                                "tab for .tsv", flag="--csv-delimiter")
     normalize: Literal["NFC", "NFKC", "none"] = _f("NFC", "Unicode normalisation form")
     min_chars: int = _f(1, "documents shorter than this (after cleaning) are dropped as too short", min=1, flag="--min-chars")
     dedup: bool = _f(True, "drop exact duplicate documents (by content hash)", flag="--no-dedup")
@@ -96,6 +98,9 @@ class DataConfig:
         if not text:
             raise SparklmError(f"data.encoding {self.encoding!r} is not a text encoding Python knows",
                                hint="use a name from Python's codecs, e.g. utf-8, latin-1, cp1252, utf-16")
+        if len(self.csv_delimiter) > 1 or self.csv_delimiter in ('"', "\n", "\r"):
+            raise SparklmError(f"data.csv_delimiter {self.csv_delimiter!r} must be one character (not a quote or a "
+                               "line break)", hint="e.g. ';' or '|'; a tab: name the file .tsv, or pass $'\\t'")
 
 
 @dataclass(kw_only=True)

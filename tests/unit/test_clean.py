@@ -215,3 +215,19 @@ def test_a_utf16_or_utf32_file_cut_in_byte_ranges_is_read_once(tmp_path, encodin
         unit = sources.ReadUnit(str(path), "text", "", start, min(start + 4096, size))
         docs += [t for _, status, t, _ in sources._read_unit(unit, data, StorageConfig())]
     assert [clean.clean_text(t) for t in docs] == paragraphs
+
+
+def test_a_csv_separated_by_semicolons_is_read_with_its_delimiter_and_named_without_it(tmp_path):
+    """Tried as a new user would: a ';'-separated CSV (a spreadsheet's export in much of Europe) was "no column
+    'text' (columns: text;label)", with no way to read it."""
+    from sparklm.infra.errors import SparklmError
+
+    (tmp_path / "semi.csv").write_text('text;label\n"one; with a semicolon";1\ntwo;0\n')
+    assert _records(tmp_path / "semi.csv", csv_delimiter=";") == [("ok", "one; with a semicolon"), ("ok", "two")]
+    with pytest.raises(SparklmError, match=r"has no column 'text' \(columns: text;label\)") as e:
+        _records(tmp_path / "semi.csv")
+    assert "--csv-delimiter ';'" in e.value.hint
+    (tmp_path / "t.tsv").write_text("text\tlabel\nthree\t1\n")
+    assert _records(tmp_path / "t.tsv") == [("ok", "three")]
+    with pytest.raises(SparklmError, match="data.csv_delimiter"):
+        DataConfig(csv_delimiter=";;")

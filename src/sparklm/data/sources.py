@@ -220,7 +220,7 @@ def _malformed(uri: str, pos: int, data: DataConfig, storage: StorageConfig) -> 
         with _open(fs, path, compression) as raw:
             text = io.TextIOWrapper(io.BufferedReader(raw, 1 << 20), encoding=encoding, errors="replace", newline="")
             if fmt in ("csv", "tsv"):
-                rows = csv.reader(text, delimiter="\t" if fmt == "tsv" else ",")
+                rows = csv.reader(text, delimiter=_delimiter(unit, data))
                 header = next(rows)
                 row = next(r for number, r in enumerate(rows, start=1) if number == pos)
                 return f"{uri} row {pos} has {len(row)} field{'s' * (len(row) != 1)}, the header {len(header)}"
@@ -579,12 +579,12 @@ def _read_csv(fs, path: str, unit: ReadUnit, data: DataConfig, encoding: str) ->
     with _open(fs, path, unit.compression) as raw:
         text = io.TextIOWrapper(io.BufferedReader(raw, 1 << 20), encoding=encoding,
                                 errors="sparklm-count", newline="")
-        reader = csv.reader(text, delimiter="\t" if unit.fmt == "tsv" else ",")
+        reader = csv.reader(text, delimiter=_delimiter(unit, data))
         header = next(reader, None)
         if header is None:
             return
         header = [h.lstrip("\ufeff").strip() for h in header]
-        _check_columns(unit.uri, header, data)
+        _check_columns(unit.uri, header, data, _delimiter(unit, data))
         col = max(map(header.index, record_fields(data)))
         before = clean.invalid_total()
         for number, row in enumerate(reader, start=1):
@@ -599,11 +599,19 @@ def _read_csv(fs, path: str, unit: ReadUnit, data: DataConfig, encoding: str) ->
             before = now
 
 
-def _check_columns(uri: str, names: list[str], data: DataConfig) -> None:
-    """A CSV or Parquet file must have the columns its format reads (one line naming the file and what it has)."""
+def _delimiter(unit: ReadUnit, data: DataConfig) -> str:
+    return data.csv_delimiter or ("\t" if unit.fmt == "tsv" else ",")
+
+
+def _check_columns(uri: str, names: list[str], data: DataConfig, delimiter: str = "") -> None:
+    """A CSV or Parquet file must have the columns its format reads (one line naming the file and what it has); a
+    CSV header read as one column names the delimiter it seems to hold."""
     for name in record_fields(data):
         if name not in names:
             hint = _fields_hint(data) if reads_records(data) else "name the text column with --text-field or data.text_field"
+            seen = [c for c in ";|\t," if len(names) == 1 and c != delimiter and c in names[0]]
+            if seen:
+                hint = f"the header reads as one column: pass --csv-delimiter {seen[0]!r} (data.csv_delimiter)"
             raise SparklmError(f"{uri} has no column '{name}' (columns: {', '.join(names[:20])})", hint=hint)
 
 
