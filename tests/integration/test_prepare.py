@@ -274,6 +274,23 @@ def test_json_arrays_are_read_and_what_is_dropped_is_named(spark, tmp_path, conf
         prepare([str(tmp_path / "fields.jsonl")], output=str(tmp_path / "o"), config=config, spark=spark)
 
 
+def test_a_prepared_dataset_inside_the_input_directory_is_not_read_as_input(spark, tmp_path, config, capsys):
+    """Tried as a new user would: `prepare data/ -o data/prepared` worked once, then failed on every run after
+    ("data/prepared/train/part-00000.parquet has no column 'text'"): its own output was read as input."""
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "a.txt").write_text(make_text(60, seed=3))
+    first = prepare([str(d)], output=str(d / "prepared"), config=config, spark=spark).manifest
+    capsys.readouterr()
+    again = prepare([str(d)], output=str(d / "prepared"), config=config, spark=spark, overwrite=True).manifest
+    other = prepare([str(d)], output=str(d / "other"), config=config, spark=spark).manifest
+    assert first["input"] == again["input"] == other["input"] and first["input"]["files"] == 1
+    assert first["splits"]["train"]["tokens"] == other["splits"]["train"]["tokens"]
+    assert f"{d}: skipped the prepared dataset {d / 'prepared'} inside it" in capsys.readouterr().err
+    with pytest.raises(SparklmError, match=r"prepared is a prepared dataset \(token ids, not text\)"):
+        prepare([str(d / "prepared")], output=str(tmp_path / "o"), config=config, spark=spark)
+
+
 def test_text_that_fills_no_sequence_is_refused_for_training_and_counted(spark, tmp_path, config, capsys):
     """Documents whose tokens are fewer than one sequence: prepare fails for the train split (before, it wrote a
     dataset of no rows and `train` failed on it) and warns for validation; their tokens are counted either way."""

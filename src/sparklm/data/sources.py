@@ -107,10 +107,36 @@ def _files(uri: str, storage: StorageConfig) -> list[tuple[str, pa.fs.FileInfo]]
         if not out:
             raise SparklmError(f"the Delta table {uri} holds no files in its current version {version}")
         return out
-    infos = expand(uri, storage)
+    infos = _without_datasets(uri, expand(uri, storage), storage)
     if not infos:
         raise SparklmError(f"no files match {uri}", hint="check the path or glob")
     return [(uri_like(uri, info.path), info) for info in infos]
+
+
+def _without_datasets(uri: str, infos: list[pa.fs.FileInfo], storage: StorageConfig) -> list[pa.fs.FileInfo]:
+    """A directory's files less those of the prepared datasets inside it (``prepare data/ -o data/prepared`` run
+    twice must not read its own token ids as text)."""
+    from ..infra import progress
+    from .manifest import FORMAT, MANIFEST
+
+    datasets = []
+    for info in infos:
+        if info.base_name == MANIFEST:
+            fs, path = resolve(uri_like(uri, info.path), storage)
+            try:
+                with fs.open_input_stream(path) as f:
+                    ours = json.loads(f.read(1 << 20).decode("utf-8")).get("format") == FORMAT
+            except (OSError, ValueError, AttributeError):
+                ours = False  # a JSON file of the user's that happens to share the name: input like any other
+            if ours:
+                datasets.append(info.path.rsplit("/", 1)[0] + "/")
+    left = [i for i in infos if not any(i.path.startswith(root) for root in datasets)]
+    if datasets and not left:
+        raise SparklmError(f"{uri} is a prepared dataset (token ids, not text)",
+                           hint=f"train on it: sparklm train --data {uri}; prepare reads text files")
+    for root in datasets:
+        progress.warn(f"{uri}: skipped the prepared dataset {uri_like(uri, root.rstrip('/'))} inside it")
+    return left
 
 
 # -- executor side ---------------------------------------------------------------------------
