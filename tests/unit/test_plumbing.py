@@ -273,6 +273,31 @@ def test_hidden_directories_are_skipped_and_a_delta_table_is_refused(tmp_path):
         expand(str(table))
 
 
+def test_globs_match_as_the_shell_python_and_spark_match_them(tmp_path):
+    """Tried as a new user would: `prepare 'data/*.txt'` also read data/old/x.txt and data/a/b/y.txt (fnmatch's
+    `*` crosses '/'); `{a,b}` (Hadoop's and Spark's alternatives) matched nothing."""
+    from sparklm.infra.fs import expand
+
+    data = tmp_path / "data"
+    for rel in ("a.txt", "b.md", "old/x.txt", "2024/c.txt", "2025/d.txt", "2026/e.txt", "deep/er/y.txt",
+                "odd[1].txt"):
+        (data / rel).parent.mkdir(parents=True, exist_ok=True)
+        (data / rel).write_text("x")
+
+    def names(pattern):
+        return [i.path.rsplit("data/", 1)[1] for i in expand(str(data / pattern))]
+
+    assert names("*.txt") == ["a.txt", "odd[1].txt"]
+    assert names("*/*.txt") == ["2024/c.txt", "2025/d.txt", "2026/e.txt", "old/x.txt"]
+    assert names("**/*.txt") == ["2024/c.txt", "2025/d.txt", "2026/e.txt", "a.txt", "deep/er/y.txt", "odd[1].txt",
+                                 "old/x.txt"]  # ** is zero or more directories, as Python's glob(recursive=True)
+    assert names("deep/**") == ["deep/er/y.txt"]
+    assert names("{2024,2026}/*.txt") == ["2024/c.txt", "2026/e.txt"]
+    assert names("202[!5]/?.txt") == ["2024/c.txt", "2026/e.txt"] == names("202[^5]/?.txt")
+    assert names("*.{txt,md}") == ["a.txt", "b.md", "odd[1].txt"]
+    assert names("odd[1].txt") == ["odd[1].txt"]  # a file that exists is itself, whatever its name holds
+
+
 def test_spark_defaults_file_is_read_as_spark_reads_it(tmp_path):
     from sparklm.spark.session import read_defaults
 

@@ -7,7 +7,6 @@ client); the endpoint and credentials come from the standard AWS variables or ``
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import os
 import posixpath
 import re
@@ -25,7 +24,7 @@ import pyarrow.fs as pafs
 from ..config import StorageConfig
 from .errors import SparklmError
 
-_GLOB_CHARS = set("*?[")
+_GLOB_CHARS = set("*?[{")
 
 
 def is_remote(uri: str) -> bool:
@@ -480,12 +479,13 @@ def expand(uri: str, storage: StorageConfig | None = None) -> list[pafs.FileInfo
     fs, path = resolve(uri, storage)
     root = path
     try:
-        if _GLOB_CHARS & set(path):
+        info = fs.get_file_info(path)  # a path that exists is itself, whatever characters its name holds
+        if info.type == pafs.FileType.NotFound and _GLOB_CHARS & set(path):
             root = _glob_root(path)
             infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
-            found = [i for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, path)]
+            match = glob_regex(path).fullmatch
+            found = [i for i in infos if i.type == pafs.FileType.File and match(i.path)]
         else:
-            info = fs.get_file_info(path)
             if info.type == pafs.FileType.File:
                 return [info]
             if info.type == pafs.FileType.NotFound:
@@ -523,6 +523,47 @@ def _hidden(parts: list[str]) -> bool:
     # Hadoop/Spark conventions: _SUCCESS, _temporary/, .crc files, dot-files and dot-directories are not
     # data — at any depth below the input given (a path the user names itself is read).
     return any(part.startswith((".", "_")) for part in parts)
+
+
+def glob_regex(pattern: str) -> re.Pattern:
+    """A path glob as the shell, Python's ``glob`` and Hadoop (Spark's paths) read it: ``*``, ``?`` and ``[...]``
+    (``[!...]`` or ``[^...]`` negated) within one name, ``{a,b}`` alternatives, and a ``**`` name for zero or more
+    directories (at the end: everything below). ``fnmatch``, whose ``*`` crosses '/', would read data/*.txt as
+    every .txt file below data/."""
+    parts = pattern.split("/")
+    out = []
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if part == "**":
+            out.append("(?:[^/]+/)*[^/]+" if last else "(?:[^/]+/)*")
+        else:
+            out.append(_glob_name(part) + ("" if last else "/"))
+    return re.compile("".join(out))
+
+
+def _glob_name(name: str) -> str:
+    """The regex of one path name's glob."""
+    out, i = [], 0
+    while i < len(name):
+        c = name[i]
+        close = name.find("]", i + 2) if c == "[" else name.find("}", i + 1) if c == "{" else -1
+        if c == "*":
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif c == "[" and close > 0:
+            body = name[i + 1:close]
+            negate = body[:1] in ("!", "^")
+            body = body[1:] if negate else body
+            out.append(f"[{'^/' if negate else ''}{body.replace(chr(92), chr(92) * 2)}]")
+            i = close
+        elif c == "{" and close > 0:
+            out.append("(?:" + "|".join(_glob_name(alt) for alt in name[i + 1:close].split(",")) + ")")
+            i = close
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return "".join(out)
 
 
 def _glob_root(path: str) -> str:
