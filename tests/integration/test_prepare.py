@@ -6,6 +6,7 @@ import bz2
 import dataclasses
 import gzip
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -249,7 +250,7 @@ def test_errors_are_clear(spark, tmp_path, config):
     (tmp_path / "broken.txt.gz").write_bytes(b"\x1f\x8b\x08\x00not really gzip")
     with pytest.raises(SparklmError, match="cannot read .*broken.txt.gz"):
         prepare([str(tmp_path / "broken.txt.gz")], output=str(tmp_path / "o"), config=config, spark=spark)
-    with pytest.raises(SparklmError, match="not a complete prepared dataset|prepared dataset not found"):
+    with pytest.raises(SparklmError, match="is not a prepared dataset|prepared dataset not found"):
         load_prepared(str(tmp_path / "o"))
 
 
@@ -289,6 +290,23 @@ def test_a_prepared_dataset_inside_the_input_directory_is_not_read_as_input(spar
     assert f"{d}: skipped the prepared dataset {d / 'prepared'} inside it" in capsys.readouterr().err
     with pytest.raises(SparklmError, match=r"prepared is a prepared dataset \(token ids, not text\)"):
         prepare([str(d / "prepared")], output=str(tmp_path / "o"), config=config, spark=spark)
+
+
+def test_what_is_not_a_prepared_dataset_says_what_it_is(tmp_path):
+    """Tried as a new user would: `train --data` of a text file was "cannot read x.txt/manifest.json: [Errno 20] ...
+    Not a directory", and of a directory of text or of a dataset's train/ split "not a complete prepared dataset ...
+    run `sparklm prepare` again with --overwrite", though prepare had never run there (its output appears whole)."""
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("some text")
+    (tmp_path / "ds" / "train").mkdir(parents=True)
+    (tmp_path / "ds" / "manifest.json").write_text(json.dumps({"format": "sparklm.prepared/1"}))
+    for given, what, hint in (
+            ("texts/a.txt", "is a file, not a prepared dataset", "sparklm prepare .*texts/a.txt --output DIR"),
+            ("texts", "is not a prepared dataset \\(no manifest.json\\)", "sparklm prepare .*texts --output DIR"),
+            ("ds/train", "is a split of the prepared dataset .*ds, not the dataset", "--data .*ds")):
+        with pytest.raises(SparklmError, match=f"{what}") as e:
+            load_prepared(str(tmp_path / given))
+        assert re.search(hint, e.value.hint), (given, e.value.hint)
 
 
 def test_text_that_fills_no_sequence_is_refused_for_training_and_counted(spark, tmp_path, config, capsys):

@@ -214,7 +214,7 @@ def test_bad_inputs_are_one_line(spark, dataset, tmp_path):
     with pytest.raises(SparklmError, match="prepared dataset not found"):
         train(str(tmp_path / "nope"), output=str(tmp_path / "r1"), config=cfg(), spark=spark)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SparklmError, match="not a complete prepared dataset"):
+    with pytest.raises(SparklmError, match="is not a prepared dataset"):
         train(str(tmp_path / "empty"), output=str(tmp_path / "r2"), config=cfg(), spark=spark)
     with pytest.raises(SparklmError, match="fewer than one global batch"):
         train(dataset, output=str(tmp_path / "r3"), config=cfg(batch_size=100000, max_steps=1), spark=spark)

@@ -42,19 +42,32 @@ def load_prepared(uri: str, storage: StorageConfig | None = None) -> PreparedDat
         info = fs.get_file_info(path)
         if info.type.name == "NotFound":
             raise SparklmError(f"prepared dataset not found: {uri}", hint="run `sparklm prepare INPUT --output DIR` first")
+        if info.type.name == "File":
+            raise SparklmError(f"{uri} is a file, not a prepared dataset",
+                               hint=f"prepare it first: sparklm prepare {uri} --output DIR, then --data DIR")
         with fs.open_input_stream(f"{path}/{MANIFEST}") as f:
             manifest = json.loads(f.read().decode("utf-8"))
     except SparklmError:
         raise
     except FileNotFoundError:
-        raise SparklmError(f"{uri} is not a complete prepared dataset (no {MANIFEST})",
-                           hint="run `sparklm prepare` again with --overwrite") from None
+        raise _not_a_dataset(fs, path, uri) from None
     except (OSError, ValueError) as e:
         raise SparklmError(f"cannot read {uri}/{MANIFEST}: {' '.join(str(e).split())[:200]}") from None
     if manifest.get("format") != FORMAT:
         raise SparklmError(f"{uri}/{MANIFEST} has format {manifest.get('format')!r}, expected {FORMAT!r}",
                            hint="prepare the data again with this version of sparklm")
     return PreparedDataset(uri=uri, manifest=manifest)
+
+
+def _not_a_dataset(fs, path: str, uri: str) -> SparklmError:
+    """What a directory without a manifest is: a split of a dataset (its parent has one), or text to prepare (prepare
+    writes its output whole, manifest last: an interrupted one leaves no directory to mistake for a dataset)."""
+    parent, parent_uri = path.rstrip("/").rsplit("/", 1)[0], uri.rstrip("/").rsplit("/", 1)[0]
+    if path.rstrip("/").rsplit("/", 1)[-1] in SPLITS and fs.get_file_info(f"{parent}/{MANIFEST}").type.name == "File":
+        return SparklmError(f"{uri} is a split of the prepared dataset {parent_uri}, not the dataset",
+                            hint=f"pass the dataset's own directory: --data {parent_uri}")
+    return SparklmError(f"{uri} is not a prepared dataset (no {MANIFEST})",
+                        hint=f"prepare its text first: sparklm prepare {uri} --output DIR, then --data DIR")
 
 
 def load_tokenizer(dataset: PreparedDataset, storage: StorageConfig | None = None) -> TokenizerSpec:
