@@ -121,7 +121,7 @@ def _add_inference(sub) -> None:
     g.add_argument("model", metavar="MODEL", help="a sparklm run directory, an HF model directory, or an ONNX export")
     g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     g.add_argument("--prompt-file", metavar="FILE", help="one prompt per line")
-    g.add_argument("--input", metavar="FILE", help="prompts.{txt,jsonl,parquet}: batch generation on Spark")
+    g.add_argument("--input", metavar="FILE", help="prompts.{txt,jsonl,json,csv,parquet}, local or s3://: batch generation on Spark")
     g.add_argument("--output", "-o", metavar="FILE", help="write results to .jsonl or .parquet")
     g.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     _sampling_flags(g.add_argument_group("sampling"))
@@ -393,6 +393,7 @@ def _sampling(args: argparse.Namespace):
 
 def _generate(args: argparse.Namespace) -> int:
     from .infer import batch
+    from .infra.fs import effective
     from .spark.resources import check_batching
 
     sampling = _sampling(args)
@@ -407,7 +408,8 @@ def _generate(args: argparse.Namespace) -> int:
         batch.check_output(args.output, args.overwrite)
     prompts = list(args.prompt)
     if args.prompt_file:
-        prompts += [text for _, text in batch.read_prompts(args.prompt_file)]
+        config, _ = _config(args)
+        prompts += [text for _, text in batch.read_prompts(args.prompt_file, storage=effective(config.storage))]
     if not prompts:
         raise SparklmError("no prompt given", hint='pass --prompt "text", --prompt-file FILE or --input FILE')
     lm = _generation_model(args)
@@ -463,7 +465,7 @@ def _generate_on_spark(args: argparse.Namespace, sampling) -> int:
 
     config, _ = _config(args)
     model_uri(args.model, effective(config.storage))  # a missing model fails here, not in a task
-    prompts = batch.read_prompts(args.input)
+    prompts = batch.read_prompts(args.input, storage=effective(config.storage))
     spark = _session_factory(args, config)()
     from .spark.session import check_shared
 

@@ -47,6 +47,18 @@ def test_prepare_from_and_to_s3(spark, s3_server, config):
     assert splits["train"]["documents"] + splits["validation"]["documents"] == len(set(current))
 
 
+def test_prompts_are_read_from_s3(s3_server):
+    """`generate --input s3://...` said "prompt file s3://... not found": prompts were read as local files only."""
+    from sparklm.infer.batch import read_prompts
+
+    s3 = boto3.client("s3", endpoint_url=s3_server)
+    s3.create_bucket(Bucket="prompts")
+    s3.put_object(Bucket="prompts", Key="p.jsonl", Body=b'{"id": 7, "prompt": "Once upon a time"}\n')
+    assert read_prompts("s3://prompts/p.jsonl") == [(7, "Once upon a time")]
+    with pytest.raises(SparklmError, match="prompt file s3://prompts/missing.txt not found"):
+        read_prompts("s3://prompts/missing.txt")
+
+
 def test_unreachable_or_missing_object_store_is_one_line(spark, s3_server, config, monkeypatch):
     import boto3
 

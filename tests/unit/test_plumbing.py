@@ -515,6 +515,33 @@ def test_a_binary_file_is_not_read_as_prompts(tmp_path):
     assert read_prompts(str(tmp_path / "ok.txt")) == [(0, "caf\u00e9 au lait"), (1, "Once upon")]
 
 
+def test_prompts_are_read_from_json_arrays_and_csv_as_records(tmp_path):
+    """Tried as a new user would: a prompts.json holding an array was read as lines of text, so "[", "  {" and
+    '"prompt": "Once upon a time"' were each a prompt; a prompts.csv gave its header row as the first prompt."""
+    import json
+
+    from sparklm.infer.batch import read_prompts
+    from sparklm.infra.errors import SparklmError
+
+    (tmp_path / "p.json").write_text(json.dumps([{"id": 5, "prompt": "Once upon"}, {"prompt": "Twice"}], indent=2))
+    assert read_prompts(str(tmp_path / "p.json")) == [(5, "Once upon"), (1, "Twice")]
+    (tmp_path / "lines.json").write_text('{"text": "a"}\n{"text": "b"}\n')  # JSON Lines named .json
+    assert read_prompts(str(tmp_path / "lines.json")) == [(0, "a"), (1, "b")]
+    (tmp_path / "p.csv").write_text('id,prompt\n3,"Hello, world"\n4,"two\nlines"\n')
+    assert read_prompts(str(tmp_path / "p.csv")) == [(3, "Hello, world"), (4, "two\nlines")]
+    (tmp_path / "t.tsv").write_text("text\nfirst\n")
+    assert read_prompts(str(tmp_path / "t.tsv")) == [(0, "first")]
+    (tmp_path / "bad.csv").write_text("body\nx\n")
+    with pytest.raises(SparklmError, match=r"bad\.csv has no 'prompt' or 'text' column \(columns: body\)"):
+        read_prompts(str(tmp_path / "bad.csv"))
+    (tmp_path / "bad.json").write_text('[{"prompt": "a"}, 3]')
+    with pytest.raises(SparklmError, match=r"bad\.json record 2: not a JSON object with a 'prompt' \(or 'text'\)"):
+        read_prompts(str(tmp_path / "bad.json"))
+    (tmp_path / "cut.json").write_text('[{"prompt": "a"}, {"prompt"')
+    with pytest.raises(SparklmError, match=r"cannot read .*cut\.json: the JSON array breaks at line 1"):
+        read_prompts(str(tmp_path / "cut.json"))
+
+
 def test_the_default_generation_length_fits_the_model():
     from sparklm.infer.sampling import Sampling
 

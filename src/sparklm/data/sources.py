@@ -243,7 +243,7 @@ def _malformed(uri: str, pos: int, data: DataConfig, storage: StorageConfig) -> 
             f.seek(pos)
             line = io.BufferedReader(f).readline().decode(encoding, errors="replace")
     else:
-        with _open(fs, path, compression) as raw:
+        with open_stream(fs, path, compression) as raw:
             text = io.TextIOWrapper(io.BufferedReader(raw, 1 << 20), encoding=encoding, errors="replace", newline="")
             if fmt in ("csv", "tsv"):
                 rows = csv.reader(text, delimiter=_delimiter(unit, data))
@@ -279,7 +279,7 @@ def _json_kind(value) -> str:
 
 def _sniff(fs, path: str, unit: ReadUnit, default: str) -> tuple[bytes, str]:
     """A file's first bytes (decompressed) and its encoding: a byte-order mark's, else ``default``."""
-    with _open(fs, path, unit.compression) as s:
+    with open_stream(fs, path, unit.compression) as s:
         head = s.read(clean.BINARY_SNIFF_BYTES)
     return head, clean.sniff_encoding(head, default)
 
@@ -290,8 +290,8 @@ def _by_line(unit: ReadUnit, encoding: str) -> bool:
 
 
 @contextlib.contextmanager
-def _open(fs, path: str, compression: str):
-    """A file's bytes as a stream, decompressed."""
+def open_stream(fs, path: str, compression: str):
+    """A file's bytes as a stream, decompressed (``compression``: :func:`detect_format`'s)."""
     with fs.open_input_stream(path, compression=compression if compression not in ("", "xz") else None) as raw:
         if compression == "xz":
             with lzma.LZMAFile(raw) as xz:
@@ -422,7 +422,7 @@ def _lines(fs, path: str, unit: ReadUnit, encoding: str, mode: str) -> Iterator[
     UTF-16/32 files are decoded as one stream and positions are line numbers.
     """
     if _by_line(unit, encoding):
-        with _open(fs, path, unit.compression) as raw:
+        with open_stream(fs, path, unit.compression) as raw:
             text = io.TextIOWrapper(io.BufferedReader(raw, 1 << 20), encoding=encoding,
                                     errors="sparklm-count", newline="")
             before = clean.invalid_total()
@@ -501,7 +501,7 @@ def _starts_array(head: bytes, encoding: str) -> bool:
 def _read_json_array(fs, path: str, unit: ReadUnit, data: DataConfig, encoding: str) -> Iterator[tuple]:
     """(index, status, text or record, invalid bytes) of each element of a file's JSON array (the layout of
     ``json.dump(records)`` and of pandas' ``to_json(orient="records")``, which HF ``datasets`` reads too)."""
-    with _open(fs, path, unit.compression) as raw:
+    with open_stream(fs, path, unit.compression) as raw:
         text = io.TextIOWrapper(io.BufferedReader(raw, 1 << 20), encoding=encoding, errors="sparklm-count")
         before = clean.invalid_total()
         for index, value in json_array(text):
@@ -602,7 +602,7 @@ class _JsonBuffer:
 
 def _read_csv(fs, path: str, unit: ReadUnit, data: DataConfig, encoding: str) -> Iterator[tuple[int, str, str | None, int]]:
     csv.field_size_limit(sys.maxsize)
-    with _open(fs, path, unit.compression) as raw:
+    with open_stream(fs, path, unit.compression) as raw:
         text = io.TextIOWrapper(io.BufferedReader(raw, 1 << 20), encoding=encoding,
                                 errors="sparklm-count", newline="")
         reader = csv.reader(text, delimiter=_delimiter(unit, data))

@@ -125,45 +125,30 @@ def _context(model_path: str, storage: StorageConfig) -> int | None:
         return None
 
 
-def read_prompts(path: str, *, field: str = "prompt") -> list[tuple[int, str]]:
-    """(id, prompt) pairs from .txt (one prompt per non-empty line), .jsonl or .parquet (``id`` optional)."""
-    p = Path(path)
-    if not p.is_file():
-        raise SparklmError(f"prompt file {path} not found", hint="pass a .txt, .jsonl or .parquet file")
-    name = p.name.lower()
-    rows: list[tuple[int, str]] = []
-    if not name.endswith(".parquet"):
-        with open(p, "rb") as f:
-            if looks_binary(f.read(BINARY_SNIFF_BYTES), "utf-8"):  # a model or archive given by mistake
-                raise SparklmError(f"{path} looks binary, not text",
-                                   hint="pass a UTF-8 .txt file (one prompt per line), a .jsonl or a .parquet file")
-    if name.endswith(".parquet"):
-        import pyarrow.parquet as pq
+def read_prompts(path: str, *, field: str = "prompt", storage: StorageConfig | None = None) -> list[tuple[int, str]]:
+    """(id, prompt) pairs from .txt (one prompt per non-empty line), .jsonl or .json (a record a line, or one array
+    of records), .csv/.tsv (a header row) or .parquet: each record's ``field`` (else ``text``) and optional ``id``;
+    local or on an object store, compressed as ``prepare`` reads it."""
+    import pyarrow as pa
 
-        try:
-            table = pq.read_table(p)
-        except Exception as e:
-            raise SparklmError(f"cannot read {path}: {' '.join(str(e).split())[:200]}") from None
-        col = field if field in table.column_names else "text" if "text" in table.column_names else None
-        if col is None:
-            raise SparklmError(f"{path} has no {field!r} or 'text' column", hint="name the prompt column 'prompt'")
-        ids = table.column("id").to_pylist() if "id" in table.column_names else range(table.num_rows)
-        rows = [(int(i), str(t)) for i, t in zip(ids, table.column(col).to_pylist())]
-    elif name.endswith((".jsonl", ".ndjson")):
-        with open(p, encoding="utf-8", errors="replace") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                    text = record[field] if field in record else record["text"]
-                    rows.append((int(record.get("id", len(rows))), str(text)))
-                except (ValueError, KeyError, TypeError, AttributeError):
-                    raise SparklmError(f"{path} line {n}: not a JSON object with a {field!r} (or 'text') field",
-                                       hint='one object per line, e.g. {"id": 1, "prompt": "Once upon a time"}') from None
-    else:
-        with open(p, encoding="utf-8", errors="replace") as f:
-            rows = [(i, line.rstrip("\r\n")) for i, line in enumerate(x for x in f if x.strip())]
+    from ..data.sources import detect_format, open_stream
+    from ..infra.fs import resolve, storage_hint
+
+    fmt, compression = detect_format(path)
+    try:
+        fs, where = resolve(path, storage)
+        if fs.get_file_info(where).type != pa.fs.FileType.File:
+            raise SparklmError(f"prompt file {path} not found", hint="pass a .txt, .jsonl, .json, .csv or .parquet file")
+        with open_stream(fs, where, compression) as f:
+            data = f.read()
+        if fmt != "parquet" and looks_binary(data[:BINARY_SNIFF_BYTES], "utf-8"):  # a model or archive by mistake
+            raise SparklmError(f"{path} looks binary, not text",
+                               hint="pass a UTF-8 .txt file (one prompt per line), a .jsonl, .json, .csv or .parquet file")
+        rows = _prompt_rows(path, fmt, data, field)
+    except SparklmError:
+        raise
+    except (OSError, ValueError, EOFError, pa.ArrowException) as e:
+        raise SparklmError(f"cannot read {path}: {' '.join(str(e).split())[:200]}", hint=storage_hint(path)) from None
     if not rows:
         raise SparklmError(f"{path} holds no prompts")
     ids = [i for i, _ in rows]
@@ -173,6 +158,60 @@ def read_prompts(path: str, *, field: str = "prompt") -> list[tuple[int, str]]:
         if not text.strip():
             raise SparklmError(f"{path}: prompt {i} is empty", hint="remove it or give it text")
     return rows
+
+
+def _prompt_rows(path: str, fmt: str, data: bytes, field: str) -> list[tuple[int, str]]:
+    """The (id, prompt) pairs of a prompt file's bytes, by its format."""
+    import csv
+    import io
+
+    from ..data.sources import json_array
+
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(pa.BufferReader(data))
+        col = field if field in table.column_names else "text" if "text" in table.column_names else None
+        if col is None:
+            raise SparklmError(f"{path} has no {field!r} or 'text' column (columns: {', '.join(table.column_names)})",
+                               hint=f"name the prompt column {field!r}")
+        ids = table.column("id").to_pylist() if "id" in table.column_names else range(table.num_rows)
+        return [(int(i), str(t)) for i, t in zip(ids, table.column(col).to_pylist())]
+    text = data.decode("utf-8-sig", errors="replace")
+    if fmt in ("csv", "tsv"):
+        reader = csv.DictReader(io.StringIO(text, newline=""), delimiter="\t" if fmt == "tsv" else ",")
+        columns = [c.strip() for c in reader.fieldnames or []]
+        if field not in columns and "text" not in columns:
+            raise SparklmError(f"{path} has no {field!r} or 'text' column (columns: {', '.join(columns)})",
+                               hint=f"name the prompt column {field!r}")
+        return [_prompt(path, f"row {n}", {k.strip(): v for k, v in r.items() if k}, field, n - 1)
+                for n, r in enumerate(reader, 1)]
+    if fmt == "jsonl":
+        if text.lstrip().startswith("["):
+            return [_prompt(path, f"record {n + 1}", r, field, n) for n, r in json_array(io.StringIO(text))]
+        lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+        return [_prompt(path, f"line {n}", _json(line), field, k) for k, (n, line) in enumerate(lines)]
+    return list(enumerate(line.rstrip("\r\n") for line in text.splitlines() if line.strip()))
+
+
+def _json(line: str):
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
+def _prompt(path: str, where: str, record, field: str, n: int) -> tuple[int, str]:
+    """One record's (id, prompt): its ``field`` (else ``text``) and its ``id`` (else its position)."""
+    if not isinstance(record, dict) or (field not in record and "text" not in record):
+        raise SparklmError(f"{path} {where}: not a JSON object with a {field!r} (or 'text') field",
+                           hint='one object per record, e.g. {"id": 1, "prompt": "Once upon a time"}')
+    try:
+        pid = int(record.get("id", n))
+    except (TypeError, ValueError):
+        raise SparklmError(f"{path} {where}: its id {record['id']!r} is not an integer") from None
+    return pid, str(record[field] if field in record else record["text"])
 
 
 def check_output(output: str, overwrite: bool) -> None:
