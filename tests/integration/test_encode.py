@@ -95,6 +95,33 @@ def test_scoring_mistakes_are_one_line_on_the_driver(spark, bert, tmp_path):
         sparklm.generate_dataframe(df.withColumnRenamed("body", "prompt"), model=bert, batch_size=0)
 
 
+def test_a_batch_of_texts_all_null_or_blank_gets_nulls_not_a_traceback(spark, bert):
+    """Found on the way: an Arrow batch whose texts were all null or blank (a partition of them) failed its task
+    with IndexError inside the tokenizer, given no text."""
+    import sparklm
+
+    df = spark.createDataFrame([(None,), ("   ",)], "text string").coalesce(1)
+    assert [r["embedding"] for r in sparklm.embed_dataframe(df, model=bert).collect()] == [None, None]
+    assert [r["label"] for r in sparklm.classify_dataframe(df, model=bert).collect()] == [None, None]
+
+
+def test_predict_reads_json_arrays_beside_json_lines(spark, bert, tmp_path):
+    """Tried as a new user would: `predict --input texts.json` of a pretty-printed JSON array (json.dump(records,
+    indent=2)) was "the DataFrame has no column 'text' (columns: _corrupt_record)"."""
+    from sparklm.infer.predict import predict
+
+    records = [{"text": f"sentence {i} is here"} for i in range(5)]
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "pretty.json").write_text(json.dumps(records[:3], indent=2))
+    (tmp_path / "in" / "lines.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[3:]))
+    info = predict(spark, bert, [str(tmp_path / "in" / "pretty.json"), str(tmp_path / "in" / "lines.jsonl")],
+                   str(tmp_path / "out"), embed=True)
+    assert info["rows"] == 5
+    (tmp_path / "broken.json").write_text('[{"text": "one"},\n {"text": ')
+    with pytest.raises(SparklmError, match=r"broken\.json: no line or array of JSON objects Spark could read"):
+        predict(spark, bert, [str(tmp_path / "broken.json")], str(tmp_path / "out2"), embed=True)
+
+
 @pytest.mark.parametrize("quantize", ["none", "int8"])
 def test_an_encoder_exports_to_onnx_and_answers_as_torch(bert, tmp_path, quantize):
     """The classifier's graph (and the head-less encoder's hidden states) run in onnxruntime as torch computes

@@ -213,7 +213,7 @@ def where(unit: ReadUnit, pos: int, storage: StorageConfig) -> str:
         return _where(None, "", unit, pos, by_line=True)
     fs, path = resolve(unit.uri, storage)
     head, encoding = _sniff(fs, path, unit, "utf-8")
-    if _starts_array(head, encoding):
+    if starts_array(head, encoding):
         return f"{unit.uri} record {pos + 1}"
     return _where(fs, path, unit, pos, by_line=_by_line(unit, encoding))
 
@@ -238,7 +238,7 @@ def _malformed(uri: str, pos: int, data: DataConfig, storage: StorageConfig) -> 
             kind = pq.ParquetFile(raw).schema_arrow.field(data.text_field).type
         return f"{uri} row {pos + 1}: column '{data.text_field}' holds {kind}, not strings"
     head, encoding = _sniff(fs, path, unit, data.encoding)
-    if fmt == "jsonl" and not _starts_array(head, encoding) and not _by_line(unit, encoding):
+    if fmt == "jsonl" and not starts_array(head, encoding) and not _by_line(unit, encoding):
         with fs.open_input_file(path) as f:  # pos: the line's byte offset
             f.seek(pos)
             line = io.BufferedReader(f).readline().decode(encoding, errors="replace")
@@ -250,7 +250,7 @@ def _malformed(uri: str, pos: int, data: DataConfig, storage: StorageConfig) -> 
                 header = next(rows)
                 row = next(r for number, r in enumerate(rows, start=1) if number == pos)
                 return f"{uri} row {pos} has {len(row)} field{'s' * (len(row) != 1)}, the header {len(header)}"
-            if _starts_array(head, encoding):
+            if starts_array(head, encoding):
                 return f"{uri} record {pos + 1}{_why(next(v for i, v in json_array(text) if i == pos), data)}"
             line = next(line for number, line in enumerate(text) if number == pos)
     place = _where(fs, path, unit, pos, by_line=_by_line(unit, encoding))
@@ -369,7 +369,7 @@ def _read_unit(unit: ReadUnit, data: DataConfig, storage: StorageConfig) -> Iter
         if unit.fmt in ("csv", "tsv"):
             yield from _read_csv(fs, path, unit, data, encoding)
             return
-        array = unit.fmt == "jsonl" and _starts_array(head, encoding)
+        array = unit.fmt == "jsonl" and starts_array(head, encoding)
         if unit.start > 0 and (array or _by_line(unit, encoding)):
             return  # read whole, by the file's first range: a JSON array, or UTF-16/32 (no byte offset of a line)
         if array:
@@ -493,7 +493,7 @@ def _field_text(record, field: str) -> tuple[str, str | None]:
     return MALFORMED, None
 
 
-def _starts_array(head: bytes, encoding: str) -> bool:
+def starts_array(head: bytes, encoding: str) -> bool:
     """Whether a JSON file holds one array (of records), not a record a line: its first character is ``[``."""
     return head.decode(encoding, errors="ignore").lstrip("\ufeff \t\r\n").startswith("[")
 

@@ -119,6 +119,8 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor
 
 def _batches(enc: Encoder, texts: list[str], batch_size: int):
     """(indices, tokenized batch, truncated flags) in length order, the texts cut to the model's positions."""
+    if not texts:  # a tokenizer given no text fails (IndexError) instead of returning nothing
+        return
     lengths = [len(ids) for ids in enc.tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]]
     order = length_order(lengths)
     for start in range(0, len(order), batch_size):

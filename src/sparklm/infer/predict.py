@@ -39,7 +39,38 @@ def input_format(paths: list[str], given: str = "auto") -> str:
 def read(spark, paths: list[str], fmt: str):
     if fmt in ("csv", "tsv"):
         return spark.read.csv(paths, header=True, sep="\t" if fmt == "tsv" else ",", multiLine=True, escape='"')
-    return spark.read.json(paths) if fmt == "json" else spark.read.parquet(paths)
+    if fmt != "json":
+        return spark.read.parquet(paths)
+    lines, arrays = _json_layouts(paths)
+    # a pretty-printed array needs Spark's multiLine, which would read a JSON Lines file's first record only
+    frames = [*([spark.read.json(lines)] if lines else []), *([spark.read.json(arrays, multiLine=True)] if arrays else [])]
+    df = frames[0] if len(frames) == 1 else frames[0].unionByName(frames[1], allowMissingColumns=True)
+    if df.columns == ["_corrupt_record"]:
+        raise SparklmError(f"{', '.join(paths)}: no line or array of JSON objects Spark could read",
+                           hint="one JSON object per line (JSON Lines), or one array of objects per file")
+    return df
+
+
+def _json_layouts(paths: list[str]) -> tuple[list[str], list[str]]:
+    """The JSON files behind ``paths`` as (JSON Lines, files holding one array); a path this process cannot list
+    (one only Spark reads) goes to Spark as JSON Lines, as before."""
+    from ..data.clean import BINARY_SNIFF_BYTES, sniff_encoding
+    from ..data.sources import detect_format, open_stream, starts_array
+    from ..infra.fs import expand, resolve, uri_like
+
+    lines, arrays = [], []
+    for p in paths:
+        try:
+            files = [uri_like(p, i.path) for i in expand(p)]
+        except SparklmError:
+            lines.append(p)
+            continue
+        for f in files:
+            fs, path = resolve(f)
+            with open_stream(fs, path, detect_format(f)[1]) as s:
+                head = s.read(BINARY_SNIFF_BYTES)
+            (arrays if starts_array(head, sniff_encoding(head, "utf-8")) else lines).append(f)
+    return lines, arrays
 
 
 def predict(spark, model: str, inputs: list[str], output: str, *, text_col: str = "text", embed: bool = False,
