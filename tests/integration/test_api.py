@@ -100,6 +100,8 @@ def test_dataframe_mistakes_are_one_line_and_write_nothing(spark, tmp_path):
     df = spark.createDataFrame([("some text here", 1)], "text string, n long")
     cases = [
         (df, {"text_col": "body"}, "the DataFrame has no column 'body' (columns: text, n)"),
+        # was a whole read pass, then "no training documents left (1 malformed ... does not hold strings)"
+        (df, {"text_col": "n"}, "the DataFrame's column 'n' holds bigint, not text"),
         (df.limit(0), {}, "no training documents left after cleaning"),
         (spark.createDataFrame([(None,), ("   ",)], "text string"), {}, "no training documents left after cleaning"),
         (df, {"validation": [str(tmp_path)]}, "of different kinds"),

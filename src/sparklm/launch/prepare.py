@@ -163,6 +163,12 @@ def _frames(frame, validation, data) -> list[tuple[object, str]]:
             raise SparklmError(f"the {'validation ' if role == 'validation' else ''}DataFrame has no column "
                                f"{', '.join(map(repr, missing))} (columns: {', '.join(df.columns) or 'none'})",
                                hint=f"name its text column with {flag}, e.g. text_col='body'")
+        kind = df.schema[data.text_field].dataType.simpleString() if not sources.reads_records(data) else "string"
+        if kind not in ("string", "binary"):  # found on the driver, not after a pass that drops every row
+            raise SparklmError(f"the {'validation ' if role == 'validation' else ''}DataFrame's column "
+                               f"{data.text_field!r} holds {kind}, not text",
+                               hint=f"cast it: df.withColumn({data.text_field!r}, "
+                                    f"F.col({data.text_field!r}).cast('string')), or name another with text_col")
     return frames
 
 
