@@ -70,6 +70,27 @@ def test_a_dataframe_or_a_table_prepares_as_the_same_text_in_files(spark, tmp_pa
     assert c.manifest["input"]["files"] == 2 and c.manifest["validation_inputs"] == ["dataframe (validation)"]
 
 
+def test_a_field_inside_a_struct_column_is_the_text_as_spark_names_it(spark, tmp_path):
+    """`text_col="meta.body"`, as Spark's col("meta.body"): a struct column's field is the text (it was "the
+    DataFrame has no column 'meta.body'"); a column whose own name holds the dot is still itself."""
+    import sparklm
+
+    docs = documents()
+    nested = spark.createDataFrame([({"body": t, "n": i},) for i, t in enumerate(docs)],
+                                   "meta struct<body: string, n: long>").coalesce(1)
+    flat = spark.createDataFrame([(t,) for t in docs], "body string").coalesce(1)
+    dotted = flat.withColumnRenamed("body", "a.b")
+    a = sparklm.prepare(flat, output=str(tmp_path / "flat"), text_col="body", config=SMALL)
+    b = sparklm.prepare(nested, output=str(tmp_path / "nested"), text_col="meta.body", config=SMALL)
+    c = sparklm.prepare(dotted, output=str(tmp_path / "dotted"), text_col="a.b", config=SMALL)
+    for split in ("train", "validation"):
+        assert sequences(b, split) == sequences(a, split) == sequences(c, split) != []
+    with pytest.raises(SparklmError, match=r"the DataFrame's column 'meta.n' holds bigint, not text"):
+        sparklm.prepare(nested, output=str(tmp_path / "n"), text_col="meta.n", config=SMALL)
+    with pytest.raises(SparklmError, match=r"the DataFrame has no column 'meta.nope' \(columns: meta\)"):
+        sparklm.prepare(nested, output=str(tmp_path / "nope"), text_col="meta.nope", config=SMALL)
+
+
 def test_a_delta_tables_current_version_is_prepared(spark, tmp_path):
     """Read through the deltalake package (no jars): the current version's files only, not those an overwrite
     removed, whose files stay in the directory; the same as a Parquet file of that version's rows."""

@@ -231,3 +231,41 @@ def test_a_csv_separated_by_semicolons_is_read_with_its_delimiter_and_named_with
     assert _records(tmp_path / "t.tsv") == [("ok", "three")]
     with pytest.raises(SparklmError, match="data.csv_delimiter"):
         DataConfig(csv_delimiter=";;")
+
+
+def test_a_field_inside_a_field_is_named_with_a_dot_as_spark_names_it(tmp_path):
+    """`--text-field meta.body` (Spark's col("meta.body")) read nothing: JSON records, JSON arrays and Parquet structs
+    now give the field inside the field; a field whose own name holds the dot is still itself."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from sparklm.infra.errors import SparklmError
+
+    rows = [{"meta": {"body": "one"}}, {"meta": {"body": None}}, {"meta": None}, {"meta": 3}, {"meta": {"x": 1}}]
+    want = [("ok", "one"), ("empty", None), ("empty", None), ("malformed", None), ("malformed", None)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "b.json").write_text(json.dumps(rows))
+    assert _records(tmp_path / "a.jsonl", text_field="meta.body") == want
+    assert _records(tmp_path / "b.json", text_field="meta.body") == want
+    pq.write_table(pa.table({"meta": [{"body": "p1", "n": 1}, {"body": None, "n": 2}, None]}), tmp_path / "c.parquet")
+    assert _records(tmp_path / "c.parquet", text_field="meta.body") == [("ok", "p1"), ("empty", None), ("empty", None)]
+    with pytest.raises(SparklmError, match=r"has no column 'meta.nope' \(columns: meta, meta.body, meta.n\)"):
+        _records(tmp_path / "c.parquet", text_field="meta.nope")
+    (tmp_path / "d.jsonl").write_text('{"a.b": "literal", "a": {"b": "nested"}}\n')
+    pq.write_table(pa.table({"a.b": ["literal"]}), tmp_path / "e.parquet")
+    assert _records(tmp_path / "d.jsonl", text_field="a.b") == [("ok", "literal")]
+    assert _records(tmp_path / "e.parquet", text_field="a.b") == [("ok", "literal")]
+    qa = {"q": {"prompt": "p"}, "a": {"response": "r"}}
+    (tmp_path / "f.jsonl").write_text(json.dumps(qa) + "\n")
+    pq.write_table(pa.Table.from_pylist([qa]), tmp_path / "g.parquet")
+    for name in ("f.jsonl", "g.parquet"):
+        [(status, record)] = _records(tmp_path / name, format="instruction", prompt_field="q.prompt",
+                                      response_field="a.response")
+        assert status == "ok" and record.messages == (("user", "p"), ("assistant", "r")), name
+    unit = sources.ReadUnit(str(tmp_path / "a.jsonl"), "jsonl", "")
+    data = DataConfig(text_field="meta.body")
+    positions = [pos for pos, status, _, _ in sources._read_unit(unit, data, StorageConfig()) if status == "malformed"]
+    assert [sources.malformed(unit.uri, p, data, StorageConfig()).split("a.jsonl ")[1] for p in positions] == [
+        "line 4 has no field 'meta.body' (its fields: meta)", "line 5 has no field 'meta.body' (its fields: meta)"]

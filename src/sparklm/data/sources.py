@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..config import DataConfig, StorageConfig
@@ -235,7 +236,9 @@ def _malformed(uri: str, pos: int, data: DataConfig, storage: StorageConfig) -> 
     fs, path = resolve(uri, storage)
     if fmt == "parquet":
         with fs.open_input_file(path) as raw:
-            kind = pq.ParquetFile(raw).schema_arrow.field(data.text_field).type
+            schema, kind = pq.ParquetFile(raw).schema_arrow, None
+            for part in [data.text_field] if data.text_field in schema.names else data.text_field.split("."):
+                schema = kind = schema.field(part).type  # a struct type's fields are found as a schema's are
         return f"{uri} row {pos + 1}: column '{data.text_field}' holds {kind}, not strings"
     head, encoding = _sniff(fs, path, unit, data.encoding)
     if fmt == "jsonl" and not starts_array(head, encoding) and not _by_line(unit, encoding):
@@ -267,9 +270,10 @@ def _why(value, data: DataConfig) -> str:
     field = data.text_field
     if reads_records(data):
         return " is not a record of the fields asked for"
-    if field not in value:
+    found, inside = field_value(value, field)
+    if not found:
         return f" has no field '{field}' (its fields: {', '.join(list(value)[:20]) or 'none'})"
-    return f": field '{field}' holds a JSON {_json_kind(value[field])}, not a string"
+    return f": field '{field}' holds a JSON {_json_kind(inside)}, not a string"
 
 
 def _json_kind(value) -> str:
@@ -317,8 +321,30 @@ def _where(fs, path: str, unit: ReadUnit, pos: int, *, by_line: bool) -> str:
     return f"{unit.uri} line {newlines + 1}"
 
 
+def field_value(record: dict, name: str) -> tuple[bool, object]:
+    """(found, value) of a record's field ``name``. A dotted name walks into nested objects, as Spark's
+    ``col("meta.body")`` does, unless the record has a field of that very name; a null on the way is a null."""
+    if name in record or "." not in name:
+        return name in record, record.get(name)
+    value = record
+    for part in name.split("."):
+        if value is None:
+            return True, None
+        if not isinstance(value, dict) or part not in value:
+            return False, None
+        value = value[part]
+    return True, value
+
+
+def _projected(values: dict, names: list[str]) -> dict:
+    """A record's values with its dotted fields among ``names`` found and set under those names."""
+    nested = {n: field_value(values, n) for n in names if n not in values and "." in n}
+    return {**values, **{n: v for n, (found, v) in nested.items() if found}} if nested else values
+
+
 def _record(values: dict, data: DataConfig, where) -> instruct.Record | labelled.Record:
     """An instruction, chat or labelled record from a row's values; ``where()`` names the row for an error."""
+    values = _projected(values, record_fields(data))
     labels = labelled.labels_of(data)
     if labels is not None:  # a missing text or label is dropped and counted, not an error
         return labelled.record(values, data.text_field, data.pair_field, data.label_field, labels == "value")
@@ -485,12 +511,10 @@ def _json_text(line: str, field: str) -> tuple[str, str | None]:
 
 def _field_text(record, field: str) -> tuple[str, str | None]:
     """(status, text) of a JSON record's text field: a string, null (empty), or anything else (malformed)."""
-    value = record.get(field) if isinstance(record, dict) else None
+    found, value = field_value(record, field) if isinstance(record, dict) else (False, None)
     if isinstance(value, str):
         return OK, value
-    if isinstance(record, dict) and field in record and value is None:
-        return EMPTY, None
-    return MALFORMED, None
+    return (EMPTY, None) if found and value is None else (MALFORMED, None)
 
 
 def starts_array(head: bytes, encoding: str) -> bool:
@@ -629,6 +653,20 @@ def _delimiter(unit: ReadUnit, data: DataConfig) -> str:
     return data.csv_delimiter or ("\t" if unit.fmt == "tsv" else ",")
 
 
+def column_paths(schema: pa.Schema) -> list[str]:
+    """A schema's columns and, dotted, the fields inside its struct columns (``meta``, ``meta.body``)."""
+    out = []
+
+    def walk(prefix: str, fields) -> None:
+        for f in fields:
+            out.append(prefix + f.name)
+            if pa.types.is_struct(f.type):
+                walk(f"{prefix}{f.name}.", [f.type.field(i) for i in range(f.type.num_fields)])
+
+    walk("", schema)
+    return out
+
+
 def _check_columns(uri: str, names: list[str], data: DataConfig, delimiter: str = "") -> None:
     """A CSV or Parquet file must have the columns its format reads (one line naming the file and what it has); a
     CSV header read as one column names the delimiter it seems to hold."""
@@ -644,14 +682,18 @@ def _check_columns(uri: str, names: list[str], data: DataConfig, delimiter: str 
 def _read_parquet(fs, path: str, unit: ReadUnit, data: DataConfig) -> Iterator[tuple[int, str, object, int]]:
     with fs.open_input_file(path) as raw:
         pf = pq.ParquetFile(raw)
-        names = pf.schema_arrow.names
-        _check_columns(path, names, data)
+        _check_columns(path, column_paths(pf.schema_arrow), data)
         if reads_records(data):
             yield from _parquet_records(pf, unit, data)
             return
         number = 0
-        for batch in pf.iter_batches(columns=[data.text_field], batch_size=4096):
-            for value in batch.column(0).to_pylist():
+        field = data.text_field
+        for batch in pf.iter_batches(columns=[field], batch_size=4096):
+            column = batch.column(0)
+            if field not in pf.schema_arrow.names:  # a field inside a struct: pyarrow gives the struct around it
+                for part in field.split(".")[1:]:
+                    column = pc.struct_field(column, part)
+            for value in column.to_pylist():
                 yield (number, *_value(value, data))
                 number += 1
 

@@ -33,6 +33,7 @@ from ..infra.errors import SparklmError, spark_errors
 from ..infra.fs import effective, remove_stale, resolve, staging_path, swap_in, uri_like
 from ..infra.runlock import RunLock
 from ..metrics import trackers
+from ..spark.frames import field_column, field_type
 from ..version import __version__
 
 
@@ -157,13 +158,13 @@ def _frames(frame, validation, data) -> list[tuple[object, str]]:
     if is_connect(frame.sparkSession):
         raise SparklmError(CONNECT_MESSAGE, hint=CONNECT_HINT)
     for df, role in frames:
-        missing = [c for c in sources.record_fields(data) if c not in df.columns]
+        missing = [c for c in sources.record_fields(data) if field_type(df, c) is None]
         if missing:
             flag = "text_col" if data.format == "text" else "the record fields (data.prompt_field, ...)"
             raise SparklmError(f"the {'validation ' if role == 'validation' else ''}DataFrame has no column "
                                f"{', '.join(map(repr, missing))} (columns: {', '.join(df.columns) or 'none'})",
                                hint=f"name its text column with {flag}, e.g. text_col='body'")
-        kind = df.schema[data.text_field].dataType.simpleString() if not sources.reads_records(data) else "string"
+        kind = field_type(df, data.text_field).simpleString() if not sources.reads_records(data) else "string"
         if kind not in ("string", "binary"):  # found on the driver, not after a pass that drops every row
             raise SparklmError(f"the {'validation ' if role == 'validation' else ''}DataFrame's column "
                                f"{data.text_field!r} holds {kind}, not text",
@@ -179,7 +180,7 @@ def _frame_source(spark, frames: list[tuple[object, str]], data, preload: str | 
     cols = sources.record_fields(data)
     rows = None
     for df, role in frames:
-        part = df.select(F.lit(role).alias("_group"), F.struct(*[F.col(c) for c in cols]).alias("_values"))
+        part = df.select(F.lit(role).alias("_group"), F.struct(*[field_column(df, c) for c in cols]).alias("_values"))
         rows = part if rows is None else rows.unionByName(part)
     with spark_errors():
         return SparkSource.of_frame(spark, rows, cols, data, len(frames), preload)

@@ -22,3 +22,25 @@ def check_columns(df, text_col: str, flag: str, added: list, adder: str) -> None
     if clash:
         raise SparklmError(f"the DataFrame already has column(s) {', '.join(map(repr, clash))}, which {adder} adds",
                            hint="rename or drop them, or choose other output column names")
+
+
+def field_type(df, name: str):
+    """The Spark type of column ``name`` of ``df``, or None. A dotted name is a field inside struct columns, as
+    ``col("meta.body")`` reads it, unless a column has that very name."""
+    from pyspark.sql import types as T
+
+    if name in df.columns:
+        return df.schema[name].dataType
+    kind = T.StructType(df.schema.fields)
+    for part in name.split("."):
+        if not isinstance(kind, T.StructType) or part not in kind.fieldNames():
+            return None
+        kind = kind[part].dataType
+    return kind
+
+
+def field_column(df, name: str):
+    """The Column of :func:`field_type`'s ``name``, named ``name``."""
+    from pyspark.sql import functions as F
+
+    return (F.col(f"`{name}`") if name in df.columns else F.col(name)).alias(name)
