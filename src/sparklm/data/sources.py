@@ -511,7 +511,12 @@ def _json_text(line: str, field: str) -> tuple[str, str | None]:
 
 def _field_text(record, field: str) -> tuple[str, str | None]:
     """(status, text) of a JSON record's text field: a string, null (empty), or anything else (malformed)."""
-    found, value = field_value(record, field) if isinstance(record, dict) else (False, None)
+    if not isinstance(record, dict):
+        return MALFORMED, None
+    value = record.get(field)  # the usual case first: a flat field, one lookup (this runs once per record)
+    if isinstance(value, str):
+        return OK, value
+    found, value = (True, value) if field in record else field_value(record, field)
     if isinstance(value, str):
         return OK, value
     return (EMPTY, None) if found and value is None else (MALFORMED, None)
