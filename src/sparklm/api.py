@@ -64,6 +64,10 @@ def _source(source, config: Config, spark, role: str):
 
     if is_dataframe(source):
         return source, None
+    local = _local_table(source, role)
+    if local is not None:  # rows in this process: Spark takes them as a DataFrame (through Arrow)
+        kind = type(source)
+        return _session(config, spark).createDataFrame(local), f"{kind.__module__.split('.')[0]}.{kind.__name__}"
     if isinstance(source, (str, Path)):
         source = [str(source)]
     if not isinstance(source, (list, tuple)) or not all(isinstance(s, (str, Path)) for s in source):
@@ -79,6 +83,21 @@ def _source(source, config: Config, spark, role: str):
     return paths, None
 
 
+def _local_table(source, role: str):
+    """A pandas DataFrame, a pyarrow Table or an HF ``datasets.Dataset`` (its rows as selected, through its Arrow
+    table), told apart by type name so that none of the three is imported for paths; None for anything else."""
+    kind = type(source)
+    where = kind.__module__.split(".")[0]
+    if where == "datasets" and kind.__name__ in ("DatasetDict", "IterableDataset", "IterableDatasetDict"):
+        raise SparklmError(f"the {role} is a {kind.__name__}", hint="pass one split of a Dataset loaded whole, e.g. "
+                           "ds['train'] (and validation=ds['test']), or the files it was loaded from")
+    if where == "datasets" and kind.__name__ == "Dataset":
+        return source.with_format("arrow")[:]
+    if (where, kind.__name__) in (("pyarrow", "Table"), ("pandas", "DataFrame")):
+        return source
+    return None
+
+
 def prepare(source, *, output: str, text_col: str | None = None, validation=None,
             config: Config | dict | str | None = None, settings: dict[str, Any] | None = None,
             overwrite: bool = False, spark=None):
@@ -86,7 +105,8 @@ def prepare(source, *, output: str, text_col: str | None = None, validation=None
 
     ``source`` is paths (files, directories, globs), a Spark DataFrame (a row per document, in ``text_col``,
     default ``text``) or a table name (``spark.table``); ``validation`` likewise, else documents are split by hash.
-    A DataFrame's text is read by the executors, never collected to the driver.
+    A DataFrame's text is read by the executors, never collected to the driver. A pandas DataFrame, a pyarrow
+    Table or an HF ``datasets.Dataset`` (rows already in this process) becomes a Spark DataFrame first.
     """
     from .launch.prepare import prepare as run
 

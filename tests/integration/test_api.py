@@ -91,6 +91,33 @@ def test_a_field_inside_a_struct_column_is_the_text_as_spark_names_it(spark, tmp
         sparklm.prepare(nested, output=str(tmp_path / "nope"), text_col="meta.nope", config=SMALL)
 
 
+def test_pandas_arrow_and_hugging_face_datasets_are_sources_too(spark, tmp_path):
+    """Tried as a Hugging Face user would: `sparklm.prepare(dataset)` of a `datasets.Dataset` (or a pandas
+    DataFrame, a pyarrow Table) was "the source is a Dataset". Each becomes a Spark DataFrame of the same rows."""
+    import datasets
+    import pandas as pd
+    import pyarrow as pa
+
+    import sparklm
+
+    docs = documents()
+    one_each = {"data": {**SMALL["data"], "concat": False}, "tokenizer": {"vocab_size": 300}}
+    frame = spark.createDataFrame([(t,) for t in docs], "text string")
+    want = sparklm.prepare(frame, output=str(tmp_path / "spark"), config=one_each)
+    hf = datasets.Dataset.from_dict({"text": ["left out", *docs]}).select(range(1, len(docs) + 1))  # an index map
+    for name, source in (("pandas", pd.DataFrame({"text": docs})), ("arrow", pa.table({"text": docs})),
+                         ("hf", hf)):
+        got = sparklm.prepare(source, output=str(tmp_path / name), config=one_each, spark=spark)
+        for split in ("train", "validation"):
+            assert sorted(sequences(got, split)) == sorted(sequences(want, split)) != [], (name, split)
+    assert got.manifest["inputs"] == ["datasets.Dataset"]
+    held = sparklm.prepare(hf, validation=datasets.Dataset.from_dict({"text": MULTILINGUAL[:3]}),
+                           output=str(tmp_path / "held"), config=SMALL, spark=spark)
+    assert held.manifest["splits"]["validation"]["documents"] == 3
+    with pytest.raises(SparklmError, match=r"the source is a DatasetDict"):
+        sparklm.prepare(datasets.DatasetDict({"train": hf}), output=str(tmp_path / "dd"), config=SMALL, spark=spark)
+
+
 def test_a_delta_tables_current_version_is_prepared(spark, tmp_path):
     """Read through the deltalake package (no jars): the current version's files only, not those an overwrite
     removed, whose files stay in the directory; the same as a Parquet file of that version's rows."""
