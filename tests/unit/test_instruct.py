@@ -123,6 +123,20 @@ def test_records_from_rows_and_their_errors():
     assert not chat_record({"messages": None}, "messages").trains
 
 
+def test_sharegpt_conversations_are_chat_records():
+    """Tried as a Hub user would: ShareGPT records ({"from": "human" | "gpt" | "system", "value": ...}, the layout
+    of many chat datasets on the Hub) were "message 1 ... without a string 'role' and 'content'"."""
+    rec = chat_record({"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "hi"},
+                                         {"from": "gpt", "value": "yo"}]}, "conversations")
+    assert rec.messages == (("system", "be brief"), ("user", "hi"), ("assistant", "yo")) and rec.trains
+    assert chat_record({"m": [{"from": "tool", "value": "42"}]}, "m").messages == (("tool", "42"),)
+    with pytest.raises(RecordError, match="message 1 in 'm' without a string 'role' and 'content' \\(or ShareGPT's "
+                                          "'from' and 'value'\\)"):
+        chat_record({"m": [{"from": "human"}]}, "m")
+    with pytest.raises(RecordError, match="message 1 in 'm' without a string 'role'"):
+        chat_record({"m": [{"from": ["human"], "value": "x"}]}, "m")
+
+
 # -- the loss mask read back, into labels and evaluation sums -------------------------------------------
 
 

@@ -105,14 +105,22 @@ def chat_record(values: Mapping[str, Any], messages_field: str) -> Record:
         raise RecordError(f"has {_kind(messages)} in '{messages_field}', not a list of {{role, content}} messages")
     out = []
     for i, m in enumerate(messages, start=1):
+        if isinstance(m, dict) and "role" not in m and isinstance(m.get("from"), str):  # ShareGPT's, common on the Hub
+            m = {"role": _SHAREGPT_ROLES.get(m["from"], m["from"]), **({"content": m["value"]} if "value" in m else {})}
         role = m.get("role") if isinstance(m, dict) else None
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(m, dict) and "content" in m and content is None:  # null: empty (a tool call's, say)
             content = ""
         if not isinstance(role, str) or not isinstance(content, str):
-            raise RecordError(f"has a message {i} in '{messages_field}' without a string 'role' and 'content'")
+            raise RecordError(f"has a message {i} in '{messages_field}' without a string 'role' and 'content' "
+                              "(or ShareGPT's 'from' and 'value')")
         out.append((role, content))
     return Record(tuple(out))
+
+
+# ShareGPT's speakers as chat templates name them; any other (system, tool, ...) is kept as it is
+_SHAREGPT_ROLES = {"human": USER, "user": USER, "gpt": ASSISTANT, "chatgpt": ASSISTANT, "bing": ASSISTANT,
+                   "bard": ASSISTANT, "model": ASSISTANT}
 
 
 # -- rendering ------------------------------------------------------------------------------------
