@@ -123,6 +123,22 @@ def test_records_from_rows_and_their_errors():
     assert not chat_record({"messages": None}, "messages").trains
 
 
+def test_a_prompt_of_several_fields_joins_the_non_empty_ones():
+    """Tried as a Hub user would: Alpaca records ({"instruction", "input", "output"}) could give one prompt field
+    only, so `--prompt-field instruction` dropped every "input" without a word. `--prompt-field instruction,input`
+    joins the fields present and non-empty with a blank line, in the order named."""
+    alpaca = {"instruction": "Translate", "input": "chat", "output": "cat"}
+    assert instruction_record(alpaca, "instruction,input", "output").messages == (
+        ("user", "Translate\n\nchat"), ("assistant", "cat"))
+    assert instruction_record({**alpaca, "input": ""}, "instruction, input", "output").messages[0] == ("user", "Translate")
+    assert instruction_record({**alpaca, "input": None}, "instruction,input", "output").messages[0] == ("user", "Translate")
+    with pytest.raises(RecordError, match=r"has no 'context' field"):
+        instruction_record(alpaca, "instruction,context", "output")
+    with pytest.raises(RecordError, match=r"has no 'prompt' field \(fields: instruction, input, output\); Alpaca's "
+                                          r"records: --prompt-field instruction,input --response-field output"):
+        instruction_record(alpaca, "prompt", "response")
+
+
 def test_sharegpt_conversations_are_chat_records():
     """Tried as a Hub user would: ShareGPT records ({"from": "human" | "gpt" | "system", "value": ...}, the layout
     of many chat datasets on the Hub) were "message 1 ... without a string 'role' and 'content'"."""

@@ -85,8 +85,28 @@ def _string(values: Mapping[str, Any], name: str) -> str:
 
 
 def instruction_record(values: Mapping[str, Any], prompt_field: str, response_field: str) -> Record:
-    """A prompt/response row (a JSON object, a CSV row, a Parquet row) as a user turn and an assistant turn."""
-    return Record(((USER, _string(values, prompt_field)), (ASSISTANT, _string(values, response_field))))
+    """A prompt/response row (a JSON object, a CSV row, a Parquet row) as a user turn and an assistant turn.
+    ``prompt_field`` may name several fields, comma-separated: the non-empty ones joined by a blank line (Alpaca's
+    ``instruction,input``)."""
+    if {"instruction", "output"} <= set(values) and prompt_field not in values:
+        prompt_field = _alpaca_hint(values, prompt_field)
+    prompt = "\n\n".join(p for p in (_string(values, name) for name in prompt_fields(prompt_field)) if p)
+    return Record(((USER, prompt), (ASSISTANT, _string(values, response_field))))
+
+
+def prompt_fields(prompt_field: str) -> list[str]:
+    """The fields a prompt is made of: ``data.prompt_field`` split at commas."""
+    return [name.strip() for name in prompt_field.split(",")]
+
+
+def _alpaca_hint(values: Mapping[str, Any], prompt_field: str) -> str:
+    """``prompt_field`` when every field it names is there; else the error, saying how Alpaca's records are read."""
+    missing = [n for n in prompt_fields(prompt_field) if n not in values]
+    if missing:
+        fields = ", ".join(map(str, list(values)[:20]))
+        raise RecordError(f"has no '{missing[0]}' field (fields: {fields}); Alpaca's records: --prompt-field "
+                          "instruction,input --response-field output")
+    return prompt_field
 
 
 def chat_record(values: Mapping[str, Any], messages_field: str) -> Record:

@@ -376,7 +376,7 @@ def record_fields(data: DataConfig) -> list[str]:
     record's text (pair) and label."""
     if labelled.labels_of(data) is not None:
         return labelled.fields(data)
-    return {"text": [data.text_field], "instruction": [data.prompt_field, data.response_field],
+    return {"text": [data.text_field], "instruction": [*instruct.prompt_fields(data.prompt_field), data.response_field],
             "chat": [data.messages_field]}[data.format]
 
 
