@@ -392,6 +392,7 @@ def _sampling(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from .data.clean import surrogate
     from .infer import batch
     from .infra.fs import effective
     from .spark.resources import check_batching
@@ -407,6 +408,11 @@ def _generate(args: argparse.Namespace) -> int:
     if args.output:
         batch.check_output(args.output, args.overwrite)
     prompts = list(args.prompt)
+    for prompt in prompts:  # Python decodes argv bytes that are not UTF-8 to half UTF-16 pairs (surrogateescape)
+        if (at := surrogate(prompt)) >= 0:
+            raise SparklmError(f"--prompt holds bytes that are not UTF-8 (byte 0x{ord(prompt[at]) & 0xFF:02x} at "
+                               f"character {at + 1})", hint="set a UTF-8 locale (e.g. LANG=C.UTF-8), or write the "
+                                                            "prompt into a UTF-8 --prompt-file")
     if args.prompt_file:
         config, _ = _config(args)
         prompts += [text for _, text in batch.read_prompts(args.prompt_file, storage=effective(config.storage))]

@@ -495,6 +495,13 @@ def test_show_top_and_truncation_and_bad_prompts(run_dir):
     assert long.truncated and long.prompt_tokens == lm.context - 8
     with pytest.raises(SparklmError, match="empty prompt"):
         generate(lm, ["   "])
+    # found in the sweep: half a UTF-16 pair (a byte that was not UTF-8 on the command line, a JSON escape) was a
+    # TypeError traceback from the tokenizer
+    with pytest.raises(SparklmError, match=r"the prompt holds half a UTF-16 pair \(U\+DCE9 at character 4\)"):
+        generate(lm, ["caf\udce9"])
+    done = run_sparklm("generate", str(run_dir), "--prompt", "caf\udce9", "--max-new-tokens", "2")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "error: --prompt holds bytes that are not UTF-8 (byte 0xe9 at character 4)" in done.stderr
     with pytest.raises(SparklmError, match="does not fit"):
         generate(lm, ["a"], sampling=Sampling(max_new_tokens=64))
 

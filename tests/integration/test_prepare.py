@@ -259,12 +259,13 @@ def test_json_arrays_are_read_and_what_is_dropped_is_named(spark, tmp_path, conf
     d.mkdir()
     records = [{"text": f"array record {i}: " + make_text(2, seed=i)} for i in range(6)] + [{"text": ["a list"]}]
     (d / "a.json").write_text(json.dumps(records, indent=2))  # as json.dump and pandas' to_json write records
-    (d / "b.jsonl").write_text('{"text": "a line of its own"}\n{"body": "no text field"}\n')
+    (d / "b.jsonl").write_text('{"text": "a line of its own"}\n{"body": "no text field"}\n'
+                               '{"text": "half a pair \\ud800 escaped in JSON"}\n')  # was a TypeError in the task
     (d / "c.txt").write_bytes("UTF-16 text without its byte-order mark".encode("utf-16-le"))
     ds = prepare([str(d)], output=str(tmp_path / "out"), config=config, spark=spark)
     m = ds.manifest["input"]
     assert m["dropped"] == {"binary_file": 1, "malformed": 2}
-    assert sum(ds.manifest["splits"][s]["documents"] for s in ("train", "validation")) == 7
+    assert sum(ds.manifest["splits"][s]["documents"] for s in ("train", "validation")) == 8
     err = capsys.readouterr().err
     assert f"skipped 1 file(s) that look binary (NUL bytes in their first 8 kB): {d / 'c.txt'}; text in UTF-16" in err
     assert f"dropped 2 malformed record(s); the first: {d / 'a.json'} record 7: field 'text' holds a JSON array" in err

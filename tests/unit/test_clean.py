@@ -17,6 +17,14 @@ def test_clean_text_normalises():
     assert clean.clean_text("ﬁ", "none") == "ﬁ"
 
 
+def test_a_lone_surrogate_from_a_json_escape_becomes_the_replacement_character():
+    """Found in the sweep: JSON may escape half a UTF-16 pair ("\\ud800"); json.loads keeps it, and the tokenizer
+    then failed the write task with a TypeError traceback."""
+    assert clean.clean_text("a \ud800 b \udfff") == "a \ufffd b \ufffd"
+    assert clean.clean_text("pair \U0001F600 kept") == "pair \U0001F600 kept"
+    assert clean.clean_text("\ud83d\ude00", "none") == "\ufffd\ufffd"  # a pair json.loads would have joined
+
+
 def test_decode_counts_invalid_bytes():
     text, bad = clean.decode(b"ok \xff\xfe then \xc3\xa9 and \xe2\x82", "utf-8")
     assert bad == 4 and text.count("\ufffd") == 3 and "é" in text

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import re
 import unicodedata
 from collections.abc import Iterable, Iterator
 
@@ -17,6 +18,7 @@ _BLANK = " \t\r\n\f\v"
 BINARY_SNIFF_BYTES = 8000
 
 _invalid_count = 0
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _count_and_replace(err: UnicodeError) -> tuple[str, int]:
@@ -64,13 +66,23 @@ def wide(encoding: str) -> bool:
     return codecs.lookup(encoding).name.startswith(("utf-16", "utf-32"))
 
 
+def surrogate(text: str) -> int:
+    """The position of the first half of a UTF-16 pair in ``text`` (JSON may escape one; Python decodes bytes that
+    are not UTF-8 on the command line to them), or -1: no tokenizer takes such a string."""
+    found = _SURROGATE.search(text) if not text.isascii() else None
+    return found.start() if found else -1
+
+
 def clean_text(text: str, normalize: str = "NFC") -> str:
-    """Strip BOMs, turn CRLF/CR into LF, normalise Unicode, trim surrounding white space."""
+    """Strip BOMs, turn CRLF/CR into LF, replace half UTF-16 pairs, normalise Unicode, trim surrounding white space."""
     text = text.replace("\ufeff", "") if "\ufeff" in text else text
     if "\r" in text:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
-    if normalize != "none" and not text.isascii():
-        text = unicodedata.normalize(normalize, text)
+    if not text.isascii():
+        if _SURROGATE.search(text):  # half a UTF-16 pair, which JSON may escape: no tokenizer takes it
+            text = _SURROGATE.sub("\ufffd", text)
+        if normalize != "none":
+            text = unicodedata.normalize(normalize, text)
     return text.strip()
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from ..config import StorageConfig
+from ..data.clean import surrogate
 from ..infra import progress
 from ..infra.errors import SparklmError
 from ..infra.fs import exists, is_remote, join, list_names, local_copy
@@ -165,6 +166,10 @@ def encode(lm: LoadedModel, prompt: str, max_new_tokens: int) -> tuple[list[int]
     """Token ids of a prompt, cut from the left so that prompt + new tokens fit the context."""
     if not prompt.strip():
         raise SparklmError("empty prompt", hint="give --prompt some text (or a non-empty line per prompt in --prompt-file)")
+    if (at := surrogate(prompt)) >= 0:
+        raise SparklmError(f"the prompt holds half a UTF-16 pair (U+{ord(prompt[at]):04X} at character {at + 1}), which "
+                           "no tokenizer takes", hint="fix the prompt's text (bytes that were not UTF-8, or a JSON "
+                           "escape such as \\ud800)")
     if max_new_tokens >= lm.context:
         raise SparklmError(f"--max-new-tokens {max_new_tokens} does not fit the model's context of {lm.context} tokens",
                            hint=f"use at most {lm.context - 1}")
