@@ -277,3 +277,14 @@ def test_a_field_inside_a_field_is_named_with_a_dot_as_spark_names_it(tmp_path):
     positions = [pos for pos, status, _, _ in sources._read_unit(unit, data, StorageConfig()) if status == "malformed"]
     assert [sources.malformed(unit.uri, p, data, StorageConfig()).split("a.jsonl ")[1] for p in positions] == [
         "line 4 has no field 'meta.body' (its fields: meta)", "line 5 has no field 'meta.body' (its fields: meta)"]
+
+
+def test_the_files_skipped_as_binary_are_named_with_what_they_may_be():
+    from sparklm.launch.prepare import _binary_files
+
+    assert _binary_files(["d/a.pdf", "d/b.txt"]).endswith(": d/a.pdf, d/b.txt; documents such as PDF or Office files "
+                                                          "are not read: extract their text first")
+    assert _binary_files(["d/a.zip"]).endswith("archives are not read: extract them")
+    assert _binary_files([f"d/{i}.txt" for i in range(5)]).startswith(
+        "skipped 5 file(s) that look binary (NUL bytes in their first 8 kB): d/0.txt, d/1.txt, d/2.txt and 2 more; "
+        "text in UTF-16")

@@ -303,9 +303,13 @@ def _stats(agg: list[dict], files: int, config: Config) -> dict:
 def _binary_files(names: list[str]) -> str:
     """The warning for files skipped as binary: which, and what they might be."""
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    archives = any(n.lower().endswith((".zip", ".7z", ".tar", ".rar", ".tgz")) for n in names)
-    why = ("archives are not read: extract them" if archives else
-           "text in UTF-16 or UTF-32 without a byte-order mark needs data.encoding (e.g. utf-16-le)")
+    kinds = {n.lower().rsplit(".", 1)[-1] for n in names}
+    if kinds & {"zip", "7z", "tar", "rar", "tgz"}:
+        why = "archives are not read: extract them"
+    elif kinds & {"pdf", "doc", "docx", "xls", "xlsx", "ppt", "pptx", "odt", "epub"}:
+        why = "documents such as PDF or Office files are not read: extract their text first"
+    else:
+        why = "text in UTF-16 or UTF-32 without a byte-order mark needs data.encoding (e.g. utf-16-le)"
     return f"skipped {len(names)} file(s) that look binary (NUL bytes in their first 8 kB): {shown}; {why}"
 
 
