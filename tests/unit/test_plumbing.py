@@ -298,6 +298,31 @@ def test_globs_match_as_the_shell_python_and_spark_match_them(tmp_path):
     assert names("odd[1].txt") == ["odd[1].txt"]  # a file that exists is itself, whatever its name holds
 
 
+def test_a_directory_read_through_links_lists_each_file_once(tmp_path):
+    """Found in the sweep: a link back up the tree (sub/up -> ..) made the listing go round it ~40 times, each file
+    read again each time (40 copies of every document with --no-dedup); a second link to a directory read its files
+    twice. Links are followed, once per real directory and file."""
+    import os
+
+    from sparklm.infra.fs import expand
+
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    (data / "2024").mkdir()
+    (data / "a.txt").write_text("x")
+    (data / "2024" / "b.txt").write_text("y")
+    os.symlink("..", data / "sub" / "up")
+    os.symlink("2024", data / "latest")
+    os.symlink(tmp_path / "nowhere.txt", data / "dangling.txt")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "c.txt").write_text("z")
+    os.symlink(outside, data / "linked")  # a link to a directory outside is followed, as before
+    assert [i.path.rsplit("data/", 1)[1] for i in expand(str(data))] == ["2024/b.txt", "a.txt", "linked/c.txt"]
+    assert [i.path.rsplit("data/", 1)[1] for i in expand(str(data / "**" / "*.txt"))] == [
+        "2024/b.txt", "a.txt", "linked/c.txt"]
+
+
 def test_spark_defaults_file_is_read_as_spark_reads_it(tmp_path):
     from sparklm.spark.session import read_defaults
 

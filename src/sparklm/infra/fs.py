@@ -482,16 +482,14 @@ def expand(uri: str, storage: StorageConfig | None = None) -> list[pafs.FileInfo
         info = fs.get_file_info(path)  # a path that exists is itself, whatever characters its name holds
         if info.type == pafs.FileType.NotFound and _GLOB_CHARS & set(path):
             root = _glob_root(path)
-            infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
             match = glob_regex(path).fullmatch
-            found = [i for i in infos if i.type == pafs.FileType.File and match(i.path)]
+            found = [i for i in _files_below(fs, root) if match(i.path)]
         else:
             if info.type == pafs.FileType.File:
                 return [info]
             if info.type == pafs.FileType.NotFound:
                 raise SparklmError(f"input not found: {uri}", hint="check the path (globs like data/*.txt work)")
-            found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
-            found = [i for i in found if i.type == pafs.FileType.File]
+            found = _files_below(fs, path)
     except SparklmError:
         raise
     except (OSError, ValueError) as e:
@@ -502,6 +500,31 @@ def expand(uri: str, storage: StorageConfig | None = None) -> list[pafs.FileInfo
                            hint="pass the table's own directory (the one holding _delta_log/): sparklm reads its "
                                 "current version")
     return sorted((i for i in found if not _hidden(_relative_parts(i.path, root))), key=lambda i: i.path)
+
+
+def _files_below(fs, root: str) -> list[pafs.FileInfo]:
+    """Every file below ``root`` (none if it does not exist). On a local disk links are followed once per real
+    directory and file: pyarrow's recursive listing goes round a link back up the tree ~40 times, and lists a
+    directory reached by two links twice, so each of those files would be read again each time."""
+    if not isinstance(fs, pafs.LocalFileSystem):
+        infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
+        return [i for i in infos if i.type == pafs.FileType.File]
+    dirs, files, out = set(), set(), []
+    for parent, subdirs, names in os.walk(root, followlinks=True):
+        # the first path to a file, in this order, is the one kept; dot-directories (.git) are skipped unread, as
+        # expand skips their files ("_" ones are listed: a _delta_log/ below is refused)
+        subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
+        if os.path.realpath(parent) in dirs:
+            subdirs.clear()
+            continue
+        dirs.add(os.path.realpath(parent))
+        for name in sorted(names):
+            full = os.path.join(parent, name)
+            real = os.path.realpath(full)
+            if real not in files and os.path.isfile(full):  # not a dangling link, a socket or a fifo
+                files.add(real)
+                out.append(full)
+    return fs.get_file_info(out) if out else []
 
 
 def storage_hint(uri: str) -> str:
