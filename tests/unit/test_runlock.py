@@ -35,6 +35,17 @@ def _holder(tmp_path, **fields) -> None:
                                              "started": "then", "heartbeat": time.time(), **fields}))
 
 
+@pytest.mark.parametrize("kind", ["run", "dataset"])
+def test_an_output_where_nothing_can_be_written_is_one_line(tmp_path, kind):
+    """Found in the sweep: `prepare -o /proc/out` (or any directory the user cannot write to) was a traceback from
+    the lock file's os.open."""
+    (tmp_path / "a-file").write_text("x")
+    for output in (tmp_path / "a-file" / "out", "/proc/sparklm-cannot-write"):
+        with pytest.raises(SparklmError, match=r"cannot write to .*: (Not a directory|No such file or directory)"):
+            with RunLock(str(output), kind=kind):
+                pass
+
+
 def test_a_dead_holder_is_taken_over_at_once_on_its_host_and_after_the_lease_elsewhere(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()

@@ -236,13 +236,17 @@ class _Local:
         self.mine: Seen | None = None  # what this process last wrote
 
     def create(self, text: str) -> bool:
-        if not self.path.parent.exists():
-            self.made = next(p for p in reversed(self.path.parents) if not p.exists())  # the first one missing
-            self.path.parent.mkdir(parents=True, exist_ok=True)  # removed again at the end, where the run left nothing in them
         try:
+            if not self.path.parent.exists():
+                self.made = next(p for p in reversed(self.path.parents) if not p.exists())  # the first one missing
+                self.path.parent.mkdir(parents=True, exist_ok=True)  # removed at the end, where the run left nothing
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
+        except OSError as e:  # read-only, not a directory, no permission: the output cannot be written at all
+            where = e.filename or self.path.parent
+            raise SparklmError(f"cannot write to {where}: {e.strerror}",
+                               hint="choose an --output in a directory you can write to") from None
         with os.fdopen(fd, "w") as f:
             f.write(text)
         self.mine = Seen(json.loads(text))
