@@ -24,7 +24,8 @@ from .version import __version__
 # Which config sections give each command its flags (the flags come from the fields' metadata).
 _FLAG_SECTIONS = {"prepare": ("data", "tokenizer"), "train": ("train", "model", "lora", "tracking"),
                   "run": ("data", "tokenizer", "train", "model", "lora", "tracking")}
-_FLAG_KEYS = {"eval": ("data.doc_mode", "data.text_field", "data.encoding", "data.csv_delimiter"),  # single fields a command reads
+# single fields a command reads
+_FLAG_KEYS = {"eval": ("data.doc_mode", "data.text_field", "data.encoding", "data.csv_delimiter"),
               "prepare": ("beam.runner", "tracking.mlflow_uri", "tracking.mlflow_experiment", "tracking.wandb_project")}
 _COMMON_SECTIONS = ("spark", "storage")
 _STARTED: list = []  # sessions this command started, stopped when it ends
@@ -66,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare", help="raw text → tokenized, packed Parquet (a Spark job, or a Beam pipeline)",
                        description="Read, clean, deduplicate, split, tokenize and pack text into Parquet.")
     p.add_argument("inputs", nargs="*", metavar="INPUT",
-                   help="files, directories or globs (.txt[.gz|.bz2|.zst|.xz], .jsonl, .json, .csv, .parquet; local or s3://); "
+                   help="files, directories or globs (.txt[.gz|.bz2|.zst|.xz], .jsonl, .json, .csv, .parquet; "
+                        "local or s3://); "
                         "default: the bundled corpus")
     p.add_argument("--output", "-o", default="prepared", metavar="DIR", help="output directory (default: prepared)")
     p.add_argument("--validation-input", dest="validation_inputs", action="append", default=[], metavar="PATH",
@@ -121,7 +123,8 @@ def _add_inference(sub) -> None:
     g.add_argument("model", metavar="MODEL", help="a sparklm run directory, an HF model directory, or an ONNX export")
     g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     g.add_argument("--prompt-file", metavar="FILE", help="one prompt per line")
-    g.add_argument("--input", metavar="FILE", help="prompts.{txt,jsonl,json,csv,parquet}, local or s3://: batch generation on Spark")
+    g.add_argument("--input", metavar="FILE",
+                   help="prompts.{txt,jsonl,json,csv,parquet}, local or s3://: batch generation on Spark")
     g.add_argument("--output", "-o", metavar="FILE", help="write results to .jsonl or .parquet")
     g.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     _sampling_flags(g.add_argument_group("sampling"))
@@ -604,14 +607,37 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except OSError as e:  # the driver's own disk or memory: foreseeable, one line
+    except OSError as e:  # the driver's own disk or memory, a path it cannot write: foreseeable, one line
         cause = known_cause(f"{e} errno {e.errno}")
-        if cause is None or args.debug:
+        if (cause is None and not _unwritable(e)) or args.debug:
             raise
-        print(SparklmError(f"{cause[0]}: {e.filename or e}", hint=cause[1]).one_line(), file=sys.stderr)
+        if cause is None:
+            cause = _unwritable(e)
+        print(SparklmError(f"{cause[0]}: {e.filename or e}" if cause[0] else _unwritable_line(e),
+                           hint=cause[1]).one_line(), file=sys.stderr)
         return 2
     finally:
         _stop_spark()
+
+
+def _unwritable(e: OSError) -> tuple[str, str] | None:
+    """A path this user cannot create a file at (no such directory, not a directory, no permission, a read-only
+    file system): ("", hint), for :func:`_unwritable_line`; else None."""
+    import errno
+
+    if e.filename and e.errno in (errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS, errno.EISDIR,
+                                  errno.EEXIST):  # EEXIST: a file where a directory is needed
+        return "", "check the path and that this user may write there (--debug shows where it failed)"
+    return None
+
+
+def _unwritable_line(e: OSError) -> str:
+    """``cannot write to DIR: reason``, naming the directory where the file was one of sparklm's temporary names."""
+    where = os.fspath(e.filename)
+    name = os.path.basename(where)
+    if name.startswith(".") and (".tmp-" in name or ".sparklm-tmp-" in name or name.endswith(".sparklm.lock")):
+        where = os.path.dirname(where) or "."
+    return f"cannot write to {where}: {e.strerror}"
 
 
 def _stop_spark() -> None:

@@ -60,8 +60,9 @@ class DataConfig:
                 "chat (a messages field: a list of {role, content}); the loss counts response/assistant tokens only",
         flag="--format",
     )
-    prompt_field: str = _f("prompt", "field/column holding the prompt of instruction records; several, comma-separated, "
-                                     "are joined by a blank line where not empty (Alpaca's: instruction,input)",
+    prompt_field: str = _f("prompt", "field/column holding the prompt of instruction records; several, "
+                                     "comma-separated, are joined by a blank line where not empty (Alpaca's: "
+                                     "instruction,input)",
                            flag="--prompt-field")
     response_field: str = _f("response", "field/column holding the response of instruction records", flag="--response-field")
     messages_field: str = _f("messages", "field/column holding the list of {role, content} messages of chat records "

@@ -506,6 +506,21 @@ def test_show_top_and_truncation_and_bad_prompts(run_dir):
         generate(lm, ["a"], sampling=Sampling(max_new_tokens=64))
 
 
+def test_an_output_where_nothing_can_be_written_is_one_line(run_dir, tmp_path):
+    """Found in the sweep: `generate --output`, `export --output` (and `eval`, `report`) under a directory that
+    cannot be written to were a FileNotFoundError / PermissionError traceback, after the work was done."""
+    (tmp_path / "a-file").write_text("x")
+    for args in (["generate", str(run_dir), "--prompt", "hi", "--max-new-tokens", "2", "--output",
+                  str(tmp_path / "a-file" / "out.jsonl")],
+                 ["export", str(run_dir), "--output", "/proc/sparklm-export"]):
+        done = run_sparklm(*args)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        last = done.stderr.strip().splitlines()[-1]
+        assert re.fullmatch(r"error: cannot write to (/proc|.*a-file): "
+                            r"(Not a directory|No such file or directory|File exists) "
+                            r"\(hint: .*\)", last), last
+
+
 def test_batch_generation_on_spark_equals_one_by_one(spark, run_dir):
     from sparklm.infer.batch import generate_dataframe, row_key
     from sparklm.infer.generate import generate, load
@@ -963,7 +978,8 @@ def test_eval_names_the_first_record_it_could_not_read(spark, run_dir, tmp_path,
     nothing of why; a JSON array file was not read at all."""
     from sparklm.infer.evaluate import evaluate
 
-    (tmp_path / "body.jsonl").write_text("".join(json.dumps({"body": f"record {i} says hello"}) + "\n" for i in range(3)))
+    (tmp_path / "body.jsonl").write_text("".join(json.dumps({"body": f"record {i} says hello"}) + "\n"
+                                                 for i in range(3)))
     with pytest.raises(SparklmError, match=r"no tokens to score in the input \(3 records dropped; the first malformed: "
                        r".*body\.jsonl line 1 has no field 'text' \(its fields: body\)\)"):
         evaluate(str(run_dir), [str(tmp_path / "body.jsonl")], spark=spark)
@@ -972,4 +988,5 @@ def test_eval_names_the_first_record_it_could_not_read(spark, run_dir, tmp_path,
     got = evaluate(str(run_dir), [str(tmp_path / "some.json")], spark=spark)
     assert (got["documents"], got["dropped_records"]) == (2, 1)
     assert ("dropped 1 record(s) it could not read; the first malformed: "
-            f"{tmp_path / 'some.json'} record 2: field 'text' holds a JSON number, not a string") in capsys.readouterr().err
+            f"{tmp_path / 'some.json'} record 2: field 'text' holds a JSON number, not a string"
+            ) in capsys.readouterr().err

@@ -138,12 +138,14 @@ def read_prompts(path: str, *, field: str = "prompt", storage: StorageConfig | N
     try:
         fs, where = resolve(path, storage)
         if fs.get_file_info(where).type != pa.fs.FileType.File:
-            raise SparklmError(f"prompt file {path} not found", hint="pass a .txt, .jsonl, .json, .csv or .parquet file")
+            raise SparklmError(f"prompt file {path} not found",
+                               hint="pass a .txt, .jsonl, .json, .csv or .parquet file")
         with open_stream(fs, where, compression) as f:
             data = f.read()
         if fmt != "parquet" and looks_binary(data[:BINARY_SNIFF_BYTES], "utf-8"):  # a model or archive by mistake
             raise SparklmError(f"{path} looks binary, not text",
-                               hint="pass a UTF-8 .txt file (one prompt per line), a .jsonl, .json, .csv or .parquet file")
+                               hint="pass a UTF-8 .txt file (one prompt per line), a .jsonl, .json, .csv or "
+                                    ".parquet file")
         rows = _prompt_rows(path, fmt, data, field)
     except SparklmError:
         raise

@@ -167,9 +167,9 @@ def encode(lm: LoadedModel, prompt: str, max_new_tokens: int) -> tuple[list[int]
     if not prompt.strip():
         raise SparklmError("empty prompt", hint="give --prompt some text (or a non-empty line per prompt in --prompt-file)")
     if (at := surrogate(prompt)) >= 0:
-        raise SparklmError(f"the prompt holds half a UTF-16 pair (U+{ord(prompt[at]):04X} at character {at + 1}), which "
-                           "no tokenizer takes", hint="fix the prompt's text (bytes that were not UTF-8, or a JSON "
-                           "escape such as \\ud800)")
+        raise SparklmError(f"the prompt holds half a UTF-16 pair (U+{ord(prompt[at]):04X} at character {at + 1}), "
+                           "which no tokenizer takes",
+                           hint="fix the prompt's text (bytes that were not UTF-8, or a JSON escape such as \\ud800)")
     if max_new_tokens >= lm.context:
         raise SparklmError(f"--max-new-tokens {max_new_tokens} does not fit the model's context of {lm.context} tokens",
                            hint=f"use at most {lm.context - 1}")

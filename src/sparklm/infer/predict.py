@@ -43,7 +43,8 @@ def read(spark, paths: list[str], fmt: str):
         return spark.read.parquet(paths)
     lines, arrays = _json_layouts(paths)
     # a pretty-printed array needs Spark's multiLine, which would read a JSON Lines file's first record only
-    frames = [*([spark.read.json(lines)] if lines else []), *([spark.read.json(arrays, multiLine=True)] if arrays else [])]
+    frames = [*([spark.read.json(lines)] if lines else []),
+              *([spark.read.json(arrays, multiLine=True)] if arrays else [])]
     df = frames[0] if len(frames) == 1 else frames[0].unionByName(frames[1], allowMissingColumns=True)
     if df.columns == ["_corrupt_record"]:
         raise SparklmError(f"{', '.join(paths)}: no line or array of JSON objects Spark could read",
