@@ -608,36 +608,31 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except OSError as e:  # the driver's own disk or memory, a path it cannot write: foreseeable, one line
-        cause = known_cause(f"{e} errno {e.errno}")
-        if (cause is None and not _unwritable(e)) or args.debug:
+        cause = known_cause(f"{e} errno {e.errno}") or _unwritable(e)
+        if cause is None or args.debug:
             raise
-        if cause is None:
-            cause = _unwritable(e)
-        print(SparklmError(f"{cause[0]}: {e.filename or e}" if cause[0] else _unwritable_line(e),
-                           hint=cause[1]).one_line(), file=sys.stderr)
+        what = cause[0] if cause[0].startswith("cannot write") else f"{cause[0]}: {e.filename or e}"
+        print(SparklmError(what, hint=cause[1]).one_line(), file=sys.stderr)
         return 2
     finally:
         _stop_spark()
 
 
 def _unwritable(e: OSError) -> tuple[str, str] | None:
-    """A path this user cannot create a file at (no such directory, not a directory, no permission, a read-only
-    file system): ("", hint), for :func:`_unwritable_line`; else None."""
+    """(what, hint) for a path this user cannot create a file at (no such directory, not a directory, no permission,
+    a read-only file system, a file where a directory is needed), naming the directory where the file was one of
+    sparklm's temporary names; else None."""
     import errno
 
-    if e.filename and e.errno in (errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS, errno.EISDIR,
-                                  errno.EEXIST):  # EEXIST: a file where a directory is needed
-        return "", "check the path and that this user may write there (--debug shows where it failed)"
-    return None
-
-
-def _unwritable_line(e: OSError) -> str:
-    """``cannot write to DIR: reason``, naming the directory where the file was one of sparklm's temporary names."""
+    if not e.filename or e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS,
+                                         errno.EISDIR, errno.EEXIST):
+        return None
     where = os.fspath(e.filename)
     name = os.path.basename(where)
     if name.startswith(".") and (".tmp-" in name or ".sparklm-tmp-" in name or name.endswith(".sparklm.lock")):
         where = os.path.dirname(where) or "."
-    return f"cannot write to {where}: {e.strerror}"
+    return (f"cannot write to {where}: {e.strerror}",
+            "check the path and that this user may write there (--debug shows where it failed)")
 
 
 def _stop_spark() -> None:

@@ -562,6 +562,9 @@ def test_prompts_are_read_from_json_arrays_and_csv_as_records(tmp_path):
     (tmp_path / "bad.json").write_text('[{"prompt": "a"}, 3]')
     with pytest.raises(SparklmError, match=r"bad\.json record 2: not a JSON object with a 'prompt' \(or 'text'\)"):
         read_prompts(str(tmp_path / "bad.json"))
+    (tmp_path / "null.jsonl").write_text('{"prompt": null}\n')  # was the prompt "None"
+    with pytest.raises(SparklmError, match=r"null\.jsonl: prompt 0 is empty"):
+        read_prompts(str(tmp_path / "null.jsonl"))
     (tmp_path / "cut.json").write_text('[{"prompt": "a"}, {"prompt"')
     with pytest.raises(SparklmError, match=r"cannot read .*cut\.json: the JSON array breaks at line 1"):
         read_prompts(str(tmp_path / "cut.json"))

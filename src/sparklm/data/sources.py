@@ -289,7 +289,8 @@ def _sniff(fs, path: str, unit: ReadUnit, default: str) -> tuple[bytes, str]:
 
 
 def _by_line(unit: ReadUnit, encoding: str) -> bool:
-    """Whether a JSONL unit's positions are line numbers (a decoded stream) rather than byte offsets."""
+    """Whether a unit is read as one decoded stream (compressed, or UTF-16/32), its positions line numbers, rather
+    than by byte offsets."""
     return bool(unit.compression) or clean.wide(encoding)
 
 
@@ -556,7 +557,8 @@ def json_array(text: io.TextIOBase) -> Iterator[tuple[int, object]]:
     """(index, element) of the JSON array a text stream holds, decoded one element at a time.
 
     Memory holds an element and a block, not the file (``json.load``, as pandas and ``datasets`` read one, holds all
-    of it). A break in the array is a ``ValueError`` naming its line and column.
+    of it). A break in the array is a ``ValueError`` naming its line and column; an element that never parses is
+    known as such only at the end of the file, which the buffer then holds.
     """
     r = _JsonBuffer(text)
     r.space()

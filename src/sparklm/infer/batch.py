@@ -213,7 +213,8 @@ def _prompt(path: str, where: str, record, field: str, n: int) -> tuple[int, str
         pid = int(record.get("id", n))
     except (TypeError, ValueError):
         raise SparklmError(f"{path} {where}: its id {record['id']!r} is not an integer") from None
-    return pid, str(record[field] if field in record else record["text"])
+    text = record[field] if field in record else record["text"]
+    return pid, "" if text is None else str(text)  # a null prompt is empty (refused below), not the text "None"
 
 
 def check_output(output: str, overwrite: bool) -> None:

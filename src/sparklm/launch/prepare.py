@@ -282,7 +282,7 @@ def _stats(agg: list[dict], files: int, config: Config) -> dict:
             progress.warn(f"{uri}: {bad} bytes invalid in {encoding} were replaced with U+FFFD "
                           f"(set data.encoding if the file uses another encoding)")
     if dropped.get(sources.BINARY):
-        progress.warn(_binary_files(sorted(r["source"] for r in agg if r["status"] == sources.BINARY)))
+        progress.warn(_binary_files(sorted({r["source"] for r in agg if r["status"] == sources.BINARY})))
     first_malformed = _first_malformed(agg, config) if dropped.get(sources.MALFORMED) else ""
     stats = {"files": files, "splits": splits, "dropped": dict(sorted(dropped.items())),
              "documents_read": sum(r["n"] for r in agg if r["status"] != sources.BINARY),
