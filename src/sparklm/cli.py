@@ -122,9 +122,11 @@ def _add_inference(sub) -> None:
                                    "generate for a file of prompts on Spark.")
     g.add_argument("model", metavar="MODEL", help="a sparklm run directory, an HF model directory, or an ONNX export")
     g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
-    g.add_argument("--prompt-file", metavar="FILE", help="one prompt per line")
+    g.add_argument("--prompt-file", metavar="FILE", help="prompts, one per line (or records, as --input reads them)")
     g.add_argument("--input", metavar="FILE",
                    help="prompts.{txt,jsonl,json,csv,parquet}, local or s3://: batch generation on Spark")
+    g.add_argument("--prompt-field", default="prompt", metavar="NAME",
+                   help="the field/column holding each prompt of a --input or --prompt-file of records (else 'text')")
     g.add_argument("--output", "-o", metavar="FILE", help="write results to .jsonl or .parquet")
     g.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     _sampling_flags(g.add_argument_group("sampling"))
@@ -418,7 +420,8 @@ def _generate(args: argparse.Namespace) -> int:
                                                             "prompt into a UTF-8 --prompt-file")
     if args.prompt_file:
         config, _ = _config(args)
-        prompts += [text for _, text in batch.read_prompts(args.prompt_file, storage=effective(config.storage))]
+        prompts += [text for _, text in batch.read_prompts(args.prompt_file, field=args.prompt_field,
+                                                            storage=effective(config.storage))]
     if not prompts:
         raise SparklmError("no prompt given", hint='pass --prompt "text", --prompt-file FILE or --input FILE')
     lm = _generation_model(args)
@@ -474,7 +477,7 @@ def _generate_on_spark(args: argparse.Namespace, sampling) -> int:
 
     config, _ = _config(args)
     model_uri(args.model, effective(config.storage))  # a missing model fails here, not in a task
-    prompts = batch.read_prompts(args.input, storage=effective(config.storage))
+    prompts = batch.read_prompts(args.input, field=args.prompt_field, storage=effective(config.storage))
     spark = _session_factory(args, config)()
     from .spark.session import check_shared
 

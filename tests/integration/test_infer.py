@@ -521,6 +521,19 @@ def test_an_output_where_nothing_can_be_written_is_one_line(run_dir, tmp_path):
                             r"\(hint: .*\)", last), last
 
 
+def test_the_prompt_column_of_a_prompt_file_is_named_with_a_flag(run_dir, tmp_path, capsys):
+    """Tried as a new user would: prompts in a "question" column could not be named: `generate --input` and
+    `--prompt-file` read "prompt" or "text" only, and the error said to rename the column."""
+    from sparklm.cli import main
+
+    (tmp_path / "q.jsonl").write_text('{"question": "The quick"}\n')
+    assert main(["generate", str(run_dir), "--prompt-file", str(tmp_path / "q.jsonl"), "--max-new-tokens", "2"]) == 2
+    assert "--prompt-field" in capsys.readouterr().err
+    assert main(["generate", str(run_dir), "--prompt-file", str(tmp_path / "q.jsonl"), "--prompt-field", "question",
+                 "--max-new-tokens", "2", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("The quick")
+
+
 def test_batch_generation_on_spark_equals_one_by_one(spark, run_dir):
     from sparklm.infer.batch import generate_dataframe, row_key
     from sparklm.infer.generate import generate, load

@@ -177,7 +177,7 @@ def _prompt_rows(path: str, fmt: str, data: bytes, field: str) -> list[tuple[int
         col = field if field in table.column_names else "text" if "text" in table.column_names else None
         if col is None:
             raise SparklmError(f"{path} has no {field!r} or 'text' column (columns: {', '.join(table.column_names)})",
-                               hint=f"name the prompt column {field!r}")
+                               hint="name the prompt's column with --prompt-field")
         ids = table.column("id").to_pylist() if "id" in table.column_names else range(table.num_rows)
         return [(int(i), str(t)) for i, t in zip(ids, table.column(col).to_pylist())]
     text = data.decode("utf-8-sig", errors="replace")
@@ -186,7 +186,7 @@ def _prompt_rows(path: str, fmt: str, data: bytes, field: str) -> list[tuple[int
         columns = [c.strip() for c in reader.fieldnames or []]
         if field not in columns and "text" not in columns:
             raise SparklmError(f"{path} has no {field!r} or 'text' column (columns: {', '.join(columns)})",
-                               hint=f"name the prompt column {field!r}")
+                               hint="name the prompt's column with --prompt-field")
         return [_prompt(path, f"row {n}", {k.strip(): v for k, v in r.items() if k}, field, n - 1)
                 for n, r in enumerate(reader, 1)]
     if fmt == "jsonl":
@@ -208,7 +208,9 @@ def _prompt(path: str, where: str, record, field: str, n: int) -> tuple[int, str
     """One record's (id, prompt): its ``field`` (else ``text``) and its ``id`` (else its position)."""
     if not isinstance(record, dict) or (field not in record and "text" not in record):
         raise SparklmError(f"{path} {where}: not a JSON object with a {field!r} (or 'text') field",
-                           hint='one object per record, e.g. {"id": 1, "prompt": "Once upon a time"}')
+                           hint="name the prompt's field with --prompt-field (its fields: "
+                                f"{', '.join(map(str, list(record)[:20]))})" if isinstance(record, dict) else
+                                'one object per record, e.g. {"id": 1, "prompt": "Once upon a time"}')
     try:
         pid = int(record.get("id", n))
     except (TypeError, ValueError):
