@@ -117,6 +117,11 @@ def test_predict_reads_json_arrays_beside_json_lines(spark, bert, tmp_path):
     info = predict(spark, bert, [str(tmp_path / "in" / "pretty.json"), str(tmp_path / "in" / "lines.jsonl")],
                    str(tmp_path / "out"), embed=True)
     assert info["rows"] == 5
+    (tmp_path / "nested.jsonl").write_text("".join(json.dumps({"meta": r}) + "\n" for r in records))
+    assert predict(spark, bert, [str(tmp_path / "nested.jsonl")], str(tmp_path / "out3"), embed=True,
+                   text_col="meta.text")["rows"] == 5  # a field inside a field, as --text-field meta.text
+    with pytest.raises(SparklmError, match=r"nested\.jsonl has no column 'body' \(columns: meta\)"):
+        predict(spark, bert, [str(tmp_path / "nested.jsonl")], str(tmp_path / "out4"), embed=True, text_col="body")
     (tmp_path / "broken.json").write_text('[{"text": "one"},\n {"text": ')
     with pytest.raises(SparklmError, match=r"broken\.json: no line or array of JSON objects Spark could read"):
         predict(spark, bert, [str(tmp_path / "broken.json")], str(tmp_path / "out2"), embed=True)

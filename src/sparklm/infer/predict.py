@@ -52,6 +52,19 @@ def read(spark, paths: list[str], fmt: str):
     return df
 
 
+def _text_column(df, text_col: str, inputs: list[str]):
+    """``df`` with ``text_col`` as a column of its own: a field inside a struct (``meta.body``, as ``--text-field``
+    names it) is copied out under that name; one that is not there at all is one line naming the flag."""
+    from ..spark.frames import field_column, field_type
+
+    if text_col in df.columns:
+        return df
+    if field_type(df, text_col) is None:
+        raise SparklmError(f"{', '.join(inputs)} has no column {text_col!r} (columns: {', '.join(df.columns)})",
+                           hint="name the text's column with --text-field (a field inside one: meta.body)")
+    return df.withColumn(text_col, field_column(df, text_col))
+
+
 def _json_layouts(paths: list[str]) -> tuple[list[str], list[str]]:
     """The JSON files behind ``paths`` as (JSON Lines, files holding one array); a path this process cannot list
     (one only Spark reads) goes to Spark as JSON Lines, as before."""
@@ -92,6 +105,7 @@ def predict(spark, model: str, inputs: list[str], output: str, *, text_col: str 
         except Exception as e:  # AnalysisException: a path that does not exist, an unreadable file
             raise SparklmError(f"cannot read {', '.join(inputs)} as {fmt}: {_first_line(e)}",
                                hint="check the paths, or pass --input-format") from None
+        df = _text_column(df, text_col, inputs)
         values = not embed and regression(model, storage)  # the model answers a value, not a class
         if label_field and not embed:
             check_labels(df, label_field, model, storage, values=values)
