@@ -169,7 +169,13 @@ def _generate(lm, prompts: str | list[str], sampling: dict[str, Any]) -> str | l
         names = ", ".join(f.name for f in dataclasses.fields(Sampling))
         raise SparklmError(f"generate: {e}", hint=f"sampling settings are: {names}") from None
     one = isinstance(prompts, str)
-    texts = [g.text for g in run(lm, [prompts] if one else list(prompts), sampling=chosen, warn=False)]
+    # any iterable of prompts (a list, a pandas Series, a generator); anything else is one prompt, checked below
+    given = [prompts] if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__") else list(prompts)
+    for i, p in enumerate(given, 1):
+        if not isinstance(p, str):
+            raise SparklmError(f"prompt {i} is a {type(p).__name__}, not text",
+                               hint="pass a str, or a list of them (decode bytes first)")
+    texts = [g.text for g in run(lm, given, sampling=chosen, warn=False)]
     return texts[0] if one and chosen.num_samples == 1 else texts
 
 

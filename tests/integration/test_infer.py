@@ -499,6 +499,11 @@ def test_show_top_and_truncation_and_bad_prompts(run_dir):
     # TypeError traceback from the tokenizer
     with pytest.raises(SparklmError, match=r"the prompt holds half a UTF-16 pair \(U\+DCE9 at character 4\)"):
         generate(lm, ["caf\udce9"])
+    import sparklm
+
+    for prompts, kind in (([None], "NoneType"), ([3], "int"), (b"bytes", "bytes")):  # were AttributeError tracebacks
+        with pytest.raises(SparklmError, match=f"prompt 1 is a {kind}, not text"):
+            sparklm.generate(str(run_dir), prompts)
     done = run_sparklm("generate", str(run_dir), "--prompt", "caf\udce9", "--max-new-tokens", "2")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "error: --prompt holds bytes that are not UTF-8 (byte 0xe9 at character 4)" in done.stderr
