@@ -418,13 +418,12 @@ def _generate(args: argparse.Namespace) -> int:
             raise SparklmError(f"--prompt holds bytes that are not UTF-8 (byte 0x{ord(prompt[at]) & 0xFF:02x} at "
                                f"character {at + 1})", hint="set a UTF-8 locale (e.g. LANG=C.UTF-8), or write the "
                                                             "prompt into a UTF-8 --prompt-file")
+    storage = effective(_config(args)[0].storage)
     if args.prompt_file:
-        config, _ = _config(args)
-        prompts += [text for _, text in batch.read_prompts(args.prompt_file, field=args.prompt_field,
-                                                            storage=effective(config.storage))]
+        prompts += [text for _, text in batch.read_prompts(args.prompt_file, field=args.prompt_field, storage=storage)]
     if not prompts:
         raise SparklmError("no prompt given", hint='pass --prompt "text", --prompt-file FILE or --input FILE')
-    lm = _generation_model(args)
+    lm = _generation_model(args, storage)
     streaming = len(prompts) == 1 and sampling.num_samples == 1 and not args.show_top and not args.output
     echoed = []  # the prompt is echoed with the first piece: a prompt generate refuses prints only its error
 
@@ -451,14 +450,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generation_model(args: argparse.Namespace):
+def _generation_model(args: argparse.Namespace, storage):
     """``generate``'s model on its backend: torch (optionally int8), an ONNX export, or llama.cpp."""
     from .infer import backends
-    from .infra.fs import effective
 
-    config, _ = _config(args)
     return backends.load(args.model, backend=args.backend, quantize=args.quantize, threads=args.threads,
-                        storage=effective(config.storage), device=args.device, batch_size=args.batch_size)
+                        storage=storage, device=args.device, batch_size=args.batch_size)
 
 
 def _generate_on_spark(args: argparse.Namespace, sampling) -> int:

@@ -88,7 +88,7 @@ def instruction_record(values: Mapping[str, Any], prompt_field: str, response_fi
     """A prompt/response row (a JSON object, a CSV row, a Parquet row) as a user turn and an assistant turn.
     ``prompt_field`` may name several fields, comma-separated: the non-empty ones joined by a blank line (Alpaca's
     ``instruction,input``)."""
-    if {"instruction", "output"} <= set(values) and prompt_field not in values:
+    if "instruction" in values and "output" in values and prompt_field not in values:
         prompt_field = _alpaca_hint(values, prompt_field)
     prompt = "\n\n".join(p for p in (_string(values, name) for name in prompt_fields(prompt_field)) if p)
     return Record(((USER, prompt), (ASSISTANT, _string(values, response_field))))

@@ -118,19 +118,17 @@ def _without_datasets(uri: str, infos: list[pa.fs.FileInfo], storage: StorageCon
     """A directory's files less those of the prepared datasets inside it (``prepare data/ -o data/prepared`` run
     twice must not read its own token ids as text)."""
     from ..infra import progress
-    from .manifest import FORMAT, MANIFEST
+    from .manifest import MANIFEST, load_prepared
 
     datasets = []
     for info in infos:
         if info.base_name == MANIFEST:
-            fs, path = resolve(uri_like(uri, info.path), storage)
+            directory = info.path.rsplit("/", 1)[0]
             try:
-                with fs.open_input_stream(path) as f:
-                    ours = json.loads(f.read(1 << 20).decode("utf-8")).get("format") == FORMAT
-            except (OSError, ValueError, AttributeError):
-                ours = False  # a JSON file of the user's that happens to share the name: input like any other
-            if ours:
-                datasets.append(info.path.rsplit("/", 1)[0] + "/")
+                load_prepared(uri_like(uri, directory), storage)
+            except SparklmError:  # a JSON file of the user's that happens to share the name: input like any other
+                continue
+            datasets.append(directory + "/")
     left = [i for i in infos if not any(i.path.startswith(root) for root in datasets)]
     if datasets and not left:
         raise SparklmError(f"{uri} is a prepared dataset (token ids, not text)",
@@ -279,6 +277,12 @@ def _why(value, data: DataConfig) -> str:
 def _json_kind(value) -> str:
     kinds = ((bool, "boolean"), (int, "number"), (float, "number"), (str, "string"), (list, "array"), (dict, "object"))
     return next((name for kind, name in kinds if isinstance(value, kind)), "null")
+
+
+def is_json_array(uri: str, storage: StorageConfig | None = None) -> bool:
+    """Whether a JSON file holds one array of records rather than a record a line."""
+    fs, path = resolve(uri, storage)
+    return starts_array(*_sniff(fs, path, ReadUnit(uri, *detect_format(uri)), "utf-8"))
 
 
 def _sniff(fs, path: str, unit: ReadUnit, default: str) -> tuple[bytes, str]:

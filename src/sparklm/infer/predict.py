@@ -68,9 +68,8 @@ def _text_column(df, text_col: str, inputs: list[str]):
 def _json_layouts(paths: list[str]) -> tuple[list[str], list[str]]:
     """The JSON files behind ``paths`` as (JSON Lines, files holding one array); a path this process cannot list
     (one only Spark reads) goes to Spark as JSON Lines, as before."""
-    from ..data.clean import BINARY_SNIFF_BYTES, sniff_encoding
-    from ..data.sources import detect_format, open_stream, starts_array
-    from ..infra.fs import expand, resolve, uri_like
+    from ..data.sources import is_json_array
+    from ..infra.fs import expand, uri_like
 
     lines, arrays = [], []
     for p in paths:
@@ -80,10 +79,7 @@ def _json_layouts(paths: list[str]) -> tuple[list[str], list[str]]:
             lines.append(p)
             continue
         for f in files:
-            fs, path = resolve(f)
-            with open_stream(fs, path, detect_format(f)[1]) as s:
-                head = s.read(BINARY_SNIFF_BYTES)
-            (arrays if starts_array(head, sniff_encoding(head, "utf-8")) else lines).append(f)
+            (arrays if is_json_array(f) else lines).append(f)
     return lines, arrays
 
 

@@ -514,10 +514,11 @@ def _files_below(fs, root: str) -> list[pafs.FileInfo]:
         # the first path to a file, in this order, is the one kept; dot-directories (.git) are skipped unread, as
         # expand skips their files ("_" ones are listed: a _delta_log/ below is refused)
         subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
-        if os.path.realpath(parent) in dirs:
+        real = os.path.realpath(parent)
+        if real in dirs:
             subdirs.clear()
             continue
-        dirs.add(os.path.realpath(parent))
+        dirs.add(real)
         for name in sorted(names):
             full = os.path.join(parent, name)
             real = os.path.realpath(full)
