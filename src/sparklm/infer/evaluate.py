@@ -105,7 +105,7 @@ def evaluate(model: str, inputs: list[str], *, config: Config | None = None, max
     def run(part):
         where = task_device()  # the GPU Spark handed this task, if any
         lm, chunked = process_local(("model", source, version(source, storage), env_threads, where), lambda: _loaded(
-            load(source, threads=env_threads, storage=storage, device=where)))
+            load(source, threads=env_threads, storage=storage, device=where, pack=True)))
         sums = torch.zeros(6, dtype=torch.float64)  # nats, tokens, correct, bytes, documents, dropped
         pending: list[tuple[list[int], int]] = []
         first = None  # (source, position) of the task's first malformed record

@@ -79,7 +79,7 @@ def model_dir(path: str, storage: StorageConfig | None = None) -> Path:
 
 
 def load(path: str, *, threads: int = 0, quantize: str = "none", storage: StorageConfig | None = None,
-         device: str = "auto") -> LoadedModel:
+         device: str = "auto", pack: bool = False) -> LoadedModel:
     """Load a model and its tokenizer (safetensors only: nothing is unpickled); ``path`` may be on an object store.
     ``device``: "cpu", "cuda" (or "cuda:N"), or auto: CUDA where torch sees a GPU.
 
@@ -88,6 +88,10 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
     "int4", 4-bit weights in groups of 32 on torch's packed int4 CPU kernel (``quantize.py``). Both CPU only. Or
     "bf16": the weights in bfloat16 (half fp32's bytes to read per token; on a CPU with AVX512-BF16 or AMX, or a GPU,
     ~2x fp32's decoding speed), logits sampled in float32 as for every backend.
+
+    ``pack``: on the CPU, the float Linear layers that stay get their weights in oneDNN's packed layout
+    (``quantize.PackedLinear``; SmolLM2-135M decodes 1.25-1.3x faster at batch 1 here): for a model that only runs inference
+    here. The model is then no longer one transformers can save or move.
     """
     import torch
 
@@ -110,6 +114,10 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
         from .quantize import to_bf16
 
         to_bf16(model)
+    if pack and where == "cpu":
+        from .quantize import pack as packed_layers
+
+        packed_layers(model)
     if where != "cpu":
         model = model.to(where)
     tok, add_bos = tokenizer_of(directory)

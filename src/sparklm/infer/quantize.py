@@ -8,6 +8,8 @@ weights leave memory as their quantized copies arrive (and ``to_bf16``: every we
   torchao's CPU int4 uses) with bfloat16 activations: its float32 path is scalar, ~25x slower at batch 1. A decoding
   step reads every weight once, so at batch 1 its time follows the weights' bytes: SmolLM2-135M's Linear layers
   take 45 ms in float32 and 5.8 ms in int4 on 2 cores here (BENCHMARKS.md).
+- ``pack``: the float layers left as they are in number, their weights in oneDNN's packed layout (``PackedLinear``),
+  which torch multiplies faster at batch 1 than its plain layout.
 
 A model loaded from safetensors holds its float weights as pages of the file's mapping: they count in the process's
 RSS once read, and stay until the last tensor of the file is freed. ``quantize_dynamic`` reads every weight before
@@ -63,25 +65,51 @@ def quantize(model: torch.nn.Module, kind: str = "int8") -> torch.nn.Module:
     if kind == "int4" and not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
         raise SparklmError(f"--quantize int4 needs torch's packed int4 CPU kernel, which torch {torch.__version__} "
                            "lacks", hint="torch >= 2.6, or --quantize int8")
-    # every module's own tensors, a tied one under each module that holds it (the embedding and the head)
-    owned = [(m, t) for m in model.modules() for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]]
-    mapped = file_mappings()
     with warnings.catch_warnings():  # torch.ao.quantization announces its move to torchao
         warnings.simplefilter("ignore")
-        for parent in list(model.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child) is not torch.nn.Linear:
-                    continue
-                quantized = _int8(child) if kind == "int8" else Int4Linear.packable(child) and Int4Linear.from_linear(child)
-                if not quantized:
-                    continue
-                setattr(parent, name, quantized)
-                weight = child.weight
-                others = [t for m, t in owned if m is not child]
-                if weight.is_contiguous() and in_mappings(weight, mapped) and not shares_bytes(weight, others):
-                    release(weight)
-    _own_memory(model)
+        _replace_linears(model, _int8 if kind == "int8" else
+                         lambda child: Int4Linear.packable(child) and Int4Linear.from_linear(child))
     return model
+
+
+def pack(model: torch.nn.Module) -> torch.nn.Module:
+    """Replace the float ``nn.Linear`` layers of ``model`` (on the CPU) in place with ``PackedLinear``: the same
+    numbers to rounding, faster where the CPU's oneDNN takes the weight's dtype; the rest of the model untouched.
+    A head tied to its embedding gets a packed copy (the embedding keeps the plain weight)."""
+    if packable_dtypes():
+        _replace_linears(model, lambda child: PackedLinear.packable(child) and PackedLinear(child))
+    return model
+
+
+def _replace_linears(model: torch.nn.Module, make) -> None:
+    """Each ``nn.Linear`` of ``model`` for which ``make`` returns a module is replaced by it, one at a time, its
+    weight's file pages handed back unless another tensor shares them; then what stays float leaves the file's
+    mapping (``_own_memory``). The other modules and tensors are known by their ids and bytes' spans only: holding
+    them would keep weights that are not in a file (a bfloat16 copy) alive to the end, both forms in memory at once."""
+    # every module's own tensors, a tied one under each module that holds it (the embedding and the head)
+    owned = [(id(m), _span(t)) for m in model.modules()
+             for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]]
+    mapped = file_mappings()
+    for parent in [m for m in model.modules() if type(m) is not torch.nn.Linear]:  # parents: not holding the layers
+        for name in [name for name, _ in parent.named_children()]:  # names: a list of children would hold them
+            child = getattr(parent, name)
+            if type(child) is not torch.nn.Linear:
+                continue
+            replaced = make(child)
+            if not replaced:
+                continue
+            setattr(parent, name, replaced)
+            weight = child.weight
+            start, end = _span(weight)
+            shared = any(m != id(child) and a < end and start < b for m, (a, b) in owned if b > a)
+            if weight.is_contiguous() and in_mappings(weight, mapped) and not shared:
+                release(weight)
+            elif not shared:
+                # a weight in memory of its own (a bfloat16 copy): freed now, but glibc keeps the block in its heap,
+                # where the next layer's larger one does not fit: SmolLM2-135M's bf16 packing held both forms at once
+                del child, weight
+                _trim()
+    _own_memory(model)
 
 
 def _int8(linear: torch.nn.Linear) -> torch.nn.Module:
@@ -168,6 +196,44 @@ class Int4Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bits=4, group={GROUP}"
 
 
+class PackedLinear(torch.nn.Module):
+    """A float Linear layer whose weight is held in oneDNN's packed layout (``torch.ops.mkldnn``, what inductor's
+    frozen CPU graphs use), multiplied by oneDNN's own product. Why: at batch 1 every step reads every weight once,
+    and torch's plain products read them slowly on the CPU: SmolLM2-135M's LM head (49152 x 576, float32) takes 11 ms
+    through ``F.linear`` (10 GB/s) and 4.9 ms packed (23 GB/s), all its Linear layers 52 ms against 31-36 ms on 2
+    cores here (BENCHMARKS.md). The packed weight is an opaque tensor, outside the module's parameters and state."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = linear.weight.dtype
+        # the layout oneDNN picks for one row at a time (decoding); any number of rows multiplies by it
+        self.weight_packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+
+    @staticmethod
+    def packable(linear: torch.nn.Linear) -> bool:
+        return linear.weight.device.type == "cpu" and linear.weight.dtype in packable_dtypes()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.dtype:  # as F.linear would say, not oneDNN's own words
+            raise RuntimeError(f"PackedLinear: input is {x.dtype}, the weight {self.dtype}")
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight_packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, packed"
+
+
+@functools.cache
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes ``PackedLinear`` takes here: float32 where torch has oneDNN, bfloat16 too where oneDNN
+    runs it natively (AVX512-BF16 or AMX; inductor asks the same)."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return ()
+    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
+
+
 @functools.cache
 def pack_block() -> int:
     """The rows the int4 packing works in on this CPU (0: none found), found by packing two layers apart and
@@ -231,6 +297,16 @@ def _libc():
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc
+
+
+def _trim() -> None:
+    """glibc: hand the free pages of the heap back to the OS (``malloc_trim``); elsewhere nothing."""
+    try:
+        trim = getattr(_libc(), "malloc_trim", None)
+    except (OSError, TypeError):  # no C library to load by that name (not a Unix)
+        return
+    if trim is not None:
+        trim(0)
 
 
 def _own_memory(model: torch.nn.Module) -> None:
