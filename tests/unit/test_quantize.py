@@ -137,7 +137,7 @@ def test_a_packed_layer_gives_the_linear_layers_numbers_to_rounding(dtype, tol):
     for bias in (True, False):
         torch.manual_seed(0)
         linear = torch.nn.Linear(96, 80, bias=bias).to(dtype).requires_grad_(False)
-        packed = PackedLinear(linear)
+        packed = PackedLinear.of(linear)
         # the packed weight is not a parameter or state: nothing saves or moves it as if it were a plain one
         assert not list(packed.parameters()) and list(packed.state_dict()) == (["bias"] if bias else [])
         for shape in ((1, 96), (7, 96), (2, 5, 96)):  # one row (decoding), several, a batch of sequences
@@ -154,7 +154,8 @@ def test_pack_replaces_a_models_float_layers_and_frees_the_weights_it_replaced(d
     import gc
     import weakref
 
-    from sparklm.infer.quantize import PackedLinear, pack, to_bf16
+    from sparklm.infer.quantize import PackedLinear, PackedPart, pack, to_bf16
+    from sparklm.infer.torch_decode import projection_groups
 
     _packable(dtype)
     model = _tiny_llama()
@@ -164,17 +165,41 @@ def test_pack_replaces_a_models_float_layers_and_frees_the_weights_it_replaced(d
     with torch.inference_mode():
         before = model(input_ids=ids).logits
     # a bfloat16 copy is in memory of its own: held anywhere, both forms would stay in memory at once
-    gone = [weakref.ref(model.model.layers[i].mlp.up_proj.weight) for i in (0, 1)]
+    gone = [weakref.ref(model.model.layers[i].mlp.up_proj.weight) for i in (0, 1)]  # joined with gate_proj
+    gone += [weakref.ref(model.model.layers[i].mlp.down_proj.weight) for i in (0, 1)]  # packed alone
     tied = model.lm_head.weight
-    pack(model)
+    pack(model, projection_groups(model))
     gc.collect()
     assert all(ref() is None for ref in gone)
     assert all(type(m) is not torch.nn.Linear for m in model.modules())
     assert type(model.lm_head) is PackedLinear and model.model.embed_tokens.weight is tied  # the embedding keeps it
+    attn = model.model.layers[0].self_attn
+    assert all(type(m) is PackedPart and m.shared is attn.q_proj.shared for m in (attn.k_proj, attn.v_proj))
+    assert [m.out_features for m in (attn.q_proj, attn.k_proj, attn.v_proj)] == [64, 32, 32]
     with torch.inference_mode():
         after = model(input_ids=ids).logits
     assert after.dtype == dtype
     assert float((after - before).abs().max()) <= tol * float(before.abs().max())
+
+
+def test_the_parts_of_a_shared_product_compute_it_once_per_input_and_keep_nothing_after():
+    from sparklm.infer.quantize import PackedLinear, PackedPart, SharedProduct
+
+    _packable(torch.float32)
+    torch.manual_seed(0)
+    weights = [torch.randn(n, 24) for n in (16, 8, 8)]
+    shared = SharedProduct(PackedLinear(torch.cat(weights)), [16, 8, 8])
+    calls = []
+    product = shared.product.forward
+    shared.product.forward = lambda x: calls.append(x) or product(x)  # counts the products, changes nothing
+    parts = [PackedPart(shared, i) for i in range(3)]
+    x, y = torch.randn(2, 3, 24), torch.randn(2, 3, 24)
+    for w, part in zip(weights, parts):
+        assert torch.allclose(part(x), x @ w.T, atol=1e-5)
+    assert len(calls) == 1 and shared._input is None  # once for the three; nothing held between inputs
+    assert torch.allclose(parts[1](x), x @ weights[1].T, atol=1e-5)  # another call: computed again, not stale
+    assert torch.allclose(parts[1](y), y @ weights[1].T, atol=1e-5)  # another input before the others took theirs
+    assert torch.allclose(parts[0](y), y @ weights[0].T, atol=1e-5) and len(calls) == 3
 
 
 def test_packing_bfloat16_layers_holds_one_layers_weight_at_a_time():

@@ -1,6 +1,6 @@
 """torch_decode.LlamaDecoder's step against transformers' own forward (TorchDecoder): the same logits, bit for bit
 in float32, for each family it takes (grouped-query attention, Qwen3's head norms, Qwen2's biases, left-padded
-batches), and with int4 weights; the models it leaves to transformers."""
+batches), with int4 weights and with float layers packed for oneDNN; the models it leaves to transformers."""
 
 import numpy as np
 import pytest
@@ -94,3 +94,32 @@ def test_a_step_past_the_cache_is_refused():
     dec.extend(np.array([4]))
     with pytest.raises(RuntimeError, match="cache is full"):
         dec.extend(np.array([4]))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_step_on_packed_layers_runs_their_joined_products(arch):
+    """Float layers packed for oneDNN with each layer's q/k/v and gate/up joined (as ``generate.load`` packs them
+    on the CPU): the step calls the joined products and gives transformers' logits on the same layers, float32 bit
+    for bit; in bfloat16 its attention reads a float32 cache, so it agrees to bfloat16's rounding."""
+    from sparklm.infer.quantize import SharedProduct, pack, packable_dtypes, to_bf16
+    from sparklm.infer.torch_decode import projection_groups
+
+    if torch.float32 not in packable_dtypes():
+        pytest.skip("this torch has no oneDNN to pack with")
+    model = tiny(arch)
+    pack(model, projection_groups(model))
+    dec = LlamaDecoder(model)
+    assert all(isinstance(qkv, SharedProduct) and isinstance(gate_up, SharedProduct) for qkv, gate_up in dec.joined)
+    for ids, mask in (PROMPTS, PADDED):
+        for a, b in zip(decode(dec, ids, mask, 5), decode(TorchDecoder(model), ids, mask, 5)):
+            if mask.all():
+                assert np.array_equal(a, b)
+            else:
+                np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
+    if torch.bfloat16 in packable_dtypes():
+        model = to_bf16(tiny(arch))
+        pack(model, projection_groups(model))
+        ids, mask = PROMPTS
+        ours, theirs = decode(LlamaDecoder(model), ids, mask, 5), decode(TorchDecoder(model), ids, mask, 5)
+        for a, b in zip(ours, theirs):
+            np.testing.assert_allclose(a, b, rtol=0, atol=0.03 * np.abs(b).max())

@@ -116,8 +116,9 @@ def load(path: str, *, threads: int = 0, quantize: str = "none", storage: Storag
         to_bf16(model)
     if pack and where == "cpu":
         from .quantize import pack as packed_layers
+        from .torch_decode import projection_groups
 
-        packed_layers(model)
+        packed_layers(model, projection_groups(model))
     if where != "cpu":
         model = model.to(where)
     tok, add_bos = tokenizer_of(directory)

@@ -72,24 +72,40 @@ def quantize(model: torch.nn.Module, kind: str = "int8") -> torch.nn.Module:
     return model
 
 
-def pack(model: torch.nn.Module) -> torch.nn.Module:
+def pack(model: torch.nn.Module, groups: list[list[tuple[torch.nn.Module, str]]] = ()) -> torch.nn.Module:
     """Replace the float ``nn.Linear`` layers of ``model`` (on the CPU) in place with ``PackedLinear``: the same
     numbers to rounding, faster where the CPU's oneDNN takes the weight's dtype; the rest of the model untouched.
-    A head tied to its embedding gets a packed copy (the embedding keeps the plain weight)."""
-    if packable_dtypes():
-        _replace_linears(model, lambda child: PackedLinear.packable(child) and PackedLinear(child))
+    A head tied to its embedding gets a packed copy (the embedding keeps the plain weight).
+
+    ``groups``: layers (a parent and a child's name) that always read the same input, such as a decoder layer's
+    query, key and value projections: each group becomes one packed product, its layers ``PackedPart``s of it (one
+    call instead of several; the weights held once)."""
+    if not packable_dtypes():
+        return model
+    owned, mapped = _owned(model), file_mappings()
+    for group in groups:
+        layers = [getattr(parent, name) for parent, name in group]
+        if not all(type(m) is torch.nn.Linear and PackedLinear.packable(m) for m in layers) or \
+                len({(m.in_features, m.weight.dtype) for m in layers}) > 1:
+            continue
+        bias = None if all(m.bias is None for m in layers) else torch.cat(
+            [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in layers])
+        shared = SharedProduct(PackedLinear(torch.cat([m.weight.detach() for m in layers]), bias),
+                               [m.out_features for m in layers])
+        for i, (parent, name) in enumerate(group):
+            setattr(parent, name, PackedPart(shared, i))
+        for m in layers:
+            _hand_back(m, owned, mapped)
+        del layers, m
+    _replace_linears(model, lambda child: PackedLinear.packable(child) and PackedLinear.of(child), owned, mapped)
     return model
 
 
-def _replace_linears(model: torch.nn.Module, make) -> None:
+def _replace_linears(model: torch.nn.Module, make, owned=None, mapped=None) -> None:
     """Each ``nn.Linear`` of ``model`` for which ``make`` returns a module is replaced by it, one at a time, its
-    weight's file pages handed back unless another tensor shares them; then what stays float leaves the file's
-    mapping (``_own_memory``). The other modules and tensors are known by their ids and bytes' spans only: holding
-    them would keep weights that are not in a file (a bfloat16 copy) alive to the end, both forms in memory at once."""
-    # every module's own tensors, a tied one under each module that holds it (the embedding and the head)
-    owned = [(id(m), _span(t)) for m in model.modules()
-             for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]]
-    mapped = file_mappings()
+    weight's memory handed back (``_hand_back``); then what stays float leaves the file's mapping (``_own_memory``)."""
+    owned = _owned(model) if owned is None else owned
+    mapped = file_mappings() if mapped is None else mapped
     for parent in [m for m in model.modules() if type(m) is not torch.nn.Linear]:  # parents: not holding the layers
         for name in [name for name, _ in parent.named_children()]:  # names: a list of children would hold them
             child = getattr(parent, name)
@@ -99,17 +115,34 @@ def _replace_linears(model: torch.nn.Module, make) -> None:
             if not replaced:
                 continue
             setattr(parent, name, replaced)
-            weight = child.weight
-            start, end = _span(weight)
-            shared = any(m != id(child) and a < end and start < b for m, (a, b) in owned if b > a)
-            if weight.is_contiguous() and in_mappings(weight, mapped) and not shared:
-                release(weight)
-            elif not shared:
-                # a weight in memory of its own (a bfloat16 copy): freed now, but glibc keeps the block in its heap,
-                # where the next layer's larger one does not fit: SmolLM2-135M's bf16 packing held both forms at once
-                del child, weight
-                _trim()
+            _hand_back(child, owned, mapped)
+            del child
     _own_memory(model)
+
+
+def _owned(model: torch.nn.Module) -> list[tuple[int, tuple[int, int]]]:
+    """Every module's own tensors, a tied one under each module that holds it (the embedding and the head), known by
+    the module's id and the tensor's bytes only: holding them would keep weights that are not in a file (a bfloat16
+    copy) alive to the end, the old and new forms in memory at once."""
+    return [(id(m), _span(t)) for m in model.modules()
+            for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]]
+
+
+def _hand_back(layer: torch.nn.Linear, owned: list, mapped: list) -> None:
+    """``layer``, just replaced: its weight's file pages dropped, unless another module's tensor shares them."""
+    weight = layer.weight
+    start, end = _span(weight)
+    if any(m != id(layer) and a < end and start < b for m, (a, b) in owned if b > a):
+        return
+    if weight.is_contiguous() and in_mappings(weight, mapped):
+        release(weight)
+    else:
+        # a weight in memory of its own (a bfloat16 copy), freed once the caller drops the layer; glibc keeps the
+        # block in its heap, where the next layer's larger one does not fit: SmolLM2-135M's bf16 packing held both
+        # forms at once. The whole heap's free pages go back as each one is freed.
+        layer.weight = None
+        del weight
+        _trim()
 
 
 def _int8(linear: torch.nn.Linear) -> torch.nn.Module:
@@ -203,13 +236,17 @@ class PackedLinear(torch.nn.Module):
     through ``F.linear`` (10 GB/s) and 4.9 ms packed (23 GB/s), all its Linear layers 52 ms against 31-36 ms on 2
     cores here (BENCHMARKS.md). The packed weight is an opaque tensor, outside the module's parameters and state."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.dtype = linear.weight.dtype
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
         # the layout oneDNN picks for one row at a time (decoding); any number of rows multiplies by it
-        self.weight_packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        self.weight_packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+        self.register_buffer("bias", None if bias is None else bias.detach())
+
+    @classmethod
+    def of(cls, linear: torch.nn.Linear) -> PackedLinear:
+        return cls(linear.weight, linear.bias)
 
     @staticmethod
     def packable(linear: torch.nn.Linear) -> bool:
@@ -222,6 +259,46 @@ class PackedLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, packed"
+
+
+class SharedProduct:
+    """Layers that read the same input as one packed product (``pack``'s groups). Called, it gives every layer's
+    output; its ``PackedPart``s each give one, from one product per input: the first part called with an input
+    computes them all, and the product is kept until each part has taken its own (or another input comes). The
+    input is known by identity, held while the product is kept, so no other tensor can take its place; the model's
+    code must not change it in place between the parts' calls (transformers' attention and MLP do not). One
+    model per thread, as torch's modules generally are."""
+
+    def __init__(self, product: PackedLinear, sizes: list[int]):
+        self.product, self.sizes = product, sizes
+        self._input, self._outputs, self._left = None, (), 0
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.product(x).split(self.sizes, dim=-1)
+
+    def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        if x is not self._input:
+            self._input, self._outputs, self._left = x, self(x), len(self.sizes)
+        out = self._outputs[i]
+        self._left -= 1
+        if self._left == 0:  # every part served: hold nothing between calls
+            self._input, self._outputs = None, ()
+        return out
+
+
+class PackedPart(torch.nn.Module):
+    """One layer of a ``SharedProduct``, where the model calls that layer."""
+
+    def __init__(self, shared: SharedProduct, index: int):
+        super().__init__()
+        self.shared, self.index = shared, index
+        self.in_features, self.out_features = shared.product.in_features, shared.sizes[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared.part(x, self.index)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, part {self.index} of a packed product"
 
 
 @functools.cache

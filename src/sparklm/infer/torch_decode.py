@@ -11,7 +11,8 @@ modules and functions for everything with numbers in it (its norms, rotary embed
 and activation), so its float32 logits equal transformers' bit for bit; what it replaces is bookkeeping: keys and
 values go into a cache allocated once for the prompt and its new tokens, and attention reads that cache's filled
 columns. With int4 weights, a layer's query, key and value projections run as one packed product, and its gate and
-up projections as another, where their packs stack (``quantize.Int4Linear.joined``: the same numbers). The prompt
+up projections as another, where their packs stack (``quantize.Int4Linear.joined``: the same numbers); float layers
+packed for oneDNN are joined the same way when the model is loaded (``projection_groups``). The prompt
 itself runs through transformers (its masks for left padding, its attention over many positions), and its keys and
 values are copied into the cache.
 """
@@ -24,8 +25,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .quantize import Int4Linear
+from .quantize import Int4Linear, PackedPart
 
+# the KV cache's dtype for the model's: bfloat16 attention in float32 (torch's bfloat16 attention on the CPU: 48-95 us a
+# call for SmolLM2's shapes at batch 1, float32's 11-17 us; BENCHMARKS.md)
+_CACHE = {torch.bfloat16: torch.float32}
 # the causal LMs whose decoder layers this step runs: transformers' classes, by name
 FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
@@ -93,7 +97,8 @@ class LlamaDecoder:
         for i in range(len(self.inner.layers)):
             k, v = _layer_cache(cache, i)
             for filled, store in ((k, self.keys), (v, self.values)):
-                full = filled.new_zeros(b, filled.shape[1], t + new_tokens, filled.shape[-1])
+                full = filled.new_zeros(b, filled.shape[1], t + new_tokens, filled.shape[-1],
+                                        dtype=_CACHE.get(filled.dtype, filled.dtype))
                 full[:, :, :t] = filled
                 store.append(full)
         self.filled, self.positions = t, positions[:, -1:]
@@ -132,9 +137,10 @@ class LlamaDecoder:
             q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             self.keys[i][:, :, t] = k[:, :, 0]
             self.values[i][:, :, t] = v[:, 0]
-            o = F.scaled_dot_product_attention(q, self.keys[i][:, :, :t + 1], self.values[i][:, :, :t + 1],
-                                               attn_mask=mask, scale=attn.scaling, enable_gqa=True)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, 1, -1))
+            o = F.scaled_dot_product_attention(q.to(self.keys[i].dtype), self.keys[i][:, :, :t + 1],
+                                               self.values[i][:, :, :t + 1], attn_mask=mask, scale=attn.scaling,
+                                               enable_gqa=True)
+            x = x + attn.o_proj(o.to(x.dtype).transpose(1, 2).reshape(b, 1, -1))
             h = layer.post_attention_layernorm(x)
             if gate_up is None:
                 x = x + layer.mlp(h)
@@ -158,9 +164,25 @@ def _joined(layer) -> tuple[_Joined | None, _Joined | None]:
     attn, mlp = layer.self_attn, layer.mlp
     out = []
     for group in ([attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]):
+        if all(type(m) is PackedPart for m in group) and len({id(m.shared) for m in group}) == 1 and \
+                [m.index for m in group] == list(range(len(group))):
+            out.append(group[0].shared)  # packed together when loaded (``projection_groups``)
+            continue
         product = Int4Linear.joined(group) if all(type(m) is Int4Linear for m in group) else None
         out.append(product and _Joined(product, group))
     return out[0], out[1]
+
+
+def projection_groups(model) -> list[list[tuple[torch.nn.Module, str]]]:
+    """The projections of each decoder layer that read the same input, for ``quantize.pack`` to run as one product:
+    query, key and value; gate and up. None for a model this step does not take."""
+    if not supports(model):
+        return []
+    groups = []
+    for layer in model.model.layers:
+        groups.append([(layer.self_attn, name) for name in ("q_proj", "k_proj", "v_proj")])
+        groups.append([(layer.mlp, name) for name in ("gate_proj", "up_proj")])
+    return groups
 
 
 def _positions(attn: torch.Tensor) -> torch.Tensor:
