@@ -90,8 +90,10 @@ def pack(model: torch.nn.Module, groups: list[list[tuple[torch.nn.Module, str]]]
             continue
         bias = None if all(m.bias is None for m in layers) else torch.cat(
             [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in layers])
-        shared = SharedProduct(PackedLinear(torch.cat([m.weight.detach() for m in layers]), bias),
-                               [m.out_features for m in layers])
+        joined = torch.cat([m.weight.detach() for m in layers])
+        shared = SharedProduct(PackedLinear(joined, bias), [m.out_features for m in layers])
+        del joined
+        _trim()  # the joined weight, packed and freed: its block back to the OS, not left in glibc's heap
         for i, (parent, name) in enumerate(group):
             setattr(parent, name, PackedPart(shared, i))
         for m in layers:
