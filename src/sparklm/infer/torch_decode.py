@@ -175,7 +175,7 @@ def _joined(layer) -> tuple[_Joined | None, _Joined | None]:
 
 def projection_groups(model) -> list[list[tuple[torch.nn.Module, str]]]:
     """The projections of each decoder layer that read the same input, for ``quantize.pack`` to run as one product:
-    query, key and value; gate and up. None for a model this step does not take."""
+    query, key and value; gate and up. No groups for a model this step does not take."""
     if not supports(model):
         return []
     groups = []
