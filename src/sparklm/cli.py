@@ -608,11 +608,11 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except OSError as e:  # the driver's own disk or memory, a path it cannot write: foreseeable, one line
-        cause = known_cause(f"{e} errno {e.errno}") or _unwritable(e)
+        known = known_cause(f"{e} errno {e.errno}")
+        cause = (f"{known[0]}: {e.filename or e}", known[1]) if known else _unwritable(e)
         if cause is None or args.debug:
             raise
-        what = cause[0] if cause[0].startswith("cannot write") else f"{cause[0]}: {e.filename or e}"
-        print(SparklmError(what, hint=cause[1]).one_line(), file=sys.stderr)
+        print(SparklmError(cause[0], hint=cause[1]).one_line(), file=sys.stderr)
         return 2
     finally:
         _stop_spark()

@@ -133,8 +133,7 @@ def _owned(model: torch.nn.Module) -> list[tuple[int, tuple[int, int]]]:
 def _hand_back(layer: torch.nn.Linear, owned: list, mapped: list) -> None:
     """``layer``, just replaced: its weight's file pages dropped, unless another module's tensor shares them."""
     weight = layer.weight
-    start, end = _span(weight)
-    if any(m != id(layer) and a < end and start < b for m, (a, b) in owned if b > a):
+    if _overlaps(_span(weight), [span for m, span in owned if m != id(layer)]):
         return
     if weight.is_contiguous() and in_mappings(weight, mapped):
         release(weight)
@@ -353,12 +352,13 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 def shares_bytes(t: torch.Tensor, others: list[torch.Tensor]) -> bool:
     """Whether any of ``others`` overlaps ``t``'s bytes (a head tied to its embedding shares them)."""
-    start, end = _span(t)
-    for other in others:
-        a, b = _span(other)
-        if other.numel() and a < end and start < b:
-            return True
-    return False
+    return _overlaps(_span(t), [_span(other) for other in others])
+
+
+def _overlaps(span: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
+    """Whether any of ``spans`` that holds a byte overlaps ``span``."""
+    start, end = span
+    return any(b > a and a < end and start < b for a, b in spans)
 
 
 def release(t: torch.Tensor) -> None:
