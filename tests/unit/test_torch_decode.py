@@ -96,6 +96,35 @@ def test_a_step_past_the_cache_is_refused():
         dec.extend(np.array([4]))
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_int4_layers_packed_when_loaded_are_joined_once(arch):
+    """``quantize.pack`` with ``projection_groups`` (as ``generate.load`` packs for inference) joins each layer's int4
+    q/k/v and gate/up where their packs stack: the separate packs are freed (each weight held once), and the step
+    and transformers' forward both run the joined products with the separate layers' numbers."""
+    import gc
+    import weakref
+
+    from sparklm.infer.quantize import Int4Linear, SharedProduct, pack, pack_block
+    from sparklm.infer.torch_decode import projection_groups
+
+    if not 0 < pack_block() <= 64:
+        pytest.skip("int4 packs of 64 rows do not stack on this CPU")
+    sizes = dict(hidden_size=128, intermediate_size=128)
+    plain, model = (quantize(tiny(arch, **sizes), "int4") for _ in range(2))
+    layer = model.model.layers[0]
+    gone = [weakref.ref(m.packed) for m in (layer.self_attn.q_proj, layer.self_attn.v_proj, layer.mlp.up_proj)]
+    pack(model, projection_groups(model))
+    del layer
+    gc.collect()
+    assert all(ref() is None for ref in gone)
+    dec = LlamaDecoder(model)
+    assert all(isinstance(p, SharedProduct) and type(p.product) is Int4Linear for pair in dec.joined for p in pair)
+    ids, mask = PROMPTS
+    want = decode(TorchDecoder(plain), ids, mask, 5)
+    for ours, theirs, separate in zip(decode(dec, ids, mask, 5), decode(TorchDecoder(model), ids, mask, 5), want):
+        assert np.array_equal(ours, separate) and np.array_equal(theirs, separate)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_the_step_on_packed_layers_runs_their_joined_products(arch):
     """Float layers packed for oneDNN with each layer's q/k/v and gate/up joined (as ``generate.load`` packs them

@@ -78,29 +78,42 @@ def pack(model: torch.nn.Module, groups: list[list[tuple[torch.nn.Module, str]]]
     A head tied to its embedding gets a packed copy (the embedding keeps the plain weight).
 
     ``groups``: layers (a parent and a child's name) that always read the same input, such as a decoder layer's
-    query, key and value projections: each group becomes one packed product, its layers ``PackedPart``s of it (one
-    call instead of several; the weights held once)."""
-    if not packable_dtypes():
-        return model
+    query, key and value projections: each group becomes one product, its layers ``PackedPart``s of it (one call
+    instead of several; the weights held once). Float layers are joined as one ``PackedLinear``, int4 layers as one
+    ``Int4Linear`` where their packs stack (``Int4Linear.joined``)."""
     owned, mapped = _owned(model), file_mappings()
     for group in groups:
         layers = [getattr(parent, name) for parent, name in group]
-        if not all(type(m) is torch.nn.Linear and PackedLinear.packable(m) for m in layers) or \
-                len({(m.in_features, m.weight.dtype) for m in layers}) > 1:
+        product = _joined(layers)
+        if product is None:
             continue
-        bias = None if all(m.bias is None for m in layers) else torch.cat(
-            [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in layers])
-        joined = torch.cat([m.weight.detach() for m in layers])
-        shared = SharedProduct(PackedLinear(joined, bias), [m.out_features for m in layers])
-        del joined
-        _trim()  # the joined weight, packed and freed: its block back to the OS, not left in glibc's heap
+        shared = SharedProduct(product, [m.out_features for m in layers])
         for i, (parent, name) in enumerate(group):
             setattr(parent, name, PackedPart(shared, i))
         for m in layers:
-            _hand_back(m, owned, mapped)
+            if type(m) is torch.nn.Linear:
+                _hand_back(m, owned, mapped)
         del layers, m
-    _replace_linears(model, lambda child: PackedLinear.packable(child) and PackedLinear.of(child), owned, mapped)
+        _trim()  # the separate layers' memory, freed: back to the OS, not left in glibc's heap
+    if packable_dtypes():
+        _replace_linears(model, lambda child: PackedLinear.packable(child) and PackedLinear.of(child), owned, mapped)
     return model
+
+
+def _joined(layers: list[torch.nn.Module]) -> PackedLinear | Int4Linear | None:
+    """One product for ``layers`` (their outputs side by side), or None where they cannot be joined."""
+    if all(type(m) is Int4Linear for m in layers):
+        return Int4Linear.joined(layers)
+    if not all(type(m) is torch.nn.Linear and PackedLinear.packable(m) for m in layers) or \
+            len({(m.in_features, m.weight.dtype) for m in layers}) > 1:
+        return None
+    bias = None if all(m.bias is None for m in layers) else torch.cat(
+        [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in layers])
+    joined = torch.cat([m.weight.detach() for m in layers])
+    product = PackedLinear(joined, bias)
+    del joined
+    _trim()  # the joined weight, packed and freed: its block back to the OS, not left in glibc's heap
+    return product
 
 
 def _replace_linears(model: torch.nn.Module, make, owned=None, mapped=None) -> None:
@@ -270,7 +283,7 @@ class SharedProduct:
     code must not change it in place between the parts' calls (transformers' attention and MLP do not). One
     model per thread, as torch's modules generally are."""
 
-    def __init__(self, product: PackedLinear, sizes: list[int]):
+    def __init__(self, product: PackedLinear | Int4Linear, sizes: list[int]):
         self.product, self.sizes = product, sizes
         self._input, self._outputs, self._left = None, (), 0
 

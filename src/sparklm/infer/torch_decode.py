@@ -6,20 +6,20 @@
 
 Why a step by hand: at batch 1 a step of SmolLM2-135M in int4 spends 4.4 ms in its matrix products and ~12 ms more
 in transformers' forward around them (keyword decorators on every layer, mask and cache objects, seven Linear calls
-per layer) on 2 cores here; ``LlamaDecoder``'s step is ~13 ms in all (BENCHMARKS.md). It calls the model's own
-modules and functions for everything with numbers in it (its norms, rotary embedding, ``apply_rotary_pos_emb``, MLP
-and activation), so its float32 logits equal transformers' bit for bit; what it replaces is bookkeeping: keys and
-values go into a cache allocated once for the prompt and its new tokens, and attention reads that cache's filled
-columns. With int4 weights, a layer's query, key and value projections run as one packed product, and its gate and
-up projections as another, where their packs stack (``quantize.Int4Linear.joined``: the same numbers); float layers
-packed for oneDNN are joined the same way when the model is loaded (``projection_groups``). The prompt
+per layer) on 2 cores here; ``LlamaDecoder``'s step is ~12 ms in all (BENCHMARKS.md). It calls the model's own
+modules for everything with numbers in it (its norms, rotary embedding, MLP and activation) and computes the rotation
+as transformers' ``apply_rotary_pos_emb`` does (``_rotate``: one roll for rotate_half, the same numbers), so its
+float32 logits equal transformers' bit for bit; what it replaces is bookkeeping: keys and values go into a cache
+allocated once for the prompt and its new tokens, attention reads that cache's filled columns, and a layer's query
+and key heads are rotated at once. Projections that read the same input run as one product: joined when the model
+is loaded for inference (``projection_groups`` for ``quantize.pack``: float layers packed for oneDNN as one, int4
+layers' packs stacked as one, each weight held once), else, for int4 weights, when the step is built
+(``quantize.Int4Linear.joined``: the same numbers, where their packs stack). The prompt
 itself runs through transformers (its masks for left padding, its attention over many positions), and its keys and
 values are copied into the cache.
 """
 
 from __future__ import annotations
-
-import sys
 
 import numpy as np
 import torch
@@ -82,7 +82,6 @@ class LlamaDecoder:
 
     def __init__(self, model):
         self.model, self.inner = model, model.model
-        self.rope = sys.modules[type(self.inner.layers[0].self_attn).__module__].apply_rotary_pos_emb
         self.joined = [_joined(layer) for layer in self.inner.layers]
 
     def start(self, ids: np.ndarray, mask: np.ndarray, new_tokens: int) -> np.ndarray:
@@ -121,33 +120,47 @@ class LlamaDecoder:
         x = inner.embed_tokens(ids)
         b = x.shape[0]
         cos, sin = inner.rotary_emb(x, self.positions)
+        half = cos.shape[-1] // 2
+        # rotate_half's minus moved onto sin, once a step (a sign flip is exact), so each rotation is x*cos+roll(x)*sin
+        cos, sin = cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), -1).unsqueeze(1)
         mask = None if self.mask is None else self.mask[:, None, None, :t + 1]
         for i, layer in enumerate(inner.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            qkv, gate_up = self.joined[i]
-            if qkv is None:
-                q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-            else:
-                q, k, v = qkv(h)
-            shape = (b, 1, -1, attn.head_dim)
-            q, k, v = q.view(shape), k.view(shape), v.view(shape)
-            if hasattr(attn, "q_norm"):  # Qwen3: each head's query and key normalized before the rotation
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            self.keys[i][:, :, t] = k[:, :, 0]
-            self.values[i][:, :, t] = v[:, 0]
-            o = F.scaled_dot_product_attention(q.to(self.keys[i].dtype), self.keys[i][:, :, :t + 1],
-                                               self.values[i][:, :, :t + 1], attn_mask=mask, scale=attn.scaling,
-                                               enable_gqa=True)
+            attn, mlp = layer.self_attn, layer.mlp
+            q, k, v = self._heads(i, layer.input_layernorm.forward(x), cos, sin)
+            keys, values = self.keys[i], self.values[i]
+            keys.narrow(2, t, 1).copy_(k)
+            values.narrow(2, t, 1).copy_(v)
+            o = F.scaled_dot_product_attention(q.to(keys.dtype), keys.narrow(2, 0, t + 1), values.narrow(2, 0, t + 1),
+                                               attn_mask=mask, scale=attn.scaling, enable_gqa=True)
             x = x + attn.o_proj(o.to(x.dtype).transpose(1, 2).reshape(b, 1, -1))
-            h = layer.post_attention_layernorm(x)
-            if gate_up is None:
-                x = x + layer.mlp(h)
-            else:
-                gate, up = gate_up(h)
-                x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            h = layer.post_attention_layernorm.forward(x)
+            gate_up = self.joined[i][1]
+            gate, up = (mlp.gate_proj(h), mlp.up_proj(h)) if gate_up is None else gate_up(h)
+            x = x + mlp.down_proj(mlp.act_fn.forward(gate) * up)
         return self.model.lm_head(inner.norm(x))
+
+    def _heads(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Layer ``i``'s queries, keys and values for one position, (B, heads, 1, head dim), queries and keys rotated:
+        from a joined product, the query and key heads side by side are rotated at once."""
+        attn, qkv = self.inner.layers[i].self_attn, self.joined[i][0]
+        b, d = h.shape[0], attn.head_dim
+        if qkv is not None and not hasattr(attn, "q_norm"):
+            heads = qkv.product(h).view(b, 1, -1, d).transpose(1, 2)
+            queries, keys = qkv.sizes[0] // d, qkv.sizes[1] // d
+            qk = _rotate(heads[:, :queries + keys], cos, sin)
+            return qk[:, :queries], qk[:, queries:], heads[:, queries + keys:]
+        q, k, v = (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)) if qkv is None else qkv(h)
+        shape = (b, 1, -1, d)
+        q, k, v = q.view(shape), k.view(shape), v.view(shape)
+        if hasattr(attn, "q_norm"):  # Qwen3: each head's query and key normalized before the rotation
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotary embedding, ``x * cos + rotate_half(x) * sin``, given ``sin`` with its first half negated:
+    rotate_half's halves swapped as one roll, the same numbers."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class _Joined:
