@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,72 @@ def test_an_object_named_with_dots_does_not_write_outside_the_cache(tmp_path, mo
     finally:
         memory.rm("/bucket-sec", recursive=True)
     assert not list(tmp_path.rglob("escaped-sparklm.txt"))
+
+
+def _model_with_checksums(directory: Path) -> Path:
+    from sparklm.infra.fs import write_checksums
+
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text('{"model_type": "llama"}')
+    (directory / "model.safetensors").write_bytes(os.urandom(1 << 20))
+    write_checksums(directory)
+    return directory
+
+
+def test_a_verified_file_is_hashed_again_only_once_it_changes(tmp_path, monkeypatch):
+    """A model's files, hashed and found intact, are not read again on the next load while each keeps its stamp
+    (size, inode, modification and change times); a write changes the change time, so bytes flipped in place, at
+    the same size and with the modification time set back, are found."""
+    from sparklm.infra import fs
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(fs, "SETTLED_NS", 0)  # the files here are milliseconds old
+    model = _model_with_checksums(tmp_path / "model")
+    hashed = []
+    real = fs.file_sha256
+    monkeypatch.setattr(fs, "file_sha256", lambda path: hashed.append(path.name) or real(path))
+    verify_checksums(model)
+    assert sorted(hashed) == ["config.json", "model.safetensors"]
+    assert list((tmp_path / "cache" / "sparklm" / "verified").glob("*.json"))
+    hashed.clear()
+    verify_checksums(model)
+    assert hashed == []
+    weights = model / "model.safetensors"
+    before, st = weights.read_bytes(), weights.stat()
+    time.sleep(0.05)  # past the file clock's tick
+    with open(weights, "r+b") as f:
+        f.seek(1000)
+        f.write(bytes([before[1000] ^ 0x55]))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert weights.stat().st_size == st.st_size and weights.stat().st_mtime_ns == st.st_mtime_ns
+    with pytest.raises(SparklmError, match="model.safetensors is damaged"):
+        verify_checksums(model)
+    assert hashed == ["model.safetensors"]
+    weights.write_bytes(before)
+    verify_checksums(model)  # restored: hashed, found intact, recorded again
+
+
+def test_a_file_written_moments_ago_is_hashed_every_time_and_an_unwritable_record_is_ignored(tmp_path, monkeypatch):
+    from sparklm.infra import fs
+
+    model = _model_with_checksums(tmp_path / "model")
+    hashed = []
+    real = fs.file_sha256
+    monkeypatch.setattr(fs, "file_sha256", lambda path: hashed.append(path.name) or real(path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    for _ in range(2):  # written moments ago: its times could still stay through a write
+        verify_checksums(model)
+    assert len(hashed) == 4 and not (tmp_path / "cache").exists()
+    st = (model / "config.json").stat()
+    assert fs.file_stamp(st, st.st_ctime_ns + fs.SETTLED_NS - 1) is None
+    assert fs.file_stamp(st, st.st_ctime_ns + fs.SETTLED_NS) == [st.st_size, st.st_ino, st.st_dev, st.st_mtime_ns,
+                                                                  st.st_ctime_ns]
+    monkeypatch.setattr(fs, "SETTLED_NS", 0)
+    (tmp_path / "cache").write_text("a file where the cache directory would be")
+    hashed.clear()
+    for _ in range(2):  # the record cannot be written: hashed as before, no error
+        verify_checksums(model)
+    assert len(hashed) == 4 and (tmp_path / "cache").is_file()
 
 
 def test_a_checksum_list_cannot_point_outside_its_directory(tmp_path):
