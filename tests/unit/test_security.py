@@ -178,6 +178,32 @@ def test_a_verified_file_is_hashed_again_only_once_it_changes(tmp_path, monkeypa
     verify_checksums(model)  # restored: hashed, found intact, recorded again
 
 
+def test_a_file_written_while_it_is_hashed_is_not_recorded_as_intact(tmp_path, monkeypatch):
+    """The stamp is taken before the file is read and recorded only if the file still has it: bytes written after
+    the hash read them would otherwise pass every later load unread."""
+    from sparklm.infra import fs
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(fs, "SETTLED_NS", 0)
+    model = _model_with_checksums(tmp_path / "model")
+    weights = model / "model.safetensors"
+    real = fs.file_sha256
+
+    def hash_then_write(path):
+        digest = real(path)
+        if path == weights:  # another process writes the file just after its bytes were hashed
+            time.sleep(0.05)
+            with open(path, "r+b") as f:
+                f.write(b"\0" * 16)
+        return digest
+
+    monkeypatch.setattr(fs, "file_sha256", hash_then_write)
+    verify_checksums(model)  # what it hashed was intact
+    monkeypatch.setattr(fs, "file_sha256", real)
+    with pytest.raises(SparklmError, match="model.safetensors is damaged"):
+        verify_checksums(model)
+
+
 def test_a_file_written_moments_ago_is_hashed_every_time_and_an_unwritable_record_is_ignored(tmp_path, monkeypatch):
     from sparklm.infra import fs
 

@@ -444,10 +444,11 @@ def verify_checksums(directory: Path) -> None:
     verified = Verified(directory)
     for name, want in sums.items():
         path = inside(directory, name, what=f"{listing}: an entry")
-        if not path.is_file() or not (verified.holds(name, path, want) or file_sha256(path) == want):
+        stamp = file_stamp(path.stat(), time.time_ns()) if path.is_file() else None
+        if not path.is_file() or not (verified.holds(name, stamp, want) or file_sha256(path) == want):
             raise SparklmError(f"{path} is damaged: it does not match the SHA-256 recorded when it was written",
                                hint="restore it from a copy or export the model again")
-        verified.add(name, path, want)
+        verified.add(name, path, stamp, want)
     verified.save()
 
 
@@ -484,15 +485,15 @@ class Verified:
             entries = {}
         self.entries, self.changed = entries if isinstance(entries, dict) else {}, False
 
-    def holds(self, name: str, path: Path, want: str) -> bool:
-        entry = self.entries.get(name)
-        stamp = file_stamp(path.stat(), time.time_ns())
-        return stamp is not None and entry == {"sha256": want, "stamp": stamp}
+    def holds(self, name: str, stamp: list[int] | None, want: str) -> bool:
+        """Whether ``name`` was found to hash to ``want`` when it had ``stamp``, as it has now."""
+        return stamp is not None and self.entries.get(name) == {"sha256": want, "stamp": stamp}
 
-    def add(self, name: str, path: Path, want: str) -> None:
-        stamp = file_stamp(path.stat(), time.time_ns())
-        entry = None if stamp is None else {"sha256": want, "stamp": stamp}
-        if self.entries.get(name) != entry:
+    def add(self, name: str, path: Path, stamp: list[int] | None, want: str) -> None:
+        """``name`` found to hash to ``want``, its ``stamp`` taken before it was read: recorded only if the file still
+        has it, as a write while it was read would leave bytes that were never hashed."""
+        entry = {"sha256": want, "stamp": stamp}
+        if stamp is not None and self.entries.get(name) != entry and file_stamp(path.stat(), time.time_ns()) == stamp:
             self.entries[name], self.changed = entry, True
 
     def save(self) -> None:
@@ -503,7 +504,7 @@ class Verified:
         part = self.file.with_name(f"{self.file.name}.{uuid.uuid4().hex}.part")
         try:
             self.file.parent.mkdir(parents=True, exist_ok=True)
-            part.write_text(json.dumps({k: v for k, v in self.entries.items() if v is not None}))
+            part.write_text(json.dumps(self.entries))
             os.replace(part, self.file)  # whole or not at all: other processes may load the same model at once
         except OSError:
             with suppress(OSError):
