@@ -469,8 +469,8 @@ def file_stamp(st: os.stat_result, now_ns: int) -> list[int] | None:
 class Verified:
     """The files of one local model directory that this user has hashed and found matching their recorded SHA-256,
     each with its ``file_stamp`` then, kept under ``cache_dir("verified")``. Why: loading a model hashed every byte
-    of it each time (SmolLM2-135M in float32: 0.4 s of the 5 s to a first token; 28 GB of a 7B model: ~20 s), though
-    it rarely changes. As git's index does, a file whose stamp differs is read again. The record is a convenience:
+    of it each time (SmolLM2-135M's 538 MB in float32: 0.43 s of the 5 s to a first token, more for a larger
+    model), though it rarely changes. As git's index does, a file whose stamp differs is read again. The record is a convenience:
     one that cannot be read or written is ignored, and the model is hashed as before."""
 
     def __init__(self, directory: Path):
