@@ -126,17 +126,17 @@ class LlamaDecoder:
         mask = None if self.mask is None else self.mask[:, None, None, :t + 1]
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            q, k, v = self._heads(i, layer.input_layernorm.forward(x), cos, sin)
+            q, k, v = self._heads(i, layer.input_layernorm(x), cos, sin)
             keys, values = self.keys[i], self.values[i]
             keys.narrow(2, t, 1).copy_(k)
             values.narrow(2, t, 1).copy_(v)
             o = F.scaled_dot_product_attention(q.to(keys.dtype), keys.narrow(2, 0, t + 1), values.narrow(2, 0, t + 1),
                                                attn_mask=mask, scale=attn.scaling, enable_gqa=True)
             x = x + attn.o_proj(o.to(x.dtype).transpose(1, 2).reshape(b, 1, -1))
-            h = layer.post_attention_layernorm.forward(x)
+            h = layer.post_attention_layernorm(x)
             gate_up = self.joined[i][1]
             gate, up = (mlp.gate_proj(h), mlp.up_proj(h)) if gate_up is None else gate_up(h)
-            x = x + mlp.down_proj(mlp.act_fn.forward(gate) * up)
+            x = x + mlp.down_proj(mlp.act_fn(gate) * up)
         return self.model.lm_head(inner.norm(x))
 
     def _heads(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
