@@ -94,7 +94,7 @@ def pack(model: torch.nn.Module, groups: list[list[tuple[torch.nn.Module, str]]]
             if type(m) is torch.nn.Linear:
                 _hand_back(m, owned, mapped)
         del layers, m
-        _trim()  # the separate layers' memory, freed: back to the OS, not left in glibc's heap
+        _trim()  # the joined copy and the separate layers, freed: back to the OS, not left in glibc's heap
     if packable_dtypes():
         _replace_linears(model, lambda child: PackedLinear.packable(child) and PackedLinear.of(child), owned, mapped)
     return model
@@ -109,11 +109,7 @@ def _joined(layers: list[torch.nn.Module]) -> PackedLinear | Int4Linear | None:
         return None
     bias = None if all(m.bias is None for m in layers) else torch.cat(
         [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in layers])
-    joined = torch.cat([m.weight.detach() for m in layers])
-    product = PackedLinear(joined, bias)
-    del joined
-    _trim()  # the joined weight, packed and freed: its block back to the OS, not left in glibc's heap
-    return product
+    return PackedLinear(torch.cat([m.weight.detach() for m in layers]), bias)  # the joined copy: freed, trimmed by pack
 
 
 def _replace_linears(model: torch.nn.Module, make, owned=None, mapped=None) -> None:

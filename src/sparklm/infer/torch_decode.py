@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .quantize import Int4Linear, PackedPart
+from .quantize import Int4Linear, PackedPart, SharedProduct
 
 # the KV cache's dtype for the model's: bfloat16 attention in float32 (torch's bfloat16 attention on the CPU: 48-95 us a
 # call for SmolLM2's shapes at batch 1, float32's 11-17 us; BENCHMARKS.md)
@@ -163,17 +163,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
-class _Joined:
-    """Int4 projections that read the same input, run as one packed product and split again."""
-
-    def __init__(self, product: Int4Linear, layers: list[Int4Linear]):
-        self.product, self.sizes = product, [layer.out_features for layer in layers]
-
-    def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.product(h).split(self.sizes, dim=-1)
-
-
-def _joined(layer) -> tuple[_Joined | None, _Joined | None]:
+def _joined(layer) -> tuple[SharedProduct | None, SharedProduct | None]:
     attn, mlp = layer.self_attn, layer.mlp
     out = []
     for group in ([attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]):
@@ -182,7 +172,7 @@ def _joined(layer) -> tuple[_Joined | None, _Joined | None]:
             out.append(group[0].shared)  # packed together when loaded (``projection_groups``)
             continue
         product = Int4Linear.joined(group) if all(type(m) is Int4Linear for m in group) else None
-        out.append(product and _Joined(product, group))
+        out.append(product and SharedProduct(product, [m.out_features for m in group]))
     return out[0], out[1]
 
 
