@@ -75,11 +75,12 @@ def reference_bpb(model_dir: Path, data: Path) -> float:
     from sparklm.config import from_dict
     from sparklm.data.manifest import load_prepared, load_tokenizer
     from sparklm.train.core import Trainer
+    from sparklm.train.resolve import local
 
     dataset = load_prepared(str(data))
     config = from_dict({"model": {"init_from": str(model_dir)},
                         "train": {"eval_batches": 0, "dtype": "float32", "optimizer": "adamw"}})
-    trainer = Trainer(config, dataset, load_tokenizer(dataset))
+    trainer = Trainer(local(config, dataset), dataset, load_tokenizer(dataset))
     return trainer.task.figures(trainer.eval_sums(0, 1).tolist())["val_bpb"]
 
 

@@ -46,7 +46,7 @@ from sparklm.metrics.sinks import CsvSink, Sinks, metric_columns, read_metrics  
 from sparklm.model.figures import LM_FIGURES  # noqa: E402
 from sparklm.train import collective  # noqa: E402
 from sparklm.train.core import Rank, Trainer, train  # noqa: E402
-from sparklm.train.plan import local  # noqa: E402
+from sparklm.train.resolve import local  # noqa: E402
 
 SMOL = {"arch": "llama", "n_layer": 30, "n_embd": 576, "n_head": 9, "intermediate": 1536, "qk_norm": False}
 TINY = {"arch": "llama", "n_layer": 2, "n_embd": 64, "n_head": 2}
@@ -248,7 +248,7 @@ def plain_loop(model: torch.nn.Module, vocab: int, batch: int, seq: int, steps: 
 def check_speed(work, spec, args, out: dict) -> None:
     if not CUDA:
         return
-    from sparklm.tasks import make as make_task
+    from sparklm.registry import make_task
     from sparklm.train.peak import gpu_peak
 
     seq, batch, steps = (128, 4, 6) if args.smoke else (1024, 16, 30)
@@ -285,7 +285,7 @@ def check_generation(work, spec, args, out: dict) -> None:
         return
     from sparklm.infer.generate import generate, load
     from sparklm.infer.sampling import Sampling
-    from sparklm.tasks import make as make_task
+    from sparklm.registry import make_task
 
     new = 16 if args.smoke else 128
     cfg = from_dict(settings(TINY if args.smoke else SMOL, "cuda", "bfloat16", 1, 1))

@@ -39,7 +39,7 @@ def score(run: Path, known: set[str], *, n_prompts: int, seeds: int, new_tokens:
     from sparklm.data.manifest import load_prepared
     from sparklm.infer.generate import generate, load
     from sparklm.infer.sampling import Sampling
-    from sparklm.metrics.report import sample_prompts
+    from sparklm.tasks.causal_lm import sample_prompts
 
     lm = load(str(run / "model"), threads=2)
     prompts = sample_prompts(load_prepared(str(run / "data")), lm.tokenizer, n_prompts, Config())

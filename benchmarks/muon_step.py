@@ -25,7 +25,7 @@ def one(contender: str, threads: int, steps: int) -> tuple[float, int]:
 
     from sparklm.config import ModelConfig
     from sparklm.model.build import build_model
-    from sparklm.model.task import CausalLM
+    from sparklm.tasks.causal_lm import CausalLM
     from sparklm.train import optim
     from sparklm.train.device import keep_freed_memory
 

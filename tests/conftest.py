@@ -392,6 +392,17 @@ ROUNDS_KEYS = {"sync_every", "outer_lr", "outer_momentum", "inner_state", "codec
               "downlink", "average_over"}
 
 
+def plan_for(config, dataset, *, threads: int = 1, workers: int | None = None):
+    """The one way a test makes a run plan for a worker it drives itself (resolve.local: settled for ``threads`` on
+    this machine, no memory limit, no budget fit); ``dataset``: a PreparedDataset or its URI."""
+    from sparklm.data.manifest import load_prepared
+    from sparklm.train.resolve import local
+
+    if isinstance(dataset, str):
+        dataset = load_prepared(dataset, config.storage)
+    return local(config, dataset, threads, workers=workers)
+
+
 def cfg(**train):
     """The tiny training config with ``train`` settings (round settings go to [train.rounds])."""
     import json

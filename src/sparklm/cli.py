@@ -15,7 +15,7 @@ from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
-from . import tasks
+from . import registry
 from .config import choices, fields_with_flags, from_dict, load_raw
 from .infra import progress, redact
 from .infra.errors import SparklmError, known_cause
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--validation-input", dest="validation_inputs", action="append", default=[], metavar="PATH",
                    help="explicit validation files (repeatable); otherwise a hash split by --val-fraction")
     g = p.add_argument_group("data and tokenizer")
-    g.add_argument("--task", dest="prepare_task", choices=tasks.preparing(),
+    g.add_argument("--task", dest="prepare_task", choices=registry.preparing(),
                    help="what the dataset is for (data.task): causal-lm (default); an encoder's task (labelled records "
                         "with --label-field, or documents) needs its tokenizer: --tokenizer MODEL_DIR")
     _config_flags(g, _FLAG_SECTIONS["prepare"], _FLAG_KEYS["prepare"])
@@ -339,7 +339,7 @@ def _run(args: argparse.Namespace) -> int:
     if config.model.init_from and not config.tokenizer.path:  # a pretrained model reads text with its own tokenizer
         config = config.replace(tokenizer=replace(config.tokenizer, path=config.model.init_from))
     # the data is prepared for the task the run trains
-    config = config.replace(data=replace(config.data, task=tasks.info(config.model.task).data[0]))
+    config = config.replace(data=replace(config.data, task=registry.task(config.model.task).data[0]))
     run_dir = args.output or f"runs/run-{time.strftime('%Y%m%d-%H%M%S')}"
     inputs = _inputs(args)
     start = _session_factory(args, config)
@@ -355,12 +355,12 @@ def _run(args: argparse.Namespace) -> int:
         raise SparklmError(f"run directory {run_dir} already exists", hint="choose another --output")
     prepare(inputs, output=data_dir, config=config, spark=session)
     summary = train(data_dir, output=run_dir, config=config, spark=session)
-    made = tasks.info(config.model.task).shows  # beside the report
+    made = registry.task(config.model.task).shows  # beside the report
     progress.info((f"{made}: {run_dir}/{made}, " if made else "") + f"report: {run_dir}/report.html")
     progress.plain(run_dir)
     kept = summary["best"] or summary["final"]
     if kept:
-        head = tasks.figures_for(summary["task"]).main
+        head = registry.task(summary["task"]).figures.main
         progress.plain(f"validation {head.label} of model/ (step {kept.get('step', summary['steps'])}): "
                        f"{kept[head.key]:{head.fmt}}")
     return 0
@@ -527,7 +527,7 @@ def _eval(args: argparse.Namespace) -> int:
                           batch_size=args.batch_size, threads=args.threads, spark=_session_factory(args, config))
     progress.info(f"{result['documents']} documents, {result['tokens']:,} tokens scored "
                   f"(window {result['max_length']}, stride {result['stride']})")
-    progress.plain(tasks.figures_for(config.model.task).line(result, by="name"))
+    progress.plain(registry.task(config.model.task).figures.line(result, by="name"))
     if args.output:
         from .infra.fs import write_text
 

@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .infra.errors import SparklmError
-from .strategies import NAMES as STRATEGY_NAMES
-from .tasks import REGISTRY as TASKS  # the registries' names: they live there only
+from .registry import DEFAULT_TASK, STRATEGY_NAMES, TASKS
 
 
 def _f(default: Any, help: str, *, flag: str = "", **limits: Any) -> Any:
@@ -43,7 +42,7 @@ class DataConfig:
     """How raw text becomes documents, and documents become training sequences."""
 
     task: str = _f(
-        "causal-lm", "what the dataset is for, a task's name (model.task lists them): causal-lm packs token streams; "
+        DEFAULT_TASK, "what the dataset is for, a task's name (model.task lists them): causal-lm packs token streams; "
                      "an encoder's task writes one record (a labelled text or text pair, or a document) per row and "
                      "needs --tokenizer: the encoder's, with its CLS/SEP conventions",
         choices=tuple(TASKS))
@@ -171,7 +170,7 @@ class OutputConfig:
 class ModelConfig:
     """The decoder-only transformer (built with transformers)."""
 
-    task: str = _f("causal-lm", "what is trained; " + "; ".join(f"{n}: {help}" for n, (_, help) in TASKS.items()),
+    task: str = _f(DEFAULT_TASK, "what is trained; " + "; ".join(f"{n}: {help}" for n, (_, help) in TASKS.items()),
                    choices=tuple(TASKS), flag="--task")
     arch: Literal["llama", "gpt2"] = _f("llama", "llama: RMSNorm, RoPE, SwiGLU; gpt2: LayerNorm, learned positions, GELU")
     n_layer: int = _f(4, "transformer blocks", min=1)

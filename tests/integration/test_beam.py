@@ -120,6 +120,17 @@ def test_encoder_datasets_on_beam_are_spark_s_too(spark, tmp_path):
     same_dataset(tmp_path / "spark", tmp_path / "beam")
     assert m["labels"]["names"] == ["mid", "neg", "pos"] and all(m["labels"]["documents"]["validation"].values())
     assert m["input"]["dropped"] == {"duplicate": 1, "empty": 1, "no_label": 1}
+    # a regression dataset (float targets, hash-split): the same rows and figures on both engines
+    with open(tmp_path / "in" / "c.jsonl", "w") as f:
+        for i, r in enumerate(records):
+            f.write(json.dumps({"text": r["text"], "y": (i % 7) * 0.5 - 1 if i % 11 else "n/a"}) + "\n")
+    reg = {"data": {"task": "regress", "label_field": "y", "seq_len": 32, "val_fraction": 0.2, "read_tasks": 2},
+           "tokenizer": {"path": bert}}
+    prepare([str(tmp_path / "in" / "c.jsonl")], output=str(tmp_path / "reg-spark"), config=from_dict(reg), spark=spark)
+    r = prepare([str(tmp_path / "in" / "c.jsonl")], output=str(tmp_path / "reg-beam"),
+                config=from_dict({**reg, "data": {**reg["data"], "engine": "beam"}, "beam": IN_PROCESS})).manifest
+    same_dataset(tmp_path / "reg-spark", tmp_path / "reg-beam")
+    assert r["labels"]["values"]["train"]["rows"] > 100 and r["input"]["dropped"]["no_label"] == 15
     # masked-LM documents, windowed by the encoder's tokenizer
     corpus = mixed_corpus(tmp_path / "corpus")
     mlm = {"data": {"task": "mlm", "seq_len": 24, "stride": 16, "val_fraction": 0.2, "read_tasks": 2},

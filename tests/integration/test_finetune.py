@@ -241,7 +241,8 @@ def test_gradient_checkpointing_and_a_bf16_base(bases):
     """Checkpointing recomputes activations: the same loss and adapter gradients; a bf16 base keeps the adapters
     (and so the optimizer state) in float32 and gives nearly the same loss."""
     from sparklm.data.tokenizer import load as load_tokenizer
-    from sparklm.model.task import CausalLM, make_batch
+    from sparklm.model.task import make_batch
+    from sparklm.tasks.causal_lm import CausalLM
 
     model_dir, _ = bases["llama"]
     spec = load_tokenizer(str(model_dir))

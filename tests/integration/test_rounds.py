@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from conftest import cfg, figures, resumes_bitwise, stopped_copy, weights
+from conftest import cfg, figures, plan_for, resumes_bitwise, stopped_copy, weights
 from sparklm.launch.train import train
 from sparklm.metrics.sinks import read_metrics
 
@@ -56,7 +56,7 @@ def test_two_workers_averaging_identical_data_equal_one_worker(spark, dataset, t
         config = cfg(max_steps=4, samples=0, strategy="average", sync_every=2)
         run_dir = tmp_path / name
         run_dir.mkdir()
-        job = Job(config=config, data=dataset, run_dir=str(run_dir), resume=False, workers=workers, threads=1,
+        job = Job(plan_for(config, dataset, workers=workers), data=dataset, run_dir=str(run_dir), resume=False,
                   uid=name)
         get("average").run(spark, job, Sinks([]), shards=shards)
         return weights(run_dir)

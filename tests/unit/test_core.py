@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
@@ -19,19 +21,21 @@ from sparklm.model.figures import lm_figures
 from sparklm.model.lm_head import token_sums
 from sparklm.model.task import IGNORE, make_batch
 from sparklm.train import checkpoint
-from sparklm.train.core import fraction, lr_at, plan
+from sparklm.train.core import fraction
+from sparklm.train.plan import OptimizerPlan
+from sparklm.train.schedule import steps as step_plan
 
 # -- the schedule ---------------------------------------------------------------------------------
 
 
 def test_lr_warms_up_linearly_then_follows_a_cosine_to_the_floor():
-    tc = TrainConfig(lr=1e-2, warmup_steps=4, min_lr_ratio=0.1)
-    assert [lr_at(s, 0.0, tc) for s in range(4)] == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2])
-    assert lr_at(10, 0.0, tc) == pytest.approx(1e-2)
-    assert lr_at(10, 0.5, tc) == pytest.approx(1e-3 + 0.5 * 9e-3)
-    assert lr_at(10, 1.0, tc) == pytest.approx(1e-3)
-    assert lr_at(10, 3.0, tc) == pytest.approx(1e-3)  # past the end: the floor
-    lrs = [lr_at(s, s / 100, tc) for s in range(4, 100)]
+    tc = OptimizerPlan.of(TrainConfig(lr=1e-2, warmup_steps=4, min_lr_ratio=0.1))
+    assert [tc.lr_at(s, 0.0) for s in range(4)] == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2])
+    assert tc.lr_at(10, 0.0) == pytest.approx(1e-2)
+    assert tc.lr_at(10, 0.5) == pytest.approx(1e-3 + 0.5 * 9e-3)
+    assert tc.lr_at(10, 1.0) == pytest.approx(1e-3)
+    assert tc.lr_at(10, 3.0) == pytest.approx(1e-3)  # past the end: the floor
+    lrs = [tc.lr_at(s, s / 100) for s in range(4, 100)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
 
 
@@ -59,14 +63,14 @@ def test_best_tracks_the_lowest_validation_loss_and_counts_evaluations_since():
 
 def test_plan_takes_the_smallest_limit_and_one_epoch_by_default():
     tc = TrainConfig(batch_size=8, grad_accum=2)
-    p = plan(tc, train_rows=1000, seq_len=64, workers=2)
+    p = step_plan(tc, train_rows=1000, seq_len=64, workers=2)
     assert p.rows_per_step == 32 and p.tokens_per_step == 32 * 64 and p.total_steps == math.ceil(1000 / 32)
-    assert plan(TrainConfig(max_steps=7, epochs=5.0), train_rows=1000, seq_len=64, workers=1).total_steps == 7
-    assert plan(TrainConfig(max_steps=700, epochs=0.5), train_rows=800, seq_len=64, workers=1).total_steps == 50
-    assert plan(TrainConfig(max_tokens=64 * 8 * 3), train_rows=800, seq_len=64, workers=1).total_steps == 3
-    assert plan(TrainConfig(time_budget=60), train_rows=800, seq_len=64, workers=1).total_steps is None
+    assert step_plan(TrainConfig(max_steps=7, epochs=5.0), train_rows=1000, seq_len=64, workers=1).total_steps == 7
+    assert step_plan(TrainConfig(max_steps=700, epochs=0.5), train_rows=800, seq_len=64, workers=1).total_steps == 50
+    assert step_plan(TrainConfig(max_tokens=64 * 8 * 3), train_rows=800, seq_len=64, workers=1).total_steps == 3
+    assert step_plan(TrainConfig(time_budget=60), train_rows=800, seq_len=64, workers=1).total_steps is None
     with pytest.raises(SparklmError, match="fewer than one global batch"):
-        plan(TrainConfig(batch_size=8), train_rows=15, seq_len=64, workers=2)
+        step_plan(TrainConfig(batch_size=8), train_rows=15, seq_len=64, workers=2)
 
 
 # -- the data stream resumes exactly ----------------------------------------------------------------
@@ -124,9 +128,14 @@ def test_stream_started_at_a_position_is_the_tail_of_the_stream_from_zero(parque
 
 
 def test_an_elastic_resize_keeps_the_global_batch_and_each_steps_rows(parquet_rows):
-    """DDP resized at a restart (plan.resized): the same rows per optimizer step, split into micro-batches no larger
-    than the plan's, and each step reads the same global rows whatever the world — none repeated, none skipped."""
-    from sparklm.train.plan import elastic_world, make, resized
+    """DDP resized at a restart (plan.at): every world the run may take is planned on the driver (and recorded:
+    config.json keeps the plan), with the same rows per optimizer step, split into micro-batches no larger than the
+    plan's, and each step reads the same global rows whatever the world — none repeated, none skipped."""
+    from sparklm.infra.errors import SparklmError
+    from sparklm.train.plan import RunPlan, elastic_world, make
+
+    def resized(plan, world):
+        return plan.at(world) if world in plan.worlds else None
 
     groups, seq = parquet_rows
     config = from_dict({"train": {"workers": 4, "workers_min": 1, "batch_size": 3, "grad_accum": 1, "max_steps": 9,
@@ -137,11 +146,15 @@ def test_an_elastic_resize_keeps_the_global_batch_and_each_steps_rows(parquet_ro
               for w in range(1, 6)}
     assert shapes == {1: (3, 4), 2: (3, 2), 3: (2, 2), 4: (3, 1), 5: None}
     assert all(resized(full, w).steps == full.steps for w in (1, 2, 3, 4))
+    assert RunPlan.from_dict(json.loads(full.to_json())).worlds == full.worlds  # as config.json keeps it
+    with pytest.raises(SparklmError, match="no world of 5 workers"):
+        full.at(5)
     # an evaluation covers the same rows: eval_batches x micro-batch x workers stays 20 x 3 x 4
     assert [(lambda t: t.eval_batches * t.batch_size * t.workers)(resized(full, w).config.train)
             for w in (1, 2, 3, 4)] == [240] * 4
     assert [elastic_world(full, n) for n in (1, 2, 3, 4, 8)] == [1, 2, 3, 4, 4]
-    assert elastic_world(_with_min(full, 2), 1) is None  # fewer slots than train.workers_min
+    fewest_two = make(config.replace(train=replace(config.train, workers_min=2)), train_rows=111, seq_len=seq)
+    assert sorted(fewest_two.worlds) == [2, 3, 4] and elastic_world(fewest_two, 1) is None  # fewer slots than that
 
     def step_rows(world: int, start_step: int, steps: int) -> list[list[bytes]]:
         b, accum = resized(full, world).config.train.batch_size, resized(full, world).config.train.grad_accum
@@ -153,13 +166,6 @@ def test_an_elastic_resize_keeps_the_global_batch_and_each_steps_rows(parquet_ro
     reference = step_rows(4, 0, 14)  # past one epoch (111 rows)
     for world, at in ((1, 0), (2, 5), (3, 9), (1, 11)):
         assert step_rows(world, at, 14 - at) == reference[at:], (world, at)
-
-
-def _with_min(plan, n: int):
-    import dataclasses
-
-    return dataclasses.replace(plan, config=plan.config.replace(
-        train=dataclasses.replace(plan.config.train, workers_min=n)))
 
 
 # -- checkpoints round-trip ---------------------------------------------------------------------------
@@ -243,7 +249,7 @@ def test_token_sums_match_a_direct_computation():
     assert f["loss"] == pytest.approx(nats / 8) and f["perplexity"] == pytest.approx(math.exp(nats / 8))
     assert f["bits_per_byte"] == pytest.approx(nats / nbytes / math.log(2))
     assert lm_figures(1e6, 1, 0, 1)["perplexity"] == math.exp(700)  # capped, not an overflow
-    from sparklm.model.task import CausalLM
+    from sparklm.tasks.causal_lm import CausalLM
 
     named = CausalLM().figures([nats, tokens, correct, nbytes])
     assert named["val_loss"] == pytest.approx(f["loss"]) and named["val_bpb"] == f["bits_per_byte"]
@@ -292,17 +298,16 @@ def test_muon_batched_by_shape_steps_as_torchs_muon(rule):
 def test_muon_with_adamw_checkpoints_as_one_optimizer():
     from sparklm.config import ModelConfig
     from sparklm.model.build import build_model
-    from sparklm.model.task import CausalLM
+    from sparklm.tasks.causal_lm import CausalLM
     from sparklm.train import optim
 
-    task, tc = CausalLM(), TrainConfig(lr=1e-2)
+    task, muon_plan = CausalLM(), OptimizerPlan.of(TrainConfig(lr=1e-2, optimizer="muon"))
 
     def fresh():
         model = build_model(ModelConfig(n_layer=1, n_head=2, n_embd=32, tie_embeddings=False), vocab_size=64,
                             context=16, bos_id=0, eos_id=1, pad_id=2)
         params = list(task.trainable(model).values())
-        return model, optim.build(params, decays=task.decays(model), matrices=task.matrices(model), tc=tc,
-                                  name="muon")
+        return model, optim.build(params, muon_plan, decays=task.decays(model), matrices=task.matrices(model))
 
     x = torch.randint(0, 64, (2, 16))
 
@@ -369,7 +374,8 @@ def test_micro_batches_weigh_by_their_targets_and_an_empty_one_is_a_zero():
 
     from sparklm.config import ModelConfig
     from sparklm.model.build import build_model
-    from sparklm.model.task import CausalLM, make_batch
+    from sparklm.model.task import make_batch
+    from sparklm.tasks.causal_lm import CausalLM
 
     model = build_model(ModelConfig(n_layer=1, n_head=2, n_embd=16), vocab_size=64, context=16, bos_id=1, eos_id=2,
                         pad_id=0)
@@ -393,7 +399,8 @@ def test_the_tasks_loss_chunked_or_not_is_the_same():
 
     from sparklm.config import ModelConfig
     from sparklm.model.build import build_model
-    from sparklm.model.task import CausalLM, make_batch, set_loss_chunks
+    from sparklm.model.task import make_batch, set_loss_chunks
+    from sparklm.tasks.causal_lm import CausalLM
 
     model = build_model(ModelConfig(n_layer=1, n_head=2, n_embd=16), vocab_size=64, context=16, bos_id=1, eos_id=2,
                         pad_id=0)

@@ -78,8 +78,9 @@ def test_the_import_graph_has_no_cycle():
 
 
 def test_the_driver_and_the_barrier_task_do_not_import_torch_for_a_run_from_scratch():
-    """torch takes ~1 s to import. The driver's checks and memory plan before Spark starts, and the modules a
-    Python worker imports to unpickle DDP's barrier task, need none of it (the rank process imports it)."""
+    """torch takes ~1 s to import. The driver's checks and memory plan before Spark starts, every task's module (the
+    CLI lists their choices), and the modules a Python worker imports to unpickle DDP's barrier task, need none of it
+    (the rank process imports it)."""
     import subprocess
     import sys
 
@@ -93,6 +94,8 @@ def test_the_driver_and_the_barrier_task_do_not_import_torch_for_a_run_from_scra
         "resolve.settings(cfg.replace(train=dataclasses.replace(cfg.train, dtype='float32', optimizer='adamw')), 2)\n"
         "memory.scratch_shapes(cfg.model, 4096, 256)\n"
         "run._check_init_from(cfg, None)\n"
+        "from sparklm import registry\n"
+        "[registry.task(n) for n in registry.TASK_NAMES]  # every task module, read on the driver\n"
         "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -110,19 +113,21 @@ def test_no_function_in_src_is_longer_than_80_lines():
 
 
 # The layers, lowest first: a module imports only from its own layer and those below (lazy imports count). The
-# registries (sparklm.tasks' and sparklm.strategies' __init__: names only, nothing imported) sit with the base, so
-# the configuration can read their names; the modules they name are found by name at run time, never imported
-# from below.
+# registry (sparklm.registry: tasks, strategies, data and label kinds) imports nothing of sparklm and sits at the
+# bottom, so everything above consults it; the modules it names are found by name at run time (plugins), never
+# imported from below. Each package is whole in its layer, its __init__ included.
 LAYERS = [
-    ("base", ["sparklm.version", "sparklm.config", "sparklm.infra", "sparklm.tasks", "sparklm.strategies"]),
+    ("registry", ["sparklm.registry"]),
+    ("base", ["sparklm.version", "sparklm.config", "sparklm.infra"]),
     ("spark platform", ["sparklm.spark"]),
-    ("tokens and models", ["sparklm.data", "sparklm.model"]),
+    ("tokens", ["sparklm.data"]),
+    ("models", ["sparklm.model"]),
     ("inference", ["sparklm.infer"]),
     ("metrics, report, trackers", ["sparklm.metrics"]),
     ("the loop and its plan", ["sparklm.train"]),
-    ("strategies", ["sparklm.strategies."]),
+    ("strategies", ["sparklm.strategies"]),
     ("stage drivers", ["sparklm.launch"]),
-    ("tasks", ["sparklm.tasks."]),
+    ("tasks", ["sparklm.tasks"]),
     ("entry points", ["sparklm", "sparklm.__main__", "sparklm.cli", "sparklm.api", "sparklm.ml"]),
 ]
 
@@ -145,3 +150,32 @@ def test_no_module_imports_from_a_layer_above_its_own():
               for name, path in mods.items() for target, _ in imports(name, path, set(mods))
               if layer(target) > layer(name)]
     assert not upward, "\n".join(upward)
+
+
+# What runs on the workers (a DDP rank, a round's task) and what only the driver may run: the resolver, the budget fit
+# and the launchers decide; a worker reads its run plan and decides nothing.
+WORKER_CODE = ["sparklm.train.core", "sparklm.train.loop", "sparklm.strategies.ddp_rank", "sparklm.strategies.round_worker"]
+DRIVER_ONLY = ["sparklm.train.resolve", "sparklm.train.budget", "sparklm.launch"]
+
+
+def reachable(roots: list[str]) -> set[str]:
+    """Every sparklm module that importing ``roots`` can import (lazy imports included; a module's packages too)."""
+    mods = modules()
+    graph = {name: {t for t, _ in imports(name, path, set(mods))} for name, path in mods.items()}
+    seen, todo = set(), list(roots)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))] + sorted(graph.get(name, ()))
+    return seen
+
+
+def test_no_resolver_is_reachable_from_worker_code():
+    """The run plan is the only truth on a worker: no module a rank or a round task can import reaches the resolver
+    (which benchmarks this machine's matmuls to decide a dtype), the budget fit or a launcher."""
+    found = sorted(m for m in reachable(WORKER_CODE) if any(m == d or m.startswith(d + ".") for d in DRIVER_ONLY))
+    assert not found, found
+    assert "sparklm.train.resolve" in reachable(["sparklm.launch.train"])  # the check sees what the driver reaches

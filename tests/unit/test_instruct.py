@@ -20,7 +20,8 @@ from sparklm.data.instruct import (
     segments,
 )
 from sparklm.data.stream import TokenStream, read_rows, row_groups, validation_rows
-from sparklm.model.task import IGNORE, CausalLM, make_batch
+from sparklm.model.task import IGNORE, make_batch
+from sparklm.tasks.causal_lm import CausalLM
 
 BOS, EOS = 1, 2
 pieces_st = st.lists(st.tuples(st.lists(st.integers(3, 99), max_size=6), st.booleans()), max_size=8)

@@ -8,12 +8,29 @@ import random
 import pytest
 
 from sparklm.data import labelled
-from sparklm.model.figures import classify_figures
+from sparklm.registry import CLASSES, NO_LABELS, VALUES
+from sparklm.tasks.classify import classify_figures
 
 
-def test_label_cells_become_class_names():
-    assert [labelled.label_name(v) for v in ("pos ", 1, 1.0, True, "", "  ", None, float("nan"), 2.5, [1])] == \
+def test_label_cells_become_class_names_or_values():
+    assert [CLASSES.read(v) for v in ("pos ", 1, 1.0, True, "", "  ", None, float("nan"), 2.5, [1])] == \
         ["pos", "1", "1", "true", None, None, None, None, "2.5", None]
+    assert [VALUES.read(v) for v in (" 2.5", 1, "1e3", True, "", "abc", None, float("nan"), "inf", [1], 10**400)] == \
+        ["2.5", "1.0", "1000.0", None, None, None, None, None, None, None, None]
+    assert NO_LABELS.read("pos") is None and not NO_LABELS.labelled
+
+
+def test_a_label_kind_says_its_column_split_and_figures():
+    """What both prepare engines ask of a dataset's labels (registry.py): classes are int64 ids split per class and
+    counted per id; values are float32 targets hash-split, summed up as rows, mean, std, min and max (mergeable
+    tallies of each written part)."""
+    assert (CLASSES.column, CLASSES.stratified, VALUES.column, VALUES.stratified) == ("int64", True, "float32", False)
+    assert CLASSES.encode(["b", "a", "b"], {"a": 0, "b": 1}) == [1, 0, 1]
+    assert CLASSES.tally(CLASSES.tally(None, [1, 0, 1]), [1]) == [[0, 1], [1, 3]]
+    parts = [VALUES.tally(None, [1.0, 2.0]), VALUES.tally(VALUES.tally(None, [3.0]), [6.0])]
+    f = VALUES.figures(parts)
+    assert f == {"rows": 4, "mean": 3.0, "std": pytest.approx(1.8708287), "min": 1.0, "max": 6.0}
+    assert VALUES.figures([]) == {"rows": 0}
 
 
 def test_classes_are_ordered_numerically_or_alphabetically():

@@ -160,7 +160,8 @@ def test_models_that_change_logits_after_the_head_keep_the_unchunked_loss():
 def test_training_accuracy_counts_equal_the_evaluations_and_the_unchunked_ones(chunk):
     """The training accuracy the chunked loss tallies is top-1 over the positions with a loss: what evaluation's
     token_sums counts, and what the task's unchunked loss (a model without loss chunks) counts."""
-    from sparklm.model.task import Batch, CausalLM
+    from sparklm.model.task import Batch
+    from sparklm.tasks.causal_lm import CausalLM
 
     model = tiny("llama", False)
     ids, mask, labels = batch()

@@ -216,17 +216,32 @@ def test_regression_figures_are_mse_mae_rmse_and_r2_of_summed_errors():
 
 
 def test_a_task_is_its_module_and_a_registry_line():
-    """The registry names each task's module; the task's module alone says what it is (nothing else in src/ names a
-    task added that way)."""
+    """The registry names each task's module; the task's module alone says what it is: no code outside a task's
+    module compares anything with a task's name (it asks a capability the task declares), and a task added as
+    regression was is named nowhere else."""
+    import ast
     import re
 
-    from sparklm import tasks
+    from sparklm import registry
 
-    assert set(tasks.NAMES) == {"causal-lm", "classify", "mlm", "regress"}
-    for name in tasks.NAMES:
-        info = tasks.info(name)
+    assert set(registry.TASK_NAMES) == {"causal-lm", "classify", "mlm", "regress"}
+    for name in registry.TASK_NAMES:
+        info = registry.task(name)
         assert info.name == name and info.figures.loss in info.figures.keys()
-    assert tasks.preparing() == ["causal-lm", "classify", "mlm", "regress"]
+    assert registry.preparing() == ["causal-lm", "classify", "mlm", "regress"]
+    assert registry.generators() == ["causal-lm"]
     src = Path(__file__).resolve().parents[2] / "src" / "sparklm"
     named = [str(p.relative_to(src)) for p in src.rglob("*.py") if re.search(r"\bregress\b", p.read_text())]
-    assert sorted(named) == ["tasks/__init__.py", "tasks/regress.py"], named
+    assert sorted(named) == ["registry.py", "tasks/regress.py"], named
+    tested = []
+    for path in src.rglob("*.py"):
+        where = str(path.relative_to(src))
+        if where.startswith("tasks/") or where == "registry.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                consts = [c.value for side in sides for c in ast.walk(side) if isinstance(c, ast.Constant)]
+                if any(c in registry.TASK_NAMES for c in consts):
+                    tested.append(f"{where}:{node.lineno}")
+    assert not tested, f"a task's name tested outside its module: {tested}"

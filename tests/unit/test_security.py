@@ -319,7 +319,7 @@ def test_overwrite_replaces_only_a_directory_that_holds_nothing_but_what_sparklm
 
 def test_a_class_label_that_reads_as_tex_draws_as_text(tmp_path):
     """The review: a label like ``$\\bogus$`` made the confusion plot raise after training (no report, trackers FAILED)."""
-    from sparklm.metrics.report import plot_confusion
+    from sparklm.tasks.classify import plot_confusion
 
     kept = {"val_confusion": {"labels": ["$\\bogus$", "$x^$", "plain"], "matrix": [[3, 1, 0], [0, 2, 1], [1, 0, 4]]}}
     plot_confusion(str(tmp_path), kept)

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from conftest import plan_for
 from sparklm.config import TokenizerConfig, from_dict
 from sparklm.data import tokenizer
 from sparklm.data.manifest import PreparedDataset
@@ -64,17 +65,17 @@ def _steps(trainer: Trainer, n: int) -> list[float]:
 def test_a_trainer_steps_evaluates_and_resumes_bitwise_without_spark(setup, tmp_path):
     config, data, spec = setup
     torch.set_num_threads(1)
-    trainer = Trainer(config, data, spec)
+    trainer = Trainer(plan_for(config, data), data, spec)
     first = _steps(trainer, 3)
     assert len(first) == 3 and all(np.isfinite(first)) and trainer.state.step == 3
-    assert trainer.state.position == 3 * trainer.plan.rows_per_step == 12
+    assert trainer.state.position == 3 * trainer.steps.rows_per_step == 12
     figures = trainer.evaluate()
     assert set(figures) == set(LM_FIGURES.keys()) and figures["val_tokens"] == 2 * 4 * (SEQ - 1)
     assert figures["val_ppl"] == pytest.approx(np.exp(figures["val_loss"]))
     trainer.save(str(tmp_path))
 
     rest = _steps(trainer, 3)  # the uninterrupted run
-    again = Trainer(config, data, spec)
+    again = Trainer(plan_for(config, data), data, spec)
     assert again.restore(str(tmp_path)) and again.state.step == 3 and again.state.position == 12
     assert _steps(again, 3) == rest  # the same losses, bit for bit: weights, optimizer state and data position
     for (name, a), b in zip(trainer.model.state_dict().items(), again.model.state_dict().values()):
@@ -89,13 +90,13 @@ def test_a_bf16_trainer_on_the_cpu_attention_follows_sdpa_and_resumes_bitwise(se
     config, data, spec = setup
     torch.set_num_threads(1)
     bf16 = config.replace(train=replace(config.train, dtype="bfloat16"))
-    sdpa = Trainer(bf16.replace(train=replace(bf16.train, attention="sdpa")), data, spec)
-    trainer = Trainer(bf16, data, spec)
+    sdpa = Trainer(plan_for(bf16.replace(train=replace(bf16.train, attention="sdpa")), data), data, spec)
+    trainer = Trainer(plan_for(bf16, data), data, spec)
     assert trainer.config.train.attention == "matmul" and trainer.model.config._attn_implementation != "sdpa"
     assert _steps(trainer, 3) == pytest.approx(_steps(sdpa, 3), rel=2e-2)
     trainer.save(str(tmp_path))
     rest = _steps(trainer, 3)
-    again = Trainer(bf16, data, spec)
+    again = Trainer(plan_for(bf16, data), data, spec)
     assert again.restore(str(tmp_path)) and _steps(again, 3) == rest
 
 
@@ -110,7 +111,7 @@ def test_a_compiled_trainer_learns_as_the_eager_one_and_resumes(setup, tmp_path)
     config, data, spec = setup
     torch.set_num_threads(1)
     compiled_config = config.replace(train=replace(config.train, compile="on"))
-    eager, compiled = Trainer(config, data, spec), Trainer(compiled_config, data, spec)
+    eager, compiled = Trainer(plan_for(config, data), data, spec), Trainer(plan_for(compiled_config, data), data, spec)
     for t in (eager, compiled):
         t.wrap()
     layers = compiled.model.model.layers
@@ -124,8 +125,36 @@ def test_a_compiled_trainer_learns_as_the_eager_one_and_resumes(setup, tmp_path)
     assert not torch._dynamo.utils.counters["frames"]  # evaluation compiled nothing
     compiled.save(str(tmp_path))
     rest = _steps(compiled, 3)
-    again = Trainer(compiled_config, data, spec)
+    again = Trainer(plan_for(compiled_config, data), data, spec)
     assert again.restore(str(tmp_path)) and again.state.step == 3
     again.wrap()
     assert all(layer._compiled_call_impl for layer in again.model.model.layers)  # resumed: compiled at once
     assert _steps(again, 3) == rest
+
+
+def test_lr_reaches_the_optimizer_through_the_plan_alone(setup):
+    """``--lr`` reaches torch's optimizer through the run plan's optimizer section, in 8 hops: (1) argparse: ``--lr``
+    → ``args["train.lr"]`` (a flag's dest is its config key); (2) cli: → ``Config.train.lr`` (load_raw, from_dict);
+    (3) launch/train: ``resolve.settle`` keeps a value that is set (auto only is decided); (4) ``plan.make`` →
+    ``OptimizerPlan.of(train)``; (5) the Job carries the plan to the worker (to_json, from_json); (6) ``Trainer``:
+    ``new_optimizer()``; (7) ``optim.build(params, plan.optimizer)``; (8) ``adamw(lr=plan.lr)``: ``torch.optim.AdamW``.
+    The schedule scales the same section's lr. The settings' own ``train.lr`` is not read on the worker."""
+    import dataclasses
+
+    from sparklm.cli import build_parser
+    from sparklm.config import load_raw
+    from sparklm.train.plan import RunPlan
+
+    config, data, spec = setup
+    args = build_parser().parse_args(["train", "--data", "d", "--output", "r", "--lr", "0.0123"])
+    set_lr = from_dict(load_raw(None, [], {"train.lr": getattr(args, "train.lr")})).train.lr
+    plan = plan_for(config.replace(train=dataclasses.replace(config.train, lr=set_lr, warmup_steps=0)), data)
+    shipped = RunPlan.from_dict(json.loads(plan.to_json()))
+    trainer = Trainer(shipped, data, spec)
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == [0.0123] * len(trainer.optimizer.param_groups)
+    # the plan's section is the one the worker reads: a plan whose section says otherwise trains with that
+    other = dataclasses.replace(plan, optimizer=dataclasses.replace(plan.optimizer, lr=0.5, warmup_steps=0))
+    trainer = Trainer(other, data, spec)
+    assert {g["lr"] for g in trainer.optimizer.param_groups} == {0.5} and trainer.config.train.lr == 0.0123
+    _steps(trainer, 1)
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == pytest.approx([0.5] * len(trainer.optimizer.param_groups))

@@ -151,7 +151,7 @@ class BeamSource:
         fraction = passes.sample_fraction(config, self.planned_bytes)
         scratch = join(staging, _SCRATCH)
         dedup = data.dedup and not sample_only
-        classify = labelled.labels_of(data) == "class" and not sample_only
+        classify = labelled.labels_of(data).stratified and not sample_only
 
         def build(p, beam):
             rows = self._bins(p, beam) | "read + clean" >> beam.FlatMap(_scan_bin, data, storage, fraction)

@@ -17,7 +17,6 @@ all work alike. What differs from a causal-LM dataset:
 from __future__ import annotations
 
 import json
-from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,15 +25,14 @@ import numpy as np
 import pyarrow as pa
 
 from ..infra.errors import SparklmError
+from ..registry import CLASSES, NO_LABELS, DataKind, LabelKind, data_kind
 from .parts import PartFile, list_column
 
 NO_LABEL = "no_label"  # a record dropped because it has no label (sources.py's statuses)
 
 
-def kind(data):
-    """What ``prepare --task`` writes for ``data.task`` (the task's module says: tasks/__init__.DataKind)."""
-    from ..tasks import data_kind
-
+def kind(data) -> DataKind:
+    """What ``prepare --task`` writes for ``data.task`` (the task's module says: registry.DataKind)."""
     return data_kind(data.task)
 
 
@@ -43,8 +41,9 @@ def encoded(data) -> bool:
     return kind(data).rows == "encoded"
 
 
-def labels_of(data) -> str | None:
-    """None, ``class`` (names → ids, a stratified split) or ``value`` (a float, a hash split)."""
+def labels_of(data) -> LabelKind:
+    """The dataset's kind of labels (registry.LabelKind: none, classes or values): how they are read, split, written
+    and counted."""
     return kind(data).labels
 
 
@@ -75,46 +74,18 @@ class Record:
         return Record(fn(self.text), None if self.pair is None else fn(self.pair), self.label)
 
 
-def label_name(value: Any) -> str | None:
-    """A label cell as a class name: strings stripped, integers and booleans as written, floats that are whole
-    numbers as integers (CSV's "1" and Parquet's 1 and 1.0 are one class); empty or missing: None."""
-    if value is None or isinstance(value, (list, dict)):
-        return None
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float):
-        if value != value:  # NaN: pandas' missing value
-            return None
-        return str(int(value)) if value.is_integer() else repr(value)
-    name = str(value).strip()
-    return name or None
-
-
 def _text(value: Any) -> str:
     if value is None:
         return ""
     return value if isinstance(value, str) else str(value)
 
 
-def label_value(value: Any) -> str | None:
-    """A label cell as a target value: a finite number (or a string that reads as one), written as Python writes
-    the float; anything else (missing, text, NaN, infinity): None, and the record is dropped and counted."""
-    if isinstance(value, bool) or value is None or isinstance(value, (list, dict)):
-        return None
-    try:
-        x = float(str(value).strip()) if isinstance(value, str) else float(value)
-    except (TypeError, ValueError):
-        return None
-    return repr(x) if np.isfinite(x) else None
-
-
 def record(values: Mapping[str, Any], text_field: str, pair_field: str, label_field: str,
-           values_label: bool = False) -> Record:
-    """A record from a row's values (missing fields give an empty text or no label: dropped and counted);
-    ``values_label``: the label is a number (:func:`label_value`), not a class name."""
+           labels: LabelKind = CLASSES) -> Record:
+    """A record from a row's values (missing fields give an empty text or no label: dropped and counted); its
+    label read as ``labels`` reads a cell (a class name, or a number)."""
     pair = _text(values.get(pair_field)) if pair_field else None
-    read = label_value if values_label else label_name
-    return Record(_text(values.get(text_field)), pair, read(values.get(label_field)))
+    return Record(_text(values.get(text_field)), pair, labels.read(values.get(label_field)))
 
 
 def fields(data) -> list[str]:
@@ -146,7 +117,7 @@ def check(data, tokenizer_path: str) -> None:
     if data.format != "text":
         raise SparklmError(f"--task {data.task} reads texts (and labels), not --format {data.format} records",
                            hint="drop --format; name the columns with --text-field and --label-field")
-    if labels_of(data) is None and data.pair_field:
+    if not labels_of(data).labelled and data.pair_field:
         raise SparklmError("--pair-field is for labelled records", hint=f"drop --pair-field for --task {data.task}")
     if data.pair_field and windowing(data) == "window":
         raise SparklmError("--long window cuts single texts; text pairs are truncated",
@@ -271,12 +242,12 @@ def encode(tok, texts: list[str], pairs: list[str] | None, *, seq_len: int, wind
     return Encoded(ids, mask, types, np.asarray(source, dtype=np.int64), truncated, dropped)
 
 
-def schema(pairs: bool, labels: str | None) -> pa.Schema:
+def schema(pairs: bool, labels: LabelKind) -> pa.Schema:
     cols = [("input_ids", pa.list_(pa.int32())), ("attention_mask", pa.list_(pa.int8()))]
     if pairs:
         cols.append(("token_type_ids", pa.list_(pa.int8())))
-    if labels is not None:
-        cols.append(("labels", pa.int64() if labels == "class" else pa.float32()))
+    if labels.column is not None:
+        cols.append(("labels", pa.type_for_alias(labels.column)))
     cols.append(("doc_id", pa.int64()))
     return pa.schema(cols)
 
@@ -286,23 +257,21 @@ class Writer:
     row groups; the same interface as prepare's packing writer (``add``, ``close``)."""
 
     def __init__(self, split: str, name: str, staging: str, storage, *, seq_len: int, rows_per_group: int,
-                 pad_id: int, window: bool, overlap: int, pairs: bool, label_ids: Mapping[str, int] | None,
-                 values: bool = False):
+                 pad_id: int, window: bool, overlap: int, pairs: bool, labels: LabelKind = NO_LABELS,
+                 label_ids: Mapping[str, int] | None = None):
         self.split = split
         self.seq_len, self.rows_per_group, self.pad_id = seq_len, rows_per_group, pad_id
-        self.window, self.overlap, self.pairs, self.label_ids = window, overlap, pairs, label_ids
-        self.values = values  # the label is a number (float32), not a class id
-        kind = "value" if values else "class" if label_ids is not None else None
-        self.file = PartFile(staging, storage, f"{split}/{name}", schema(pairs, kind))
+        self.window, self.overlap, self.pairs = window, overlap, pairs
+        self.labels, self.label_ids = labels, label_ids  # the labels' kind; class names → ids (classes only)
+        self.file = PartFile(staging, storage, f"{split}/{name}", schema(pairs, labels))
         self.pending: list[pa.Table] = []
         self.counts = {"documents": 0, "pad_tokens": 0, "tokens": 0, "truncated": 0, "dropped_tokens": 0}
-        self.per_label: Counter = Counter()  # rows per label id
-        self.moments = [0, 0.0, 0.0, float("inf"), float("-inf")]  # value labels' rows: n, sum, sum of squares, min, max
+        self.tally = None  # the labels' figures so far (LabelKind.tally: rows per class id, or a value's moments)
 
     def add(self, tok, docs: list, ids: list[int]) -> None:
         if not docs:
             return
-        labelled = self.label_ids is not None or self.values
+        labelled = self.labels.labelled
         texts = [d.text if labelled else d for d in docs]
         pairs = [d.pair for d in docs] if self.pairs else None
         enc = encode(tok, texts, pairs, seq_len=self.seq_len, window=self.window, overlap=self.overlap,
@@ -317,18 +286,11 @@ class Writer:
         cols = [list_column(enc.input_ids), list_column(enc.attention_mask)]
         if enc.token_type_ids is not None:
             cols.append(list_column(enc.token_type_ids))
-        if self.values:
-            values = np.asarray([float(d.label) for d in docs], dtype=np.float32)[enc.source]
-            m = self.moments
-            m[0] += len(values)
-            m[1] += float(values.astype(np.float64).sum())
-            m[2] += float((values.astype(np.float64) ** 2).sum())
-            m[3], m[4] = min(m[3], float(values.min(initial=np.inf))), max(m[4], float(values.max(initial=-np.inf)))
+        if labelled:
+            values = np.asarray(self.labels.encode([d.label for d in docs], self.label_ids),
+                                dtype=self.labels.column)[enc.source]
+            self.tally = self.labels.tally(self.tally, values.tolist())
             cols.append(pa.array(values))
-        elif labelled:
-            labels = np.asarray([self.label_ids[d.label] for d in docs], dtype=np.int64)[enc.source]
-            self.per_label.update(labels.tolist())
-            cols.append(pa.array(labels))
         cols.append(pa.array(np.asarray(ids, dtype=np.int64)[enc.source]))
         self.pending.append(pa.Table.from_arrays(cols, schema=self.file.schema))
         self._flush(final=False)
@@ -338,7 +300,7 @@ class Writer:
         nbytes = self.file.close()
         return {"split": self.split, "path": self.file.path, "bytes": nbytes, "rows": self.file.rows,
                 "row_groups": self.file.row_groups, **self.counts,
-                "labels": {str(k): v for k, v in sorted(self.per_label.items())}, "moments": self.moments}
+                "tally": self.tally}
 
     def _flush(self, final: bool) -> None:
         table = pa.concat_tables(self.pending) if self.pending else None

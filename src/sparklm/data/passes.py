@@ -88,7 +88,7 @@ def hash_split(unit: sources.ReadUnit, dig: bytes, val_fraction: float) -> str:
 def full_scan(data) -> bool:
     """Whether prepare reads everything once before writing: duplicates and a class split are known only after a
     look at all (else one pass writes, after a sample for the tokenizer)."""
-    return data.dedup or labelled.labels_of(data) == "class"
+    return data.dedup or labelled.labels_of(data).stratified
 
 
 def sample_fraction(config: Config, planned_bytes: int) -> float:
@@ -132,7 +132,7 @@ class Scanned:
 def scan_rows(docs: Iterable[tuple], data, fraction: float) -> Iterator[tuple]:
     """The scan's metadata row (:data:`SCAN_COLUMNS`) of each of :func:`sources.documents`' tuples: no text but the
     sample's, chosen by content hash (``fraction`` of the training documents)."""
-    classify = labelled.labels_of(data) == "class"  # a stratified split
+    classify = labelled.labels_of(data).stratified  # split per label
     for unit, pos, status, text, invalid, dig in docs:
         ok = status == sources.OK
         # labelled records of hash-split inputs get their split from their class's threshold (stratified)
@@ -250,8 +250,8 @@ def _writer(plan: WritePlan, split: str, name: str):
                            rows_per_group=plan.rows_per_group, pad_id=plan.spec.pad_id,
                            window=labelled.windowing(data) == "window",
                            overlap=data.seq_len - data.stride if data.stride else 0, pairs=bool(data.pair_field),
-                           label_ids={n: i for i, n in enumerate(classes["names"])} if classes else None,
-                           values=labelled.labels_of(data) == "value")
+                           labels=labelled.labels_of(data),
+                           label_ids={n: i for i, n in enumerate(classes["names"])} if classes else None)
 
 
 def part_name(task: int, attempt: str) -> str:

@@ -76,7 +76,7 @@ def plan_units(inputs: list[str], *, group: str, data: DataConfig, storage: Stor
         for file_uri, info in _files(uri, storage):
             fmt, compression = detect_format(info.path)
             if reads_records(data) and fmt == "text":
-                labels = labelled.labels_of(data) is not None
+                labels = labelled.labels_of(data).labelled
                 what = f"--task {data.task} reads labelled records" if labels else \
                     f"--format {data.format} reads records"
                 raise SparklmError(f"{file_uri} is plain text, and {what}",
@@ -351,8 +351,8 @@ def _record(values: dict, data: DataConfig, where) -> instruct.Record | labelled
     """An instruction, chat or labelled record from a row's values; ``where()`` names the row for an error."""
     values = _projected(values, record_fields(data))
     labels = labelled.labels_of(data)
-    if labels is not None:  # a missing text or label is dropped and counted, not an error
-        return labelled.record(values, data.text_field, data.pair_field, data.label_field, labels == "value")
+    if labels.labelled:  # a missing text or label is dropped and counted, not an error
+        return labelled.record(values, data.text_field, data.pair_field, data.label_field, labels)
     try:
         if data.format == "chat":
             return instruct.chat_record(values, data.messages_field)
@@ -362,7 +362,7 @@ def _record(values: dict, data: DataConfig, where) -> instruct.Record | labelled
 
 
 def _fields_hint(data: DataConfig) -> str:
-    if labelled.labels_of(data) is not None:
+    if labelled.labels_of(data).labelled:
         return "name the columns with --text-field, --label-field (and --pair-field)"
     if data.format == "chat":
         return ("name the messages field with --messages-field (--format instruction reads prompt/response records), "
@@ -373,13 +373,13 @@ def _fields_hint(data: DataConfig) -> str:
 
 def reads_records(data: DataConfig) -> bool:
     """Whether a row is read as a record of several fields (instruction, chat, labelled) rather than one text."""
-    return data.format != "text" or labelled.labels_of(data) is not None
+    return data.format != "text" or labelled.labels_of(data).labelled
 
 
 def record_fields(data: DataConfig) -> list[str]:
     """The columns a record format needs: the text, the prompt and response, the messages, or a labelled
     record's text (pair) and label."""
-    if labelled.labels_of(data) is not None:
+    if labelled.labels_of(data).labelled:
         return labelled.fields(data)
     return {"text": [data.text_field], "instruction": [*instruct.prompt_fields(data.prompt_field), data.response_field],
             "chat": [data.messages_field]}[data.format]

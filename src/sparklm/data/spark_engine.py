@@ -108,7 +108,7 @@ class SparkSource:
         persisted = meta = meta.persist(StorageLevel.MEMORY_AND_DISK)
         try:
             out = passes.Scanned()
-            if data.task == "classify" and not sample_only:
+            if labelled.labels_of(data).stratified and not sample_only:
                 with self.stage(f"read + clean + split {self.label} by label"):
                     meta, out.cut = labelled.stratify(meta, data.val_fraction)
                     out.class_counts = [r.asDict() for r in meta.where((F.col("status") == sources.OK) & (F.col("copy") == 1))

@@ -157,13 +157,10 @@ def check_found(path: str) -> None:
         _refuse_own_code(Path(path), path)
 
 
-def load(path: str) -> TokenizerSpec:
-    """Load a ``tokenizer.json`` file, an HF tokenizer or model directory, or a .gguf model's tokenizer (local)."""
-    p = Path(path)
-    if (p.is_file() and p.suffix.lower() == ".gguf") or (p / "model").is_dir():
-        from ..model.build import model_source
-
-        p = model_source(str(p))  # a .gguf converted once (its tokenizer files are the GGUF's), a run's model/
+def load(path: str, local: Path | None = None) -> TokenizerSpec:
+    """Load a ``tokenizer.json`` file or an HF tokenizer or model directory; ``local``: where a model ``path`` names
+    is on this host, when it is elsewhere (model/build.model_source: a .gguf file's conversion, a run's model/)."""
+    p = local or Path(path)
     if p.is_dir():
         hf = hf_tokenizer(p, path)
         backend = getattr(hf, "backend_tokenizer", None) or getattr(hf, "_tokenizer", None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import pyarrow.fs as pafs
 
@@ -322,6 +323,12 @@ def _first_malformed(agg: list[dict], config: Config) -> str:
 def _tokenizer(source: passes.Engine, sample: list[str], config: Config) -> tokenizers_mod.TokenizerSpec:
     tcfg = config.tokenizer
     if tcfg.path:
+        p = Path(tcfg.path)
+        if (p.is_file() and p.suffix.lower() == ".gguf") or (p / "model").is_dir():
+            from ..model.build import model_source
+
+            # a .gguf converted once (its tokenizer files are the GGUF's), a run's model/
+            return tokenizers_mod.load(tcfg.path, model_source(tcfg.path))
         return tokenizers_mod.load(tcfg.path)
     with source.stage(f"train tokenizer (vocab {tcfg.vocab_size})"):
         # BPE training does not depend on document order (tested): no sort needed for determinism.
@@ -494,7 +501,7 @@ def _encoder_manifest(manifest: dict, config, files: dict, classes: dict | None)
     """A causal manifest turned into an encoder dataset's: rows are records (or windows of documents), each with the
     tokenizer's own special tokens; a labelled one names its classes and counts them per split."""
     data = config.data
-    long = labelled.windowing(data)
+    long, kind = labelled.windowing(data), labelled.labels_of(data)
     for split, metas in files.items():
         manifest["splits"][split]["truncated"] = sum(m["truncated"] for m in metas)
     manifest["packing"] = {
@@ -510,34 +517,22 @@ def _encoder_manifest(manifest: dict, config, files: dict, classes: dict | None)
         for split, metas in files.items():
             per: dict[str, int] = defaultdict(int)
             for m in metas:
-                for k, v in m["labels"].items():
+                for k, v in m["tally"] or []:
                     per[classes["names"][int(k)]] += v
             rows[split] = {n: per.get(n, 0) for n in classes["names"]}
         manifest["labels"] = {"field": data.label_field, "names": classes["names"],
                               "documents": classes["documents"], "rows": rows}
-        columns["labels"] = "int64, the class id (labels.names[id])"
-    elif labelled.labels_of(data) == "value":
-        manifest["labels"] = {"field": data.label_field, "values": {split: _moments([m["moments"] for m in metas])
-                                                                    for split, metas in files.items()}}
-        columns["labels"] = "float32, the record's target value"
+        columns["labels"] = kind.describe
+    elif kind.labelled:
+        manifest["labels"] = {"field": data.label_field, "values": {
+            split: kind.figures([m["tally"] for m in metas if m["tally"]]) for split, metas in files.items()}}
+        columns["labels"] = kind.describe
         if not manifest["labels"]["values"].get("train", {}).get("rows"):
             raise SparklmError(f"no training record has a number in the label column '{data.label_field}'",
                                hint="name the column of target values with --label-field; its cells must be numbers")
     columns["doc_id"] = "int64, stable id (content hash) of the record"
     manifest["columns"] = columns
     return manifest
-
-
-def _moments(parts: list[list]) -> dict:
-    """Rows, mean, standard deviation, min and max of value labels, from each part's (n, sum, sum of squares, min,
-    max)."""
-    n = sum(p[0] for p in parts)
-    if not n:
-        return {"rows": 0}
-    total, squares = sum(p[1] for p in parts), sum(p[2] for p in parts)
-    mean = total / n
-    return {"rows": n, "mean": mean, "std": max(squares / n - mean * mean, 0.0) ** 0.5,
-            "min": min(p[3] for p in parts), "max": max(p[4] for p in parts)}
 
 
 def _framing(data, spec) -> str:

@@ -29,8 +29,9 @@ from ..metrics.recorder import RunResult
 from ..metrics.report import plot_loss
 from ..metrics.sinks import ConsoleSink, CsvSink, JsonSink, Sinks, metric_columns, read_metrics
 from ..model.figures import FigureSet
+from ..registry import DEFAULT_TASK
+from ..registry import task as task_info
 from ..spark import figures as spark_figures
-from ..tasks import info as task_info
 from ..train import checkpoint, memory, resolve
 from ..train import plan as plans
 from ..version import __version__
@@ -85,7 +86,7 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
     spec = load_tokenizer(dataset, storage)
     # Every "auto" decided here, once, for every rank and round worker (a resumed run's were decided before).
     asked = config
-    config, note = plans.settle(config, threads=resolve.threads(config.train, master, config.spark,
+    config, note = resolve.settle(config, threads=resolve.threads(config.train, master, config.spark,
                                                                 None if callable(spark) else spark),
                                 vocab=spec.vocab_size, context=dataset.seq_len,
                                 train_tokens=dataset.manifest["splits"]["train"]["tokens"], master=master,
@@ -115,7 +116,7 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
         write_text(join(run_dir, "config.json"), json.dumps(
             {"config": config.to_saved(), "decided": resolve.decided(asked, config), "plan": plan.record(config),
              "data": data, "sparklm_version": __version__}, indent=2), storage)
-        job = Job.of(plan, data=data, run_dir=run_dir, resume=resume, uid=uuid.uuid4().hex, warm=warm)
+        job = Job(plan, data=data, run_dir=run_dir, resume=resume, uid=uuid.uuid4().hex, warm=warm)
         figures = task_info(config.model.task).figures
         sinks = _sinks(run_dir, figures, storage, tracking, resume)
         t0 = time.time()
@@ -258,7 +259,7 @@ def task_data(config: Config, dataset: PreparedDataset, data: str) -> Config:
     """The dataset must be prepared for what the run trains (its task says which); what the data fixes (a
     classifier's classes) the task takes from its manifest."""
     info = task_info(config.model.task)
-    prepared = dataset.manifest.get("task", "causal-lm")
+    prepared = dataset.manifest.get("task", DEFAULT_TASK)
     if prepared not in info.data:
         raise SparklmError(f"{data} was prepared for --task {prepared}, and this run trains --task {info.name}",
                            hint=f"prepare the data with `sparklm prepare --task {info.data[0]}`, or train with "
@@ -288,7 +289,7 @@ def _check_init_from(config: Config, spec: TokenizerSpec, seq_len: int | None = 
     if (path / ADAPTER_CONFIG).is_file():  # a LoRA run's model/: its base is checked when it loads
         return
     hf_config = check_model_dir(path, name)
-    if not info.pretrained:  # causal-lm
+    if not info.pretrained:  # a model built from [model]
         check_causal(hf_config, name)
     if (path / "tokenizer.json").is_file() and load(str(path)).sha256 != spec.sha256:
         raise SparklmError(f"the tokenizer of {name} differs from the dataset's",

@@ -22,8 +22,9 @@ from ..infra.fs import exists, join, read_text, write_text
 from ..infra.progress import duration
 from ..infra.redact import MASK
 from ..model.figures import FigureSet
+from ..registry import DEFAULT_TASK
+from ..registry import task as task_info
 from ..spark import figures as spark_figures
-from ..tasks import info as task_info
 from .sinks import read_metrics
 
 REPORT = "report.html"
@@ -60,7 +61,7 @@ class RunData:
 
     @property
     def task(self) -> str:
-        return self.summary.get("task") or self.config.get("config", {}).get("model", {}).get("task", "causal-lm")
+        return self.summary.get("task") or self.config.get("config", {}).get("model", {}).get("task", DEFAULT_TASK)
 
     @property
     def name(self) -> str:
@@ -210,26 +211,6 @@ def table(rows: list[tuple], header: tuple[str, ...], classes: list[str] | None 
     body = "".join(f"<tr{f' class={classes[i]}' if classes and classes[i] else ''}>"
                    + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for i, row in enumerate(rows))
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-def samples_section(run: RunData) -> list[str]:
-    """A causal LM's samples.txt."""
-    return ["<h2>Samples</h2>", f"<pre>{esc(run.samples)}</pre>" if run.samples else
-            "<p class=note>No samples.txt (train.samples = 0, or the run did not end).</p>"]
-
-
-def classes_section(figures: dict) -> str:
-    """A classifier's evaluation: each class's precision, recall, F1 and support, then the confusion matrix
-    (rows: the true class)."""
-    per = figures.get("val_per_class", {})
-    rows = [(name, f"{v['precision']:.3f}", f"{v['recall']:.3f}", f"{v['f1']:.3f}", f"{v['support']:,}")
-            for name, v in per.items()]
-    cm = figures["val_confusion"]
-    labels = [str(x) for x in cm["labels"]]
-    matrix = [(f"true {name}", *(f"{n:,}" for n in row)) for name, row in zip(labels, cm["matrix"])]
-    return (table(rows, ("class", "precision", "recall", "F1", "support"))
-            + "<p class=sub>Confusion matrix (rows: the true class; columns: the predicted one)</p>"
-            + table(matrix, ("", *labels)))
 
 
 def charts(svgs: list[str]) -> str:

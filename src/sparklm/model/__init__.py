@@ -1,6 +1,8 @@
-"""Model: the tasks (tasks.py: names and figures, torch-free; task.py: the causal LM), building an HF causal LM from
-config or a directory (build.py), FLOPs and parameter counts. The package imports nothing at first, so the driver
-can read tasks.py without importing torch; ``from sparklm.model import build_model`` still works."""
+"""Model: the building blocks the tasks (sparklm/tasks/) are made of: the task interface and the token-stream batch
+(task.py), figures (figures.py), building and loading HF models (build.py), the encoders' loading, LoRA wrapping
+and merged export (encoders.py, lora.py), attention kernels, the chunked LM-head loss, masking, GGUF import, FLOPs and
+parameter counts. The package imports nothing at first, so the driver reads the torch-free modules without importing
+torch; ``from sparklm.model import build_model`` still works."""
 
 import importlib
 

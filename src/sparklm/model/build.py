@@ -124,10 +124,10 @@ def check_causal(config: dict, name: str) -> None:
 
     kind = config.get("model_type")
     if kind in CONFIG_MAPPING_NAMES and kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        from ..tasks import NAMES
+        from ..registry import TASK_NAMES, generators
 
         what = ", ".join(config.get("architectures") or []) or kind
-        others = ", ".join(n for n in NAMES if n != "causal-lm")
+        others = ", ".join(n for n in TASK_NAMES if n not in generators())
         raise SparklmError(f"{name} is a {kind!r} model ({what}), not a causal LM",
                            hint="generate and train --task causal-lm take decoder-only models (Llama, Qwen, GPT-2, "
                                 f"...); an encoder embeds with `predict --embed` or trains with --task {others}")

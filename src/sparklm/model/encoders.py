@@ -1,11 +1,9 @@
-"""Encoder tasks on the task seam (model/task.py): sequence classification and masked-LM pretraining of a
-pretrained HF model (``--init-from``), full or LoRA, under every strategy.
-
-Both read an encoder dataset (data/labelled.py: one record per row with the tokenizer's own CLS/SEP, padded) and
-load what ``AutoModelForSequenceClassification`` / ``AutoModelForMaskedLM`` load from a local or object-store
-directory (the per-host cache, safetensors only). The classifier's head always trains (peft's ``SEQ_CLS`` task
-keeps it in ``modules_to_save``); LoRA runs export merged weights, so that ``model/`` is a plain HF directory that
-``pipeline("text-classification")`` loads, with ``id2label``/``label2id`` from the dataset's classes.
+"""What the encoder tasks (sparklm/tasks/: classification, regression, masked LM) are built from: the batch of an
+encoder dataset (data/labelled.py: one record per row with the tokenizer's own CLS/SEP, padded), loading a pretrained
+HF model (``--init-from``: what ``AutoModelForSequenceClassification`` / ``AutoModelForMaskedLM`` load from a local or
+object-store directory, the per-host cache, safetensors only), LoRA wrapping (a classifier's head always trains:
+peft's ``SEQ_CLS`` keeps it in ``modules_to_save``), and :class:`EncoderTask`: parameters, decay, FLOPs and the merged
+export, so that ``model/`` is a plain HF directory its pipeline loads. Torch-free at import.
 """
 
 from __future__ import annotations
@@ -13,17 +11,15 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from ..config import Config, StorageConfig
 from ..data.tokenizer import TokenizerSpec
 from ..infra.errors import SparklmError
-from . import lora, masking
 from .build import model_source
-from .figures import CLASSIFY_FIGURES, MLM_FIGURES, classify_figures, lm_figures, safe_name
+
+if TYPE_CHECKING:  # torch is imported where a model is built or run: the task modules read this one on the driver
+    import torch
 
 MASK_NAMES = ("[MASK]", "<mask>")
 UNK_NAMES = ("[UNK]", "<unk>")
@@ -40,6 +36,8 @@ class EncoderBatch:
 def encoder_batch(rows) -> EncoderBatch:
     """A batch from a stream's Rows of an encoder dataset, its padding cut to the batch's longest row (rows are
     stored padded to seq_len; attention ignores padding, so the answers are the same, for less work)."""
+    import torch
+
     width = int(rows.attention_mask.sum(axis=1).max()) if rows.attention_mask is not None else rows.input_ids.shape[1]
     cut = slice(0, max(width, 1))
     ids = torch.from_numpy(rows.input_ids[:, cut])
@@ -57,6 +55,7 @@ def no_model(task: str) -> SparklmError:
 def load_pretrained(config: Config, auto_class, what: str, **overrides) -> torch.nn.Module:
     """``config.model.init_from`` loaded with ``auto_class``; one line when it cannot be (no such model, a model
     type without that head, a damaged directory)."""
+    import torch
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
@@ -131,7 +130,7 @@ def check_loadable(config: Config, path: Path, seq_len: int | None = None,
                                 "truncated and counted, or windowed with --long window)")
 
 
-def _find(vocab: dict, names: tuple[str, ...]) -> str | None:
+def find_token(vocab: dict, names: tuple[str, ...]) -> str | None:
     return next((n for n in names if n in vocab), None)
 
 
@@ -143,12 +142,16 @@ def encoder_tokenizer(spec: TokenizerSpec, context: int | None):
     tok = spec.tokenizer()
     vocab = tok.get_vocab(with_added_tokens=True)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, cls_token=spec.bos_token, sep_token=spec.eos_token,
-                                 pad_token=spec.pad_token, mask_token=_find(vocab, MASK_NAMES),
-                                 unk_token=_find(vocab, UNK_NAMES), model_max_length=context or int(1e30))
+                                 pad_token=spec.pad_token, mask_token=find_token(vocab, MASK_NAMES),
+                                 unk_token=find_token(vocab, UNK_NAMES), model_max_length=context or int(1e30))
     return hf
 
 
 def wrap_encoder(model: torch.nn.Module, config: Config, task_type: str | None) -> torch.nn.Module:
+    import torch
+
+    from . import lora
+
     if config.train.grad_checkpoint == "on" and getattr(model, "supports_gradient_checkpointing", False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if config.lora.r:
@@ -159,6 +162,8 @@ def wrap_encoder(model: torch.nn.Module, config: Config, task_type: str | None) 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model under DDP's and peft's wrappers."""
+    from . import lora
+
     model = getattr(model, "module", model)
     return model.get_base_model() if lora.is_lora(model) else model
 
@@ -197,6 +202,8 @@ class EncoderTask:
 
     def decays(self, model: torch.nn.Module) -> set[int]:
         """Weight decay on matrices, not on norms, biases or the embedding tables."""
+        import torch
+
         embeds = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
         return {id(p) for p in model.parameters() if p.dim() >= 2 and id(p) not in embeds}
 
@@ -213,6 +220,7 @@ class EncoderTask:
     def export(self, model: torch.nn.Module, spec: TokenizerSpec, uri: str, storage: StorageConfig) -> None:
         """An HF model directory (merged weights when LoRA trained) with the tokenizer as an encoder's."""
         from ..infra.fs import CHECKSUMS, staged_dir, write_checksums
+        from . import lora
         from .build import context_length
 
         out = model
@@ -225,167 +233,3 @@ class EncoderTask:
             write_checksums(tmp)
 
 
-@dataclass(frozen=True)
-class SequenceClassifier(EncoderTask):
-    """Text (pair) classification into ``labels`` (the dataset's classes, in id order)."""
-
-    name = "classify"
-    figure_set = CLASSIFY_FIGURES
-    labels: tuple[str, ...] = ()
-
-    @classmethod
-    def from_config(cls, config: Config) -> SequenceClassifier:
-        return cls(labels=tuple(config.model.labels))
-
-    @property
-    def eval_width(self) -> int:
-        return 3 + len(self.labels) ** 2
-
-    def build(self, config: Config, spec: TokenizerSpec, context: int) -> torch.nn.Module:
-        from transformers import AutoModelForSequenceClassification
-
-        if len(self.labels) < 2:
-            raise SparklmError("--task classify needs the dataset's classes (model.labels), and has "
-                               f"{len(self.labels)}", hint="train on data prepared with `sparklm prepare --task classify`")
-        names = dict(enumerate(self.labels))
-        model = load_pretrained(config, AutoModelForSequenceClassification, "a sequence classifier",
-                                id2label=names,
-                                label2id={v: k for k, v in names.items()})
-        if model.config.pad_token_id is None:  # decoders pool their last real token: they must know the padding
-            model.config.pad_token_id = spec.pad_id
-        model.sparklm_types = uses_types(model)
-        return wrap_encoder(model, config, "SEQ_CLS")
-
-    def batch(self, rows) -> EncoderBatch:
-        return encoder_batch(rows)
-
-    def loss(self, net: torch.nn.Module, batch: EncoderBatch, total: int | None = None,
-             tally: torch.Tensor | None = None) -> torch.Tensor:
-        logits = forward(net, batch).logits.float()
-        if tally is not None:
-            with torch.no_grad():
-                tally[0] += (logits.argmax(-1) == batch.labels).sum()
-                tally[1] += batch.labels.numel()
-        return F.cross_entropy(logits, batch.labels, reduction="sum") / (total or batch.labels.numel())
-
-    def eval_sums(self, model: torch.nn.Module, batch: EncoderBatch, byte_lengths: torch.Tensor) -> torch.Tensor:
-        """[nats, examples, correct, confusion matrix K×K (true class-major)]."""
-        logits = forward(model, batch).logits.float()
-        k = len(self.labels)
-        pred = logits.argmax(-1)
-        confusion = torch.bincount(batch.labels * k + pred, minlength=k * k).double()
-        head = torch.stack([F.cross_entropy(logits, batch.labels, reduction="sum").double(),
-                            torch.tensor(float(batch.labels.numel()), dtype=torch.float64, device=logits.device),
-                            (pred == batch.labels).sum().double()])
-        return torch.cat([head, confusion])
-
-    def figures(self, sums: list[float]) -> dict:
-        """The figure set's figures, each class's precision and recall (``val_precision/NAME``: trackers log them),
-        and ``val_per_class`` and ``val_confusion`` (summary.json)."""
-        values = classify_figures(sums, list(self.labels))
-        if not values:
-            return {}
-        out = self.figure_set.named(values)
-        for name, v in values["per_class"].items():
-            out[f"val_precision/{safe_name(name)}"] = v["precision"]
-            out[f"val_recall/{safe_name(name)}"] = v["recall"]
-        out["val_per_class"] = values["per_class"]
-        out["val_confusion"] = values["confusion"]
-        return out
-
-
-@dataclass(frozen=True)
-class MaskedLM(EncoderTask):
-    """Masked-LM continued pretraining: adapt an encoder to a domain's text before fine-tuning it."""
-
-    name = "mlm"
-    figure_set = MLM_FIGURES
-    eval_width = 4
-    probability: float = 0.15
-    whole_word: bool = False
-
-    @classmethod
-    def from_config(cls, config: Config) -> MaskedLM:
-        return cls(probability=config.model.mlm_probability, whole_word=config.model.whole_word_mask)
-
-    def build(self, config: Config, spec: TokenizerSpec, context: int) -> torch.nn.Module:
-        from transformers import AutoModelForMaskedLM
-
-        model = load_pretrained(config, AutoModelForMaskedLM, "a masked LM")
-        model.sparklm_types = uses_types(model)
-        model.sparklm_masking = Masking.of(spec)
-        return wrap_encoder(model, config, None)
-
-    def batch(self, rows) -> EncoderBatch:
-        return encoder_batch(rows)
-
-    def _masked(self, net: torch.nn.Module, batch: EncoderBatch, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
-        m: Masking = base_model(net).sparklm_masking
-        # Drawn on the CPU from its RNG (which checkpoints keep), then moved: the same masks on either device.
-        ids = batch.input_ids.cpu()
-        special = m.special[ids]
-        maskable = (batch.attention_mask.cpu() != 0) & ~special
-        starts = masking.word_starts(ids, m.starts, special) if self.whole_word else None
-        inputs, labels = masking.mask_tokens(ids, maskable, mask_id=m.mask_id, replacements=m.replacements,
-                                             probability=self.probability, word_starts=starts, generator=generator)
-        where = batch.input_ids.device
-        return inputs.to(where, non_blocking=True), labels.to(where, non_blocking=True)
-
-    def loss(self, net: torch.nn.Module, batch: EncoderBatch, total: int | None = None,
-             tally: torch.Tensor | None = None) -> torch.Tensor:
-        """The masked tokens' mean loss; micro-batches weigh by rows (their masked counts vary by chance)."""
-        inputs, labels = self._masked(net, batch)
-        logits = forward(net, EncoderBatch(inputs, batch.attention_mask, None, batch.token_type_ids)).logits
-        keep = labels != masking.IGNORE
-        if tally is not None:
-            with torch.no_grad():
-                tally[0] += (logits[keep].argmax(-1) == labels[keep]).sum()
-                tally[1] += keep.sum()
-        if not keep.any():
-            return logits.sum() * 0.0
-        rows = batch.input_ids.shape[0]
-        return F.cross_entropy(logits[keep].float(), labels[keep]) * (rows / (total or rows))
-
-    def eval_sums(self, model: torch.nn.Module, batch: EncoderBatch, byte_lengths: torch.Tensor) -> torch.Tensor:
-        """[nats, masked tokens, correct, 0] with masks drawn from the batch's own content (the same every evaluation,
-        whatever the batching of other rows)."""
-        seed = int(batch.input_ids.sum()) * 1_000_003 + int(batch.input_ids[:, :8].sum())
-        inputs, labels = self._masked(model, batch, torch.Generator().manual_seed(seed % (2**63)))
-        logits = forward(model, EncoderBatch(inputs, batch.attention_mask, None, batch.token_type_ids)).logits
-        keep = labels != masking.IGNORE
-        out = logits[keep].float()
-        zero = torch.zeros((), dtype=torch.float64, device=out.device)
-        return torch.stack([F.cross_entropy(out, labels[keep], reduction="sum").double() if keep.any() else zero,
-                            keep.sum().double(), (out.argmax(-1) == labels[keep]).sum().double(), zero])
-
-    def figures(self, sums: list[float]) -> dict:
-        """Loss per masked token, perplexity, masked accuracy and count (a causal LM's figures from the same sums;
-        the figure set has no bits per byte)."""
-        return self.figure_set.named(lm_figures(*sums))
-
-
-
-@dataclass(frozen=True)
-class Masking:
-    """What masking needs from the tokenizer, as tensors: the mask id, the special ids, the ids a random
-    replacement may take, and where words start."""
-
-    mask_id: int
-    special: torch.Tensor  # [vocab] bool
-    replacements: torch.Tensor  # [n] int64
-    starts: torch.Tensor  # [vocab] bool
-
-    @classmethod
-    def of(cls, spec: TokenizerSpec) -> Masking:
-        tok = spec.tokenizer()
-        vocab = tok.get_vocab(with_added_tokens=True)
-        mask = _find(vocab, MASK_NAMES)
-        if mask is None:
-            raise SparklmError(f"the dataset's tokenizer has no mask token ({' or '.join(MASK_NAMES)})",
-                               hint="--task mlm needs an encoder's tokenizer (BERT, RoBERTa, ...)")
-        size = max(vocab.values()) + 1
-        special_ids = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
-        special = torch.zeros(size, dtype=torch.bool)
-        special[list(special_ids)] = True
-        replacements = torch.from_numpy(np.flatnonzero(~special.numpy())).long()
-        return cls(vocab[mask], special, replacements, masking.word_start_table(vocab, special_ids))

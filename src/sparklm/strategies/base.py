@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from ..config import Config, from_dict
+from ..config import Config
 from ..metrics.recorder import RunResult
 from ..metrics.sinks import Sink
 from ..train.plan import RunPlan
@@ -25,43 +25,36 @@ __all__ = ["BEST", "Job", "RankStart", "RoundSpec", "RunResult", "Strategy", "Wo
 
 @dataclass(frozen=True)
 class Job:
-    """One training run, as every worker sees it: what runs is its ``plan`` (made on the driver, plan.py)."""
+    """One training run, as every worker sees it: what runs is its ``plan``, made on the driver (plan.py), the only
+    source of its settings; the rest says where."""
 
-    config: Config  # the plan's settings (a job made without a plan, in a test: the settings to plan from)
+    plan: RunPlan
     data: str  # the prepared dataset's URI
     run_dir: str  # the run directory's URI
     resume: bool
-    workers: int
-    threads: int  # torch threads per worker, decided on the driver (resolve.threads)
     uid: str  # unique per launch: keys per-process caches and executor-side state
     warm: tuple[str, ...] = ()  # processes the strategy started before Spark (local mode), one per worker
-    plan: RunPlan | None = None
 
-    @classmethod
-    def of(cls, plan: RunPlan, **fields: Any) -> Job:
-        return cls(config=plan.config, workers=plan.workers, threads=plan.threads, plan=plan, **fields)
+    @property
+    def config(self) -> Config:
+        return self.plan.config
 
-    def planned(self) -> Job:
-        """This job with its plan: a job the launcher made has one; one made directly (a test) is planned here, on
-        the driver, as the launcher would without a memory limit."""
-        if self.plan is not None:
-            return self
-        from ..data.manifest import load_prepared
-        from ..train.plan import local
+    @property
+    def workers(self) -> int:
+        return self.plan.workers
 
-        config = self.config.replace(train=replace(self.config.train, threads=self.config.train.threads or self.threads))
-        plan = local(config, load_prepared(self.data, config.storage), self.threads, workers=self.workers)
-        return replace(self, config=plan.config, plan=plan)
+    @property
+    def threads(self) -> int:
+        """torch threads per worker, decided on the driver (resolve.threads)."""
+        return self.plan.threads
 
     def to_json(self) -> str:
-        return json.dumps({**asdict(self), "config": self.config.to_dict(),
-                           "plan": self.plan.to_dict() if self.plan else None})
+        return json.dumps({**asdict(self), "plan": self.plan.to_dict()})
 
     @classmethod
     def from_json(cls, text: str) -> Job:
         raw = json.loads(text)
-        plan = RunPlan.from_dict(raw["plan"]) if raw.get("plan") else None
-        return cls(**{**raw, "config": from_dict(raw["config"]), "warm": tuple(raw.get("warm", ())), "plan": plan})
+        return cls(**{**raw, "plan": RunPlan.from_dict(raw["plan"]), "warm": tuple(raw.get("warm", ()))})
 
 
 @dataclass(frozen=True)
@@ -104,9 +97,8 @@ class RoundSpec:
     base_step: int | None = None  # the round's update applies to the weights of this step (None: no update sent)
     initial_digest: str = ""  # round 0 of a lossy codec: the digest of the seeded weights every worker builds itself
     cold: tuple[int, ...] = ()  # workers left out of the last round: their state holds steps that were dropped
-    micro: tuple[int, int, int] | None = None  # this round's (micro-batch, accumulation, eval_batches) per worker:
-    # an elastic run's share of the global batch (and of the validation rows) on len(shards) workers
-    # (plan.resized); None: the plan's
+    world: int | None = None  # an elastic round's number of workers: each runs the plan at it (RunPlan.at, its
+    # share of the global batch and of the validation rows); None: the plan's
 
     def fraction(self, i: int) -> float:
         """The run's progress at the round's i-th step (schedule.fraction), its time as the driver projects it: the

@@ -86,7 +86,6 @@ class DDP:
         check_slots(spark, min(tc.workers_min or tc.workers, tc.workers), plan.device)
 
     def run(self, spark, job: Job, sink: Sink) -> RunResult:
-        job = job.planned()
         full = job.plan  # an elastic run's plan at its most workers: every attempt is sized from it
         job = sized(spark, job, full, START_WAIT)
         channel = Channel(sink, _driver_host(spark))
@@ -179,19 +178,19 @@ def sized(spark, job: Job, full, wait: float) -> Job:
     """``job`` on as many ranks as Spark can run at once: ``full`` (the plan at ``train.workers``) for a run of fixed
     size, which needs every slot (one line if they are not there); an elastic run (``train.workers_min``) waits up to
     ``wait`` seconds (none in local mode) for the slots of its most ranks, then takes the most it can run, keeping
-    the global batch (plan.resized)."""
+    the global batch (RunPlan.at)."""
     from ..train.plan import elastic_world, world_for
 
     tc = full.config.train
     if not tc.workers_min or tc.workers_min >= tc.workers:
         check_slots(spark, tc.workers, full.device)
-        return dataclasses.replace(job, config=full.config, workers=full.workers, plan=full)
+        return dataclasses.replace(job, plan=full)
     check_slots(spark, tc.workers_min, full.device)  # the fewest, or one line (a cluster: after executors register)
     deadline = time.time() + (0.0 if re.match(r"local(\[|$)", spark.sparkContext.master) else wait)
     while elastic_world(full, slots := available(spark, full.device)) != tc.workers and time.time() < deadline:
         time.sleep(1.0)
     plan = world_for(full, slots)
-    return dataclasses.replace(job, config=plan.config, workers=plan.workers, plan=plan)
+    return dataclasses.replace(job, plan=plan)
 
 
 def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> RunResult:

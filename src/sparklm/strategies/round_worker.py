@@ -22,7 +22,6 @@ import json
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -53,9 +52,9 @@ def run_worker(job: Job, worker: int, full: Callable[[], bytes] | None, spec: Ro
     device.set_allocator(job.plan.config.train.allocator)
     # one per GPU: a Python worker Spark reuses may be handed another GPU by a later task
     trainer: Trainer = process_local(("rounds", job.uid, gpu), lambda: _trainer(job, gpu))
-    base = job.plan.config.train  # an elastic round's share of the global batch, else the plan's
-    trainer.tc = tc = base if spec.micro is None else replace(base, batch_size=spec.micro[0],
-                                                              grad_accum=spec.micro[1], eval_batches=spec.micro[2])
+    # an elastic round's share of the global batch, as the driver planned it, else the plan's
+    trainer.use(job.plan if spec.world is None else job.plan.at(spec.world))
+    tc = trainer.tc
     codec = Codec(**job.plan.codec)  # decided on the driver
     t0 = time.time()
     trainable = trainer.task.trainable(trainer.model)

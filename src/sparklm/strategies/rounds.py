@@ -64,7 +64,6 @@ class Rounds:
 
     def run(self, spark, job: Job, sink: Sink, shards: list[tuple[int, int]] | None = None) -> RunResult:
         """Train ``job`` in rounds; ``shards`` (tests) overrides which slice of the data each worker streams."""
-        job = job.planned()
         try:
             unit = RoundsUnit(spark, job, sink, self.name, shards)
             return loop.run(unit, unit.rec, unit.schedule, keep_best=unit.tc.keep_best,
@@ -90,7 +89,7 @@ class RoundsUnit:
 
     def __init__(self, spark, job: Job, sink: Sink, name: str, shards: list[tuple[int, int]] | None):
         from ..data.manifest import load_prepared, load_tokenizer
-        from ..tasks import make as make_task
+        from ..registry import make_task
 
         self.spark, self.job, self.name = spark, job, name
         plan = job.plan
@@ -100,8 +99,8 @@ class RoundsUnit:
         self.size = rc.sync_every
         self.dataset = load_prepared(job.data, self.storage)
         self.lr, self.mu = (1.0, 0.0) if name == "average" else (rc.outer_lr, rc.outer_momentum)
-        self.plan = plan.steps
-        self.schedule = Schedule(self.plan.total_steps, self.tc.eval_every, self.tc.checkpoint_every,
+        self.steps = plan.steps
+        self.schedule = Schedule(self.steps.total_steps, self.tc.eval_every, self.tc.checkpoint_every,
                                  self.tc.time_budget)
         self.note_at = self.schedule.unit(0, self.size)  # the first round's end: its pace projects a time budget
         # The initial weights: the same seeded model every strategy starts from; only the trainable ones travel.
@@ -121,7 +120,7 @@ class RoundsUnit:
         self.max_failures = _max_failures(spark)
         self.shards = tuple(tuple(s) for s in (shards or [(w, job.workers) for w in range(job.workers)]))
         # elastic (train.workers_min): each round runs on the workers Spark has slots for, sharing the same global
-        # batch (plan.resized); fixed shards (a test's) are never resized
+        # batch (RunPlan.at); fixed shards (a test's) are never resized
         self.elastic = bool(self.tc.workers_min) and self.tc.workers_min < job.workers and not shards
         self.present = job.workers  # the workers of the round in flight
         self.comm = {"broadcast": 0, "returned": 0}
@@ -193,13 +192,13 @@ class RoundsUnit:
 
         tc = self.tc
         elapsed = time.time() - self.started
-        shards, micro = self.sized()
+        shards, world = self.sized()
         spec = RoundSpec(round=self.rnd, step0=self.step, steps=steps, total_steps=self.schedule.total_steps,
                          eval=do_eval, persist=persist, finish=finish,
                          time_frac0=elapsed / tc.time_budget if tc.time_budget else None,
                          time_frac_per_step=(self.per_step_s or 0.0) / tc.time_budget if tc.time_budget else 0.0,
                          shards=shards, inner_from=self.inner_from if self.step == self.resumed_at else "",
-                         cold=tuple(self.dropped_last), micro=micro)
+                         cold=tuple(self.dropped_last), world=world)
         t0 = time.time()
         weights = {**self.params, **(also or {})}
         # the whole weights, serialised only for a job that sends them (most rounds of a lossy codec send none)
@@ -247,10 +246,10 @@ class RoundsUnit:
                 bu.destroy()
         return partial, broadcast_s, time.time() - t0, sent
 
-    def sized(self) -> tuple[tuple[tuple[int, int], ...], tuple[int, int, int] | None]:
-        """The round's (shards, micro): an elastic run counts Spark's slots now and runs the round on the most
+    def sized(self) -> tuple[tuple[tuple[int, int], ...], int | None]:
+        """The round's (shards, world): an elastic run counts Spark's slots now and runs the round on the most
         workers it has slots for (at least ``workers_min``: more tasks than slots queue), each streaming its slice of
-        the same global batches; a run of fixed size, its shards and the plan's micro-batch."""
+        the same global batches as the plan at that world says; a run of fixed size, its shards and None."""
         if not self.elastic:
             self.present = len(self.shards)
             return self.shards, None
@@ -263,8 +262,7 @@ class RoundsUnit:
             self.rec.note(f"round {self.rnd + 1}: {train.workers} workers (Spark has slots for them now; was "
                           f"{self.present})")
         self.present = train.workers
-        return (tuple((w, train.workers) for w in range(train.workers)),
-                (train.batch_size, train.grad_accum, train.eval_batches))
+        return tuple((w, train.workers) for w in range(train.workers)), train.workers
 
     def evaluation(self, partial: Partial) -> loop.Evaluation:
         """The evaluation the round's workers made of the weights they received (those of ``self.step``). Each worker
@@ -321,7 +319,7 @@ class RoundsUnit:
             self.publish(new_params, begin)
         aggregate_s = time.time() - t_agg + max(round_s - broadcast_s - max(r.task_s for r in done_), 0.0)
         self.step, self.rnd = end, self.rnd + 1
-        self.tokens_seen += steps * self.plan.tokens_per_step
+        self.tokens_seen += steps * self.steps.tokens_per_step
         wall = time.time() - t_agg + round_s
         self.per_step_s = wall / steps
         return self._advance(done_, steps, wall, sent, broadcast_s, aggregate_s, update_norm, outer.norm(avg),
@@ -353,7 +351,7 @@ class RoundsUnit:
             total_steps=total, tokens_per_s=tps, eta_s=left,
             sent_mb=(self.comm["broadcast"] + self.comm["returned"]) / 1e6,
             peak_rss_mb=max(p for p in peaks if p is not None))
-        return loop.Advance(tokens=steps * self.plan.tokens_per_step, loss=loss,
+        return loop.Advance(tokens=steps * self.steps.tokens_per_step, loss=loss,
                             acc=sum(r.correct for r in done) / counted if counted else float("nan"),
                             lr=sum(r.lr for r in done) / len(done), grad_norm=sum(r.grad_norm for r in done) / len(done),
                             rss_mb=max(r.rss_mb for r in done), peaks=peaks, seconds=wall, trained=round_tokens,
@@ -416,7 +414,7 @@ class RoundsUnit:
             files["exact"] = self.exact
         files.update(best.checkpoint_files(best_weights, step))
         run = checkpoint.RunState(strategy=self.name, world=self.job.workers, step=step, tokens_seen=self.tokens_seen,
-                                  position=step * self.plan.rows_per_step, elapsed=position.elapsed,
+                                  position=step * self.steps.rows_per_step, elapsed=position.elapsed,
                                   best=best.to_state(),
                                   extra={"round": self.rnd, "sync_every": tc.rounds.sync_every,
                                          "pending_eval": position.pending_eval})

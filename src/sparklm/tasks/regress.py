@@ -19,8 +19,9 @@ import io
 import math
 from dataclasses import dataclass
 
+from ..model.encoders import EncoderTask
 from ..model.figures import Figure, FigureSet
-from . import DataKind, TaskInfo
+from ..registry import VALUES, DataKind, TaskInfo
 
 FIGURES = FigureSet((
     Figure("val_loss", "loss", "MSE", ".4f"),
@@ -45,8 +46,9 @@ def regression_figures(sse: float, n: float, abs_err: float, total: float, squar
 
 
 @dataclass(frozen=True)
-class Regressor:
-    """The task object the training core and the strategies use (model/task.py's ``Task``)."""
+class Regressor(EncoderTask):
+    """The task object the training core and the strategies use (model/task.py's ``Task``): parameters, decay,
+    FLOPs and the merged HF export as every encoder task's."""
 
     name = "regress"
     figure_set = FIGURES
@@ -55,11 +57,6 @@ class Regressor:
     @classmethod
     def from_config(cls, config) -> Regressor:
         return cls()
-
-    def _shared(self):
-        from ..model.encoders import EncoderTask
-
-        return EncoderTask()  # parameters, decay, FLOPs and the merged HF export, as the other encoder tasks
 
     def build(self, config, spec, context: int):
         from transformers import AutoModelForSequenceClassification
@@ -76,9 +73,6 @@ class Regressor:
         from ..model.encoders import encoder_batch
 
         return encoder_batch(rows)
-
-    def weight(self, batch) -> int:
-        return int(batch.input_ids.shape[0])
 
     def _predict(self, net, batch):
         from ..model.encoders import forward
@@ -104,21 +98,6 @@ class Regressor:
 
     def figures(self, sums: list[float]) -> dict:
         return self.figure_set.named(regression_figures(*sums))
-
-    def flops_per_token(self, model, seq_len: int) -> float:
-        return self._shared().flops_per_token(model, seq_len)
-
-    def trainable(self, model):
-        return self._shared().trainable(model)
-
-    def decays(self, model):
-        return self._shared().decays(model)
-
-    def matrices(self, model):
-        return self._shared().matrices(model)
-
-    def export(self, model, spec, uri: str, storage) -> None:
-        self._shared().export(model, spec, uri, storage)
 
     def artefacts(self, model, spec, run_dir: str, dataset, config) -> None:
         """scatter.png: model/'s predictions against the true values of (up to SCATTER_ROWS of) the validation
@@ -195,7 +174,7 @@ def make(config) -> Regressor:
 
 
 INFO = TaskInfo(name="regress", figures=FIGURES, make=make, data=("regress",),
-                prepares=DataKind(rows="encoded", labels="value", long="truncate"), pretrained=True,
+                prepares=DataKind(rows="encoded", labels=VALUES, long="truncate"), pretrained=True,
                 auto="AutoModelForSequenceClassification", peft="SEQ_CLS", pipeline="text-classification",
                 hf_config=hf_config, shows=SCATTER,
                 section=section)

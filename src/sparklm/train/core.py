@@ -9,13 +9,11 @@ what is trained, the device seam (device.py) where, and its figures go to metric
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from ..config import Config, TrainConfig
 from ..data.manifest import PreparedDataset, checked_row_groups
 from ..data.stream import TokenStream, validation_rows
 from ..data.tokenizer import TokenizerSpec, token_byte_lengths
@@ -25,13 +23,12 @@ from ..metrics.recorder import Best, Recorder, RunResult
 from ..metrics.sinks import Sink
 from ..model import param_count
 from ..model.task import Batch, Task
-from ..tasks import make as make_task
+from ..registry import make_task
 from . import checkpoint, collective, compiling, device, loop, optim
-from .plan import RunPlan, local
-from .schedule import Schedule, fraction, steps
+from .plan import RunPlan
+from .schedule import Schedule, fraction
 
-plan = steps  # the step plan (schedule.steps), by the name the core's callers know it
-__all__ = ["Rank", "RankUnit", "Trainer", "TrainState", "fraction", "lr_at", "plan", "train"]
+__all__ = ["Rank", "RankUnit", "Trainer", "TrainState", "fraction", "train"]
 
 
 @dataclass(frozen=True)
@@ -50,29 +47,19 @@ class TrainState:
     elapsed: float = 0.0  # seconds trained before this process started (a resumed run)
 
 
-def lr_at(step: int, frac: float, tc: TrainConfig) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine from ``lr`` to ``lr·min_lr_ratio`` over the run."""
-    if step < tc.warmup_steps:
-        return tc.lr * (step + 1) / tc.warmup_steps
-    floor = tc.lr * tc.min_lr_ratio
-    return floor + 0.5 * (tc.lr - floor) * (1 + math.cos(math.pi * min(frac, 1.0)))
-
-
 # -- one worker's training --------------------------------------------------------------------
 
 
 class Trainer:
     """One worker's model, optimizer and data; the steps and evaluations it runs, as its run plan says."""
 
-    def __init__(self, plan: RunPlan | Config, dataset: PreparedDataset, spec: TokenizerSpec, *, rank: Rank = Rank(),
-                 task: Task | None = None, comm: collective.Single | None = None, workers: int | None = None):
-        if isinstance(plan, Config):  # a worker driven directly (a test, a benchmark) is its own driver
-            plan = local(plan, dataset, rank.threads, workers=workers or rank.world)
+    def __init__(self, plan: RunPlan, dataset: PreparedDataset, spec: TokenizerSpec, *, rank: Rank = Rank(),
+                 task: Task | None = None, comm: collective.Single | None = None):
+        self.use(plan)
         # the plan's device placed on this rank's GPU (on the CPU: as it is)
-        self.run_plan, self.config, self.device = plan, plan.config, plan.device.placed(rank.gpu, rank.rank)
+        self.device = plan.device.placed(rank.gpu, rank.rank)
         self.dataset, self.spec, self.rank = dataset, spec, rank
         self.comm = comm or collective.Single()
-        self.tc = self.config.train
         self.task = task or make_task(self.config)
         self.seq_len = dataset.seq_len
         self.model = self.device.put(self.task.build(self.config, spec, self.seq_len))
@@ -81,21 +68,25 @@ class Trainer:
         torch.manual_seed((self.tc.seed << 16) + rank.rank)
         self.net: torch.nn.Module = self.model
         self.compile_pending = False  # train.compile on: compiled after the first step (wrap)
-        self.optimizer_name = self.tc.optimizer
         self.optimizer = self.new_optimizer()
         self.train_groups = checked_row_groups(dataset, "train", self.config.storage)
         self.val_groups = checked_row_groups(dataset, "validation", self.config.storage)
-        self.plan = plan.steps  # rows and tokens per step, the run's steps
         self.byte_lengths = self.device.tensor(token_byte_lengths(spec))
         self.scaler = self.device.grad_scaler()  # fp16 only
         self.state = TrainState()
 
+    def use(self, plan: RunPlan) -> None:
+        """Run as ``plan`` says from now on (an elastic round's share of the batch: the run plan at its world); the
+        plan, its settings and its step plan change together."""
+        self.plan, self.config, self.tc = plan, plan.config, plan.config.train
+        self.steps = plan.steps  # rows and tokens per step, the run's steps
+
     # -- building blocks --
 
     def new_optimizer(self) -> torch.optim.Optimizer | optim.Chained:
-        """The configured optimizer over the task's trainable parameters, weight decay where the task says."""
-        return optim.build(list(self.task.trainable(self.model).values()), decays=self.task.decays(self.model),
-                           matrices=self.task.matrices(self.model), tc=self.tc, name=self.optimizer_name)
+        """The plan's optimizer over the task's trainable parameters, weight decay where the task says."""
+        return optim.build(list(self.task.trainable(self.model).values()), self.plan.optimizer,
+                           decays=self.task.decays(self.model), matrices=self.task.matrices(self.model))
 
     def batches(self, position: int, *, part: int | None = None, parts: int | None = None) -> Iterator[Batch]:
         """This worker's micro-batches from global row ``position`` (slice ``part`` of ``parts`` of each global
@@ -151,11 +142,11 @@ class Trainer:
         norm, lr, accuracy counts)."""
         if self.compile_due():
             self.compile_now()
-        lr = lr_at(self.state.step, done, self.tc)
+        lr = self.plan.optimizer.lr_at(self.state.step, done)
         loss, grad_norm, tally = self.train_step(batches, lr)
         self.state.step += 1
-        self.state.position += self.plan.rows_per_step
-        self.state.tokens_seen += self.plan.tokens_per_step
+        self.state.position += self.steps.rows_per_step
+        self.state.tokens_seen += self.steps.tokens_per_step
         return loss, grad_norm, lr, tally
 
     @torch.no_grad()
@@ -187,7 +178,7 @@ class Trainer:
         return {"params": param_count(self.model), "flops_per_token": self.task.flops_per_token(self.model, self.seq_len),
                 "peak_flops": self.device.peak_flops(self.rank.threads), "dtype": self.device.dtype_name,
                 "device": self.device.where,
-                "optimizer": self.optimizer_name,
+                "optimizer": self.plan.optimizer.name,
                 "trainable_params": sum(p.numel() for p in self.task.trainable(self.model).values())}
 
     def frozen(self) -> bool:
@@ -348,7 +339,7 @@ class RankUnit:
         if t.tc.workers_min:  # an elastic run: one flag per step, the same on every rank
             asked = 1.0 if self.leaving is not None and self.leaving() else 0.0
             leave = float(t.comm.max(t.device.tensor([asked]))) > 0
-        return loop.Advance(tokens=t.plan.tokens_per_step, loss=mean, acc=acc, lr=lr, grad_norm=float(grad_norm),
+        return loop.Advance(tokens=t.steps.tokens_per_step, loss=mean, acc=acc, lr=lr, grad_norm=float(grad_norm),
                             rss_mb=device.rss_mb(), leave=leave)
 
     def evaluate(self) -> loop.Evaluation:
@@ -377,14 +368,13 @@ class RankUnit:
         return {}
 
 
-def train(config: RunPlan | Config, dataset: PreparedDataset, spec: TokenizerSpec, run_dir: str, *,
+def train(plan: RunPlan, dataset: PreparedDataset, spec: TokenizerSpec, run_dir: str, *,
           rank: Rank = Rank(), sink: Sink | None = None, on_step: Callable[[int], None] | None = None,
           comm: collective.Single | None = None) -> RunResult:
     """A whole run on one rank (of ``rank.world``, whose collectives are ``comm``): train, evaluate, checkpoint;
     rank 0 exports ``model/`` and samples and sends its rows to ``sink``. ``on_step(step)`` runs after every step
     (a hook for fault injection and profiling). The run loop (loop.py) sequences it."""
     torch.set_num_threads(rank.threads)
-    plan = config if isinstance(config, RunPlan) else local(config, dataset, rank.threads, workers=rank.world)
     device.set_allocator(plan.config.train.allocator)  # before the model's first allocation
     trainer = Trainer(plan, dataset, spec, rank=rank, comm=comm or collective.of(rank.rank, rank.world))
     tc = trainer.tc
@@ -392,5 +382,5 @@ def train(config: RunPlan | Config, dataset: PreparedDataset, spec: TokenizerSpe
                    epoch_tokens=dataset.manifest["splits"]["train"]["tokens"], figures=trainer.task.figure_set)
     unit = RankUnit(trainer, run_dir, warn=rec.warn, note=rec.note, on_step=on_step,
                     leaving=getattr(sink, "leaving", None))
-    schedule = Schedule(trainer.plan.total_steps, tc.eval_every, tc.checkpoint_every, tc.time_budget)
+    schedule = Schedule(trainer.steps.total_steps, tc.eval_every, tc.checkpoint_every, tc.time_budget)
     return loop.run(unit, rec, schedule, keep_best=tc.keep_best, info={"threads": rank.threads})

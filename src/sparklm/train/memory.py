@@ -177,7 +177,7 @@ def model_shapes(config, spec, context: int) -> Shapes:
 
     from ..model import lora
     from ..model.build import ADAPTER_CONFIG, model_source
-    from ..tasks import info as task_info
+    from ..registry import task as task_info
 
     name = config.model.init_from
     path = model_source(name, config.storage)

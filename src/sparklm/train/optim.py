@@ -12,20 +12,20 @@ import math
 
 import torch
 
-from ..config import TrainConfig
+from .plan import OptimizerPlan
 
 
-def build(params: list[torch.nn.Parameter], *, decays: set[int], matrices: set[int], tc: TrainConfig,
-          name: str = "adamw") -> torch.optim.Optimizer | Chained:
-    """Optimizer ``name`` over ``params``: weight decay on those in ``decays``; with Muon, the ``matrices`` go to it."""
-    betas = (tc.beta1, tc.beta2)
-    if name == "muon":
+def build(params: list[torch.nn.Parameter], plan: OptimizerPlan, *, decays: set[int], matrices: set[int]
+          ) -> torch.optim.Optimizer | Chained:
+    """The optimizer ``plan`` says (the run plan's optimizer section) over ``params``: weight decay on those in
+    ``decays``; with Muon, the ``matrices`` go to it."""
+    if plan.name == "muon":
         hidden = [p for p in params if id(p) in matrices]
         rest = [p for p in params if id(p) not in matrices]
         # match_rms_adamw scales each matrix's update to AdamW's RMS, so one lr and weight decay serve both
-        muon = Muon(hidden, lr=tc.lr, weight_decay=tc.weight_decay, adjust_lr_fn="match_rms_adamw")
-        return Chained(muon, adamw(rest, decays, tc.weight_decay, tc.lr, betas))
-    return adamw(params, decays, tc.weight_decay, tc.lr, betas)
+        muon = Muon(hidden, lr=plan.lr, weight_decay=plan.weight_decay, adjust_lr_fn="match_rms_adamw")
+        return Chained(muon, adamw(rest, decays, plan.weight_decay, plan.lr, plan.betas))
+    return adamw(params, decays, plan.weight_decay, plan.lr, plan.betas)
 
 
 def adamw(params: list[torch.nn.Parameter], decays: set[int], weight_decay: float, lr: float,

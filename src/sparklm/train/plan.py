@@ -1,22 +1,60 @@
 """The run plan: everything decided about a run, made once on the driver and read by every worker.
 
-The launcher settles the settings before Spark starts (:func:`settle`: every "auto" decided by resolve.py, a fresh
-model fitted to its time budget by budget.py), then, once Spark says how much memory a rank has, makes the frozen
+The launcher settles the settings before Spark starts (resolve.settle: every "auto" decided, a fresh model fitted to
+its time budget by budget.py), then, once Spark says how much memory a rank has, makes the frozen
 :class:`RunPlan` (:func:`make`): the settings as they run (the memory plan's micro-batch, accumulation, gradient
 checkpointing, allocator and LM-head loss applied), the device, the torch threads, the step plan and the round
-codec. It is written whole to the run's config.json before any worker starts and travels in the job; a rank or a
-round worker reads it and decides nothing. Torch-free.
+codec, the optimizer and every world an elastic run may take. It is written whole to the run's config.json before any
+worker starts and travels in the job; a rank or a round worker reads it and decides nothing (no resolver is
+reachable from here). Torch-free.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+import math
+from dataclasses import asdict, dataclass, field, replace
 
-from ..config import Config, flatten, from_dict
+from ..config import Config, TrainConfig, flatten, from_dict
 from ..infra.errors import SparklmError
-from . import budget, device, memory, resolve
+from . import device, memory
 from .schedule import Steps, steps
+
+
+@dataclass(frozen=True)
+class OptimizerPlan:
+    """The optimizer a worker builds (train/optim.build), all of it: which one, its peak learning rate and the
+    schedule that scales it step by step (:meth:`lr_at`), betas and weight decay."""
+
+    name: str = "adamw"
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.1
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+
+    @classmethod
+    def of(cls, tc: TrainConfig) -> OptimizerPlan:
+        return cls(name=tc.optimizer, lr=tc.lr, betas=(tc.beta1, tc.beta2), weight_decay=tc.weight_decay,
+                   warmup_steps=tc.warmup_steps, min_lr_ratio=tc.min_lr_ratio)
+
+    def lr_at(self, step: int, frac: float) -> float:
+        """Linear warmup over ``warmup_steps``, then cosine from ``lr`` to ``lr·min_lr_ratio`` over the run (``frac``:
+        how much of it is done)."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        floor = self.lr * self.min_lr_ratio
+        return floor + 0.5 * (self.lr - floor) * (1 + math.cos(math.pi * min(frac, 1.0)))
+
+
+@dataclass(frozen=True)
+class World:
+    """Each worker's share of a step on a world of a given size: micro-batch rows, micro-batches accumulated, and
+    the micro-batches an evaluation scores (the same validation rows on any world)."""
+
+    batch_size: int
+    grad_accum: int
+    eval_batches: int
 
 
 @dataclass(frozen=True)
@@ -28,15 +66,34 @@ class RunPlan:
     memory: memory.MemoryPlan | None = None  # None: nothing planned (a worker driven directly)
     # average/DiLoCo: what a round's deltas (and the driver's steps) travel as (strategies/codec.Codec's fields)
     codec: dict | None = None
+    optimizer: OptimizerPlan = OptimizerPlan()
+    # every number of workers an elastic run may take (train.workers_min to train.workers) that splits the global
+    # batch evenly, planned here on the driver; a run of fixed size has its own world only. A resize reads at().
+    worlds: dict[int, World] = field(default_factory=dict)
 
     @property
     def workers(self) -> int:
         return self.config.train.workers
 
+    def at(self, world: int) -> RunPlan:
+        """This plan on ``world`` workers, as planned (:data:`worlds`): the same global batch, each worker's share
+        of it; the step plan and the data order unchanged (a step reads the same global rows whatever the world)."""
+        if world == self.workers:
+            return self
+        w = self.worlds.get(world)
+        if w is None:
+            raise SparklmError(f"the run plan has no world of {world} workers (it planned {sorted(self.worlds)})",
+                               hint="a world splits the global batch evenly: choose train.workers_min and "
+                                    "train.workers around a divisor of batch_size x grad_accum x workers")
+        train = replace(self.config.train, workers=world, batch_size=w.batch_size, grad_accum=w.grad_accum,
+                        eval_batches=w.eval_batches)
+        return replace(self, config=self.config.replace(train=train))
+
     def to_dict(self) -> dict:
         return {"config": self.config.to_dict(), "threads": self.threads, "device": asdict(self.device),
                 "steps": asdict(self.steps), "memory": asdict(self.memory) if self.memory else None,
-                "codec": self.codec}
+                "codec": self.codec, "optimizer": asdict(self.optimizer),
+                "worlds": {str(n): asdict(w) for n, w in sorted(self.worlds.items())}}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -64,20 +121,20 @@ class RunPlan:
 
     @classmethod
     def from_dict(cls, raw: dict) -> RunPlan:
-        mem = raw.get("memory")
-        return cls(config=from_dict(raw["config"]), threads=raw["threads"], device=device.Device(**raw["device"]),
+        mem, opt = raw.get("memory"), raw.get("optimizer")
+        config = from_dict(raw["config"])
+        return cls(config=config, threads=raw["threads"], device=device.Device(**raw["device"]),
                    steps=Steps(**raw["steps"]), memory=memory.MemoryPlan(**mem) if mem else None,
-                   codec=raw.get("codec"))
+                   codec=raw.get("codec"),
+                   optimizer=OptimizerPlan(**{**opt, "betas": tuple(opt["betas"])}) if opt else
+                   OptimizerPlan.of(config.train),
+                   worlds={int(n): World(**w) for n, w in (raw.get("worlds") or {}).items()})
 
 
-def resized(plan: RunPlan, world: int) -> RunPlan | None:
-    """``plan`` on ``world`` workers with the same global batch, so that the optimizer sees the same batch: each
-    worker's share of a step's rows split into the largest micro-batch, no larger than the plan's, that divides it,
-    and the rest accumulated. None where the rows of a step do not split into ``world`` equal shares. The step plan
-    (rows, tokens and steps of the run) is unchanged, and so is the data order: a step reads the same global rows
-    whatever the world (data/stream.TokenStream)."""
-    tc = plan.config.train
-    rows = plan.steps.rows_per_step
+def world_share(tc: TrainConfig, rows: int, world: int) -> World | None:
+    """Each worker's share of a step of ``rows`` rows on ``world`` workers (pure), so that the optimizer sees the
+    same global batch: the share split into the largest micro-batch, no larger than ``tc``'s, that divides it, and
+    the rest accumulated. None where the rows do not split into ``world`` equal shares."""
     if world < 1 or rows % world:
         return None
     share = rows // world
@@ -86,22 +143,26 @@ def resized(plan: RunPlan, world: int) -> RunPlan | None:
     # an evaluation scores the same validation rows on any world (eval_batches counts a worker's micro-batches;
     # the workers' parts of the split interleave, so the same total is the same rows)
     evals = -(-tc.eval_batches * accum // tc.grad_accum) if tc.eval_batches else 0
-    train = replace(tc, workers=world, batch_size=micro, grad_accum=accum, eval_batches=evals)
-    return replace(plan, config=plan.config.replace(train=train))
+    return World(micro, accum, evals)
+
+
+def worlds(tc: TrainConfig, rows: int) -> dict[int, World]:
+    """Every world an elastic run may take (``train.workers_min`` to ``train.workers``) with its share of a step's
+    ``rows``; a run of fixed size, its own."""
+    low = tc.workers_min or tc.workers
+    found = {n: world_share(tc, rows, n) for n in range(max(1, min(low, tc.workers)), tc.workers + 1)}
+    return {n: w for n, w in found.items() if w is not None}
 
 
 def elastic_world(plan: RunPlan, slots: int) -> int | None:
-    """The most workers, between ``train.workers_min`` and ``train.workers``, that ``slots`` task slots run at once
-    and the global batch splits evenly among; None when there is no such number."""
-    tc = plan.config.train
-    for world in range(min(tc.workers, slots), (tc.workers_min or tc.workers) - 1, -1):
-        if plan.steps.rows_per_step % world == 0:
-            return world
-    return None
+    """The most workers the plan planned (:attr:`RunPlan.worlds`) that ``slots`` task slots run at once; None when
+    there is none."""
+    fits = [n for n in plan.worlds if n <= slots]
+    return max(fits) if fits else None
 
 
 def world_for(plan: RunPlan, slots: int) -> RunPlan:
-    """``plan`` resized to :func:`elastic_world`'s number of workers for ``slots``; one line when there is none."""
+    """``plan`` at :func:`elastic_world`'s number of workers for ``slots``; one line when there is none."""
     world = elastic_world(plan, slots)
     if world is None:
         tc = plan.config.train
@@ -110,19 +171,7 @@ def world_for(plan: RunPlan, slots: int) -> RunPlan:
                            f"{plan.steps.rows_per_step} rows evenly",
                            hint="choose a global batch (batch_size x grad_accum x workers) that the workers you "
                                 "expect divide, e.g. a power of two")
-    return resized(plan, world)
-
-
-def settle(config: Config, *, threads: int, vocab: int, context: int, train_tokens: int, master: str,
-           resume: bool, spark=None) -> tuple[Config, str | None]:
-    """``config`` with every automatic setting decided — the device for ``master`` (and ``spark``, a running
-    session), then the rest for workers of ``threads`` torch threads — and, for a new run, a fresh model fitted to
-    its time budget (a resumed run builds the model its checkpoints hold); and a line saying what the fit changed
-    (None: nothing). Before Spark starts."""
-    config = resolve.settings(resolve.with_device(config, master, spark), threads, context)
-    if resume:
-        return config, None
-    return budget.apply(config, vocab=vocab, context=context, train_tokens=train_tokens, master=master)
+    return plan.at(world)
 
 
 def make(config: Config, *, train_rows: int, seq_len: int, mem: memory.MemoryPlan | None = None) -> RunPlan:
@@ -133,16 +182,7 @@ def make(config: Config, *, train_rows: int, seq_len: int, mem: memory.MemoryPla
     runs = memory.apply(config, mem)
     rc = tc.rounds
     codec = {"name": rc.codec, "density": rc.density, "bits": rc.bits} if tc.strategy != "ddp" else None
-    return RunPlan(config=runs, threads=tc.threads, device=device.select(tc.device, tc.dtype),
-                   steps=steps(runs.train, train_rows=train_rows, seq_len=seq_len, workers=tc.workers), memory=mem,
-                   codec=codec)
-
-
-def local(config: Config, dataset, threads: int = 1, workers: int | None = None) -> RunPlan:
-    """The plan of a worker driven directly in this process (a test, a benchmark), which is then its own driver:
-    settled for ``threads`` (unless ``train.threads`` says) with no memory limit and no budget fit."""
-    split = dataset.manifest["splits"]["train"]
-    if workers is not None:
-        config = config.replace(train=replace(config.train, workers=workers))
-    config = resolve.settings(config, config.train.threads or threads, dataset.seq_len)
-    return make(config, train_rows=split["sequences"], seq_len=dataset.seq_len)
+    planned = steps(runs.train, train_rows=train_rows, seq_len=seq_len, workers=tc.workers)
+    return RunPlan(config=runs, threads=tc.threads, device=device.select(tc.device, tc.dtype), steps=planned,
+                   memory=mem, codec=codec, optimizer=OptimizerPlan.of(runs.train),
+                   worlds=worlds(runs.train, planned.rows_per_step))

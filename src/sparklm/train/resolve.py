@@ -5,18 +5,25 @@ frozen-base dtype and the torch threads of a worker. They used to be decided ins
 host's own bf16 measurement, so ranks on hosts that measured differently (or one near the threshold) could
 train one DDP model in two dtypes with two optimizers. Now :func:`settings` writes the decisions into the
 config every task receives and the run's ``config.json`` (a run directory says what ran, and ``--resume``
-keeps it), and the ranks take them as given. Torch-free: the driver decides before Spark starts.
+keeps it), and the ranks take them as given. :func:`settle` is the launcher's one call (with the budget fit), and
+:func:`local` plans a worker driven in this process (a test, a benchmark). Driver-only: no worker module reaches
+this one (tests/unit/test_imports.py). Torch-free: the driver decides before Spark starts.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from ..config import Config, LoraConfig, SparkConfig, TrainConfig, flatten
 from ..infra.errors import SparklmError
 from ..model.attention import MAX_LEN  # (torch-free: the kernel imports torch where it runs)
+from ..registry import task
 from ..spark.resources import cuda_gpus
 from .peak import bf16_fast, compute_dtype
+
+if TYPE_CHECKING:
+    from .plan import RunPlan
 
 SCRATCH_LR, LORA_LR, FINETUNE_LR = 3e-3, 1e-3, 5e-5
 # train.compile auto: compiled from this time budget on, in bfloat16 on the CPU, bfloat16 or float16 on a GPU. Measured
@@ -119,7 +126,7 @@ def compiled(tc: TrainConfig, config: Config) -> str:
     ``tc``: the training settings with the device and dtype decided; ``config``: the model and LoRA settings."""
     if tc.compile != "auto":
         return tc.compile
-    fresh = config.model.task == "causal-lm" and not config.model.init_from and not config.lora.r
+    fresh = not task(config.model.task).pretrained and not config.model.init_from and not config.lora.r
     if tc.device == "cuda":
         dtype_pays = tc.dtype in ("bfloat16", "float16")
     else:
@@ -145,7 +152,7 @@ def attention(tc: TrainConfig, config: Config, context: int) -> str:
     ``attention.MAX_LEN`` tokens (``context``: the data's); else sdpa. ``tc``: device and dtype decided."""
     if tc.attention != "auto":
         return tc.attention
-    fits = config.model.task == "causal-lm" and tc.device == "cpu" and tc.dtype == "bfloat16"
+    fits = task(config.model.task).generates and tc.device == "cpu" and tc.dtype == "bfloat16"
     return "matmul" if fits and 0 < context <= MAX_LEN else "sdpa"
 
 
@@ -191,7 +198,7 @@ def settings(config: Config, n_threads: int, context: int = 0) -> Config:
     if tc.workers_min > tc.workers:
         raise SparklmError(f"train.workers_min {tc.workers_min} is more than train.workers {tc.workers}",
                            hint="--workers MIN:MAX with MIN <= MAX")
-    if tc.device == "auto":  # a worker driven directly (plan.local): this machine decides; the launcher's device()
+    if tc.device == "auto":  # a worker driven directly (local): this machine decides; the launcher's device()
         tc = replace(tc, device="cuda" if cuda_gpus() else "cpu")
     tc = replace(tc, dtype=dtype(tc.dtype, tc.device, n_threads))
     train = replace(tc, threads=n_threads, lr=peak_lr(config), compile=compiled(tc, config),
@@ -205,3 +212,33 @@ def decided(before: Config, after: Config) -> dict:
     """``{dotted key: value}`` of what :func:`settings` (and the budget fit) changed: what "auto" became."""
     was, now = flatten(before.to_dict()), flatten(after.to_dict())
     return {k: v for k, v in now.items() if k.split(".")[0] in ("train", "lora", "model") and was.get(k) != v}
+
+
+# -- the driver's settling, before the run plan is made (plan.make) -----------------------------------
+
+
+def settle(config: Config, *, threads: int, vocab: int, context: int, train_tokens: int, master: str,
+           resume: bool, spark=None) -> tuple[Config, str | None]:
+    """``config`` with every automatic setting decided — the device for ``master`` (and ``spark``, a running
+    session), then the rest for workers of ``threads`` torch threads — and, for a new run, a fresh model fitted to
+    its time budget (a resumed run builds the model its checkpoints hold); and a line saying what the fit changed
+    (None: nothing). Before Spark starts."""
+    config = settings(with_device(config, master, spark), threads, context)
+    if resume:
+        return config, None
+    from . import budget
+
+    return budget.apply(config, vocab=vocab, context=context, train_tokens=train_tokens, master=master)
+
+
+def local(config: Config, dataset, threads: int = 1, workers: int | None = None) -> RunPlan:
+    """The plan of a worker driven directly in this process (a test, a benchmark), which is then its own driver:
+    settled for ``threads`` (unless ``train.threads`` says) with no memory limit and no budget fit. The one way a
+    test or a benchmark makes a plan."""
+    from .plan import make
+
+    split = dataset.manifest["splits"]["train"]
+    if workers is not None:
+        config = config.replace(train=replace(config.train, workers=workers))
+    config = settings(config, config.train.threads or threads, dataset.seq_len)
+    return make(config, train_rows=split["sequences"], seq_len=dataset.seq_len)

@@ -51,9 +51,9 @@ class Context:
     @property
     def task(self):
         """What the run trained (sparklm/tasks: its pipeline, the picture it leaves)."""
-        from ...tasks import info
+        from ...registry import DEFAULT_TASK, task
 
-        return info(self.params.get("model.task", "causal-lm"))
+        return task(self.params.get("model.task", DEFAULT_TASK))
 
     def files(self) -> tuple[str, ...]:
         """The files of the run (or dataset) a tracker logs: :data:`RUN_FILES` and the task's own picture."""
