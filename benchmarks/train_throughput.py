@@ -98,13 +98,14 @@ def sparklm_loop(size: dict, arch: str, dtype: str, steps: int, data: Path, comp
     from sparklm.metrics.sinks import CsvSink, JsonSink, Sinks, metric_columns
     from sparklm.model.figures import LM_FIGURES
     from sparklm.train.core import Rank, train
+    from sparklm.train.resolve import local
 
     ds = load_prepared(str(data))
     with tempfile.TemporaryDirectory() as run:
         t0 = time.time()
         sinks = Sinks([CsvSink(f"{run}/metrics.csv", metric_columns(LM_FIGURES), {"train", "eval"}), JsonSink(f"{run}/run_info.json")])
-        train(from_dict(settings(size, arch, dtype, steps, compile, optimizer, attention)), ds, load_tokenizer(ds), run,
-              rank=Rank(threads=THREADS), sink=sinks)
+        config = from_dict(settings(size, arch, dtype, steps, compile, optimizer, attention))
+        train(local(config, ds, THREADS), ds, load_tokenizer(ds), run, rank=Rank(threads=THREADS), sink=sinks)
         sinks.close()
         rows = read_metrics(Path(run) / "metrics.csv")
         first = next(r for r in rows if r["kind"] == "train")

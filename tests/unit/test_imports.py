@@ -155,7 +155,7 @@ def test_no_module_imports_from_a_layer_above_its_own():
 # What runs on the workers (a DDP rank, a round's task) and what only the driver may run: the resolver, the budget fit
 # and the launchers decide; a worker reads its run plan and decides nothing.
 WORKER_CODE = ["sparklm.train.core", "sparklm.train.loop", "sparklm.strategies.ddp_rank", "sparklm.strategies.round_worker"]
-DRIVER_ONLY = ["sparklm.train.resolve", "sparklm.train.budget", "sparklm.launch"]
+DRIVER_ONLY = ["sparklm.train.resolve", "sparklm.train.budget", "sparklm.train.peak", "sparklm.launch"]
 
 
 def reachable(roots: list[str]) -> set[str]:
@@ -174,8 +174,9 @@ def reachable(roots: list[str]) -> set[str]:
 
 
 def test_no_resolver_is_reachable_from_worker_code():
-    """The run plan is the only truth on a worker: no module a rank or a round task can import reaches the resolver
-    (which benchmarks this machine's matmuls to decide a dtype), the budget fit or a launcher."""
+    """The run plan is the only truth on a worker: no module a rank or a round task can import reaches the resolver,
+    the budget fit, a benchmark of the machine (peak.py: the CPU's matmul peak, which the plan carries) or a
+    launcher."""
     found = sorted(m for m in reachable(WORKER_CODE) if any(m == d or m.startswith(d + ".") for d in DRIVER_ONLY))
     assert not found, found
     assert "sparklm.train.resolve" in reachable(["sparklm.launch.train"])  # the check sees what the driver reaches

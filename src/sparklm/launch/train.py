@@ -105,7 +105,7 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
         mem = memory.plan_for(config, shapes, dataset.seq_len, spark)
         progress.info(mem.describe())
         plan = plans.make(config, train_rows=dataset.manifest["splits"]["train"]["sequences"],
-                          seq_len=dataset.seq_len, mem=mem)
+                          seq_len=dataset.seq_len, mem=mem, peak=resolve.worker_peak(config))
         plan.check_resumable(saved_plan, run_dir)  # (a new run has no saved plan)
         strategy.check(spark, plan)  # DDP: slots and GPUs for every rank, before anything is written
         # an unreachable tracker stops the run here, before its directory holds anything

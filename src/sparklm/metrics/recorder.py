@@ -176,7 +176,8 @@ class Recorder:
         f = self.facts
         row = rows.Train(step=step, epoch=tokens / self.epoch_tokens, tokens=tokens, loss=loss, acc=acc, lr=lr,
                          grad_norm=grad_norm, tokens_per_s=tokens_per_s, ms_per_step=ms_per_step,
-                         mfu=tokens_per_s * (f.flops_per_token or 0.0) / ((f.peak_flops or 1.0) * self.workers),
+                         mfu=tokens_per_s * (f.flops_per_token or 0.0) / (f.peak_flops * self.workers)
+                         if f.peak_flops else float("nan"),
                          rss_mb=rss_mb, peak_rss_mb=max(p for p in peaks if p is not None),
                          rank_peak_rss_mb=rank_mb(peaks), elapsed=elapsed, workers=workers or self.workers)
         self.write(row)

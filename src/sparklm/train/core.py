@@ -176,7 +176,7 @@ class Trainer:
 
     def facts(self) -> dict:
         return {"params": param_count(self.model), "flops_per_token": self.task.flops_per_token(self.model, self.seq_len),
-                "peak_flops": self.device.peak_flops(self.rank.threads), "dtype": self.device.dtype_name,
+                "peak_flops": self.device.peak(), "dtype": self.device.dtype_name,
                 "device": self.device.where,
                 "optimizer": self.plan.optimizer.name,
                 "trainable_params": sum(p.numel() for p in self.task.trainable(self.model).values())}

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..infra.errors import SparklmError
-from .peak import gpu_peak, matmul_peak
 
 if TYPE_CHECKING:
     import torch
@@ -33,6 +32,9 @@ class Device:
     dtype_name: str = "float32"  # autocast dtype (train.dtype as the driver decided it); float32: no autocast
     backend: str = "gloo"  # torch.distributed backend for this device
     index: int | None = None  # the rank's GPU (placed); None: not placed yet (the driver's copy), or the CPU
+    # a CPU worker's matmul peak (FLOP/s on its threads, in its dtype: what MFU is against), measured by the driver
+    # (train/peak.py) when it made the plan; None: not measured (a GPU's is its datasheet's)
+    peak_flops: float | None = None
 
     @property
     def where(self) -> str:
@@ -147,12 +149,14 @@ class Device:
 
         return torch.amp.GradScaler(self.kind)
 
-    def peak_flops(self, threads: int) -> float:
+    def peak(self) -> float | None:
+        """What this worker's MFU is against: the CPU's peak as the plan says, a GPU's from its datasheet; None where
+        neither is known (no MFU then). A worker measures nothing: benchmarks of the machine run on the driver."""
         if self.kind == "cpu":
-            return matmul_peak(threads, self.dtype_name)
+            return self.peak_flops
         import torch
 
-        return gpu_peak(torch.cuda.get_device_name(self.index or 0), self.dtype_name, self.index or 0)
+        return datasheet_peak(torch.cuda.get_device_name(self.index or 0), self.dtype_name)
 
     def peak_mb(self) -> float:
         """The memory figure that limits this worker: the host's peak RSS on the CPU, the GPU's peak reserved
@@ -171,9 +175,27 @@ class Device:
             torch.cuda.synchronize(self.index or 0)
 
 
-def select(kind: str, dtype: str) -> Device:
-    """The device the driver decided (resolve.device, resolve.dtype): the CPU with gloo, or CUDA with NCCL."""
-    return Device(kind=kind, dtype_name=dtype, backend="nccl" if kind == "cuda" else "gloo")
+def select(kind: str, dtype: str, peak: float | None = None) -> Device:
+    """The device the driver decided (resolve.device, resolve.dtype): the CPU with gloo (``peak``: its measured
+    matmul peak), or CUDA with NCCL."""
+    return Device(kind=kind, dtype_name=dtype, backend="nccl" if kind == "cuda" else "gloo",
+                  peak_flops=peak if kind == "cpu" else None)
+
+
+# Dense bf16/fp16 tensor-core peaks from the vendors' datasheets (FLOP/s), by a piece of torch's device name: the
+# ceiling GPU MFU is quoted against, as the field quotes it (989 TFLOP/s for an H100 SXM). float32 runs as TF32 on
+# these cards, at half the rate. A GPU not listed has no MFU on the workers (peak.gpu_peak measures one, off a run).
+GPU_PEAKS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("GH200", 989e12), ("B200", 2250e12),
+             ("A100", 312e12), ("L40S", 362e12), ("L40", 181e12), ("A10G", 70e12), ("A10", 125e12), ("L4", 121e12),
+             ("A6000", 155e12), ("V100", 125e12), ("T4", 65e12))
+
+
+def datasheet_peak(name: str, dtype: str) -> float | None:
+    """GPU ``name``'s matmul peak in ``dtype`` from its datasheet (pure); None for a GPU not listed."""
+    for piece, flops in GPU_PEAKS:
+        if piece in name:
+            return flops if dtype in ("bfloat16", "float16") else flops / 2
+    return None
 
 
 def rss_mb() -> float:

@@ -98,19 +98,14 @@ def _cpu_model() -> str:
     return "unknown"
 
 
-# Dense bf16/fp16 tensor-core peaks from the vendors' datasheets (FLOP/s), by a piece of torch's device name: the
-# ceiling GPU MFU is quoted against, as the field quotes it (989 TFLOP/s for an H100 SXM). A GPU not listed is
-# measured (gpu_peak). float32 runs as TF32 on these cards, at half the rate.
-GPU_PEAKS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("GH200", 989e12), ("B200", 2250e12),
-             ("A100", 312e12), ("L40S", 362e12), ("L40", 181e12), ("A10G", 70e12), ("A10", 125e12), ("L4", 121e12),
-             ("A6000", 155e12), ("V100", 125e12), ("T4", 65e12))
-
-
 def gpu_peak(name: str, dtype: str, index: int = 0) -> float:
-    """The matmul peak of GPU ``name`` (cuda:``index``) in ``dtype``: the datasheet's where known, else measured."""
-    for piece, flops in GPU_PEAKS:
-        if piece in name:
-            return flops if dtype in ("bfloat16", "float16") else flops / 2
+    """The matmul peak of GPU ``name`` (cuda:``index``) in ``dtype``: the datasheet's where known
+    (device.datasheet_peak, what a rank reports MFU against), else measured (a benchmark: driver and tools only)."""
+    from .device import datasheet_peak
+
+    known = datasheet_peak(name, dtype)
+    if known is not None:
+        return known
     import torch
 
     size, kind = 8192, getattr(torch, dtype)

@@ -174,15 +174,16 @@ def world_for(plan: RunPlan, slots: int) -> RunPlan:
     return plan.at(world)
 
 
-def make(config: Config, *, train_rows: int, seq_len: int, mem: memory.MemoryPlan | None = None) -> RunPlan:
-    """The plan of a settled ``config`` (:func:`settle`) with the memory plan ``mem`` (None: none known, the
-    settings as they are)."""
+def make(config: Config, *, train_rows: int, seq_len: int, mem: memory.MemoryPlan | None = None,
+         peak: float | None = None) -> RunPlan:
+    """The plan of a settled ``config`` (resolve.settle) with the memory plan ``mem`` (None: none known, the
+    settings as they are); ``peak``: a CPU worker's matmul peak, measured by the driver (resolve.worker_peak)."""
     tc = config.train
     mem = mem or memory.unplanned(tc)
     runs = memory.apply(config, mem)
     rc = tc.rounds
     codec = {"name": rc.codec, "density": rc.density, "bits": rc.bits} if tc.strategy != "ddp" else None
     planned = steps(runs.train, train_rows=train_rows, seq_len=seq_len, workers=tc.workers)
-    return RunPlan(config=runs, threads=tc.threads, device=device.select(tc.device, tc.dtype), steps=planned,
+    return RunPlan(config=runs, threads=tc.threads, device=device.select(tc.device, tc.dtype, peak), steps=planned,
                    memory=mem, codec=codec, optimizer=OptimizerPlan.of(runs.train),
                    worlds=worlds(runs.train, planned.rows_per_step))

@@ -241,4 +241,15 @@ def local(config: Config, dataset, threads: int = 1, workers: int | None = None)
     if workers is not None:
         config = config.replace(train=replace(config.train, workers=workers))
     config = settings(config, config.train.threads or threads, dataset.seq_len)
-    return make(config, train_rows=split["sequences"], seq_len=dataset.seq_len)
+    return make(config, train_rows=split["sequences"], seq_len=dataset.seq_len, peak=worker_peak(config))
+
+
+def worker_peak(config: Config) -> float | None:
+    """A CPU worker's matmul peak on its threads in its dtype (what its MFU is against), measured here on the driver
+    (cached per host) and carried by the run plan; None on a GPU (its datasheet's, on the worker)."""
+    tc = config.train
+    if tc.device != "cpu":
+        return None
+    from .peak import matmul_peak
+
+    return matmul_peak(tc.threads or 1, tc.dtype)
