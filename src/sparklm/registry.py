@@ -21,9 +21,8 @@ from typing import Any
 
 class LabelKind:
     """Labels of no kind: a dataset of documents (a causal LM's, a masked LM's). The base of the label kinds: each
-    says its manifest name, its Parquet column's type, the split rule and the figures the manifest records."""
+    says its Parquet column's type, the split rule and the figures the manifest records."""
 
-    name: str | None = None  # the manifest's word for it (None: no labels)
     column: str | None = None  # the labels column's Arrow type (pyarrow.type_for_alias); None: no column
     stratified: bool = False  # split per label (each class's share of validation), else by the record's hash
     describe: str = ""  # the manifest's description of the labels column
@@ -45,7 +44,7 @@ class LabelKind:
         """``acc`` (None: nothing yet) with a written part's column ``values`` added (pure, mergeable)."""
         return acc or []
 
-    def figures(self, parts: list[list]) -> dict:
+    def figures(self, parts: list[list]):
         """The manifest's figures of a split from the tallies of its parts."""
         return {}
 
@@ -54,7 +53,7 @@ class ClassLabels(LabelKind):
     """Class names → ids, a stratified split: within each class the records with the smallest split keys go to
     validation, so every class has its share there."""
 
-    name, column, stratified = "class", "int64", True
+    column, stratified = "int64", True
     describe = "int64, the class id (labels.names[id])"
 
     def read(self, cell: Any) -> str | None:
@@ -76,16 +75,21 @@ class ClassLabels(LabelKind):
 
     def tally(self, acc: list | None, values: list) -> list:
         """Rows per class id, as [[id, rows], ...]."""
-        counts = dict(acc or [])
-        for v in values:
-            counts[v] = counts.get(v, 0) + 1
+        return self.figures([acc or [], [[v, 1] for v in values]])
+
+    def figures(self, parts: list[list]) -> list:
+        """The parts' rows per class id merged, as [[id, rows], ...] by id."""
+        counts: dict = {}
+        for part in parts:
+            for k, n in part:
+                counts[k] = counts.get(k, 0) + n
         return sorted([k, n] for k, n in counts.items())
 
 
 class ValueLabels(LabelKind):
     """A number per record (a float32 target), hash-split as documents are."""
 
-    name, column = "value", "float32"
+    column = "float32"
     describe = "float32, the record's target value"
 
     def read(self, cell: Any) -> str | None:
@@ -105,10 +109,10 @@ class ValueLabels(LabelKind):
     def tally(self, acc: list | None, values: list) -> list:
         """[rows, sum, sum of squares, min, max]."""
         n, total, squares, lo, hi = acc or [0, 0.0, 0.0, math.inf, -math.inf]
-        for v in values:
-            v = float(v)
-            n, total, squares, lo, hi = n + 1, total + v, squares + v * v, min(lo, v), max(hi, v)
-        return [n, total, squares, lo, hi]
+        if not values:
+            return [n, total, squares, lo, hi]
+        return [n + len(values), total + sum(values), squares + sum(v * v for v in values), min(lo, min(values)),
+                max(hi, max(values))]
 
     def figures(self, parts: list[list]) -> dict:
         """Rows, mean, standard deviation, min and max of the split's values."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import pyarrow.fs as pafs
 
@@ -31,7 +30,7 @@ from ..data.packing import PackSpec
 from ..data.spark_engine import SparkSource
 from ..infra import progress
 from ..infra.errors import SparklmError, spark_errors
-from ..infra.fs import effective, remove_stale, resolve, staging_path, swap_in, uri_like
+from ..infra.fs import effective, is_remote, remove_stale, resolve, staging_path, swap_in, uri_like
 from ..infra.runlock import RunLock
 from ..metrics import trackers
 from ..spark.frames import field_column, field_type
@@ -323,13 +322,10 @@ def _first_malformed(agg: list[dict], config: Config) -> str:
 def _tokenizer(source: passes.Engine, sample: list[str], config: Config) -> tokenizers_mod.TokenizerSpec:
     tcfg = config.tokenizer
     if tcfg.path:
-        p = Path(tcfg.path)
-        if (p.is_file() and p.suffix.lower() == ".gguf") or (p / "model").is_dir():
-            from ..model.build import model_source
+        from ..model.build import model_source
 
-            # a .gguf converted once (its tokenizer files are the GGUF's), a run's model/
-            return tokenizers_mod.load(tcfg.path, model_source(tcfg.path))
-        return tokenizers_mod.load(tcfg.path)
+        # where the path's tokenizer is on this host: a .gguf converted once, a run's model/, or the path itself
+        return tokenizers_mod.load(tcfg.path, None if is_remote(tcfg.path) else model_source(tcfg.path))
     with source.stage(f"train tokenizer (vocab {tcfg.vocab_size})"):
         # BPE training does not depend on document order (tested): no sort needed for determinism.
         return tokenizers_mod.train(sample, tcfg)
@@ -515,11 +511,8 @@ def _encoder_manifest(manifest: dict, config, files: dict, classes: dict | None)
     if classes:
         rows: dict[str, dict[str, int]] = {}
         for split, metas in files.items():
-            per: dict[str, int] = defaultdict(int)
-            for m in metas:
-                for k, v in m["tally"] or []:
-                    per[classes["names"][int(k)]] += v
-            rows[split] = {n: per.get(n, 0) for n in classes["names"]}
+            per = dict(kind.figures([m["tally"] or [] for m in metas]))
+            rows[split] = {n: per.get(i, 0) for i, n in enumerate(classes["names"])}
         manifest["labels"] = {"field": data.label_field, "names": classes["names"],
                               "documents": classes["documents"], "rows": rows}
         columns["labels"] = kind.describe

@@ -127,7 +127,8 @@ def check_causal(config: dict, name: str) -> None:
         from ..registry import TASK_NAMES, generators
 
         what = ", ".join(config.get("architectures") or []) or kind
-        others = ", ".join(n for n in TASK_NAMES if n not in generators())
+        writers = generators()
+        others = ", ".join(n for n in TASK_NAMES if n not in writers)
         raise SparklmError(f"{name} is a {kind!r} model ({what}), not a causal LM",
                            hint="generate and train --task causal-lm take decoder-only models (Llama, Qwen, GPT-2, "
                                 f"...); an encoder embeds with `predict --embed` or trains with --task {others}")
