@@ -439,6 +439,51 @@ def weights(run_dir):
     return load_file(str(ckpt / "model.safetensors"))
 
 
+# -- decoders: tiny random models of real families with their own tokenizers (no downloads) --------------------------
+
+
+def tiny_tokenizer(texts: list[str], specials: list[str], bos: str | None):
+    """A byte-level BPE (vocabulary 300) trained on ``texts`` with ``specials``; with ``bos``, it puts BOS first as
+    Llama's does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
+    return tok
+
+
+def tiny_causal(directory, family: str, texts: list[str], *, layers: int = 2, hidden: int = 32):
+    """A tiny random causal LM of ``family`` (llama, qwen2, gemma: each family's own config and layers, grouped-query
+    attention) saved as an HF directory with a BPE tokenizer trained on ``texts``; returns its TokenizerSpec."""
+    import torch
+    import transformers
+
+    from sparklm.data.tokenizer import from_tokenizer
+
+    if family == "qwen2":  # Qwen's: no BOS, <|endoftext|> ends documents and pads (transformers' Qwen2 tokenizer)
+        e = "<|endoftext|>"
+        spec = from_tokenizer(tiny_tokenizer(texts, [e, "<|im_start|>", "<|im_end|>"], None), e, e, e)
+    else:
+        spec = from_tokenizer(tiny_tokenizer(texts, ["<s>", "</s>", "<pad>"], "<s>"), "<s>", "</s>", "<pad>")
+    kinds = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+             "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+             "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 8})}
+    config_cls, model_cls, extra = kinds[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(
+        vocab_size=spec.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=spec.bos_id,
+        eos_token_id=spec.eos_id, pad_token_id=spec.pad_id, **extra)
+    getattr(transformers, model_cls)(config).save_pretrained(directory)
+    spec.save(directory)
+    return spec
+
+
 # -- encoders: tiny random models with their own tokenizers (no downloads) ------------------------------------
 
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}

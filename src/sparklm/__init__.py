@@ -10,6 +10,14 @@ In a notebook::
     vecs = sparklm.embed_dataframe(docs_df, model="/models/all-MiniLM-L6-v2", text_col="body")  # an encoder's too
 """
 
+import logging
+
+# torchao (the 4-bit base, lora.base_dtype nf4), which transformers imports wherever it is installed, logs on import
+# that its CUDA kernels do not load on a CPU build of torch and that torch deprecates how it registers its enums:
+# neither concerns a sparklm run, and every process that imports transformers would print them.
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+
 from .config import Config, load_config  # noqa: E402
 from .infra.errors import SparklmError  # noqa: E402
 from .version import __version__  # noqa: E402

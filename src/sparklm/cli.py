@@ -59,8 +59,16 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose mistakes are one line, as sparklm's own errors are (argparse prints the whole usage
+    first: twenty lines for `train`), naming where the options are listed."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (hint: `{self.prog} --help` lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparklm", description="Train transformer language models on Apache Spark.")
+    parser = _Parser(prog="sparklm", description="Train transformer language models on Apache Spark.")
     parser.add_argument("--version", action="version", version=f"sparklm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -243,9 +243,11 @@ class LoraConfig:
     targets: str = _f("all-linear", "comma-separated module names to adapt (e.g. q_proj,v_proj); all-linear: every "
                                     "linear layer of the blocks (attention and MLP, any architecture), not the LM head",
                       flag="--lora-targets")
-    base_dtype: Literal["auto", "float32", "bfloat16"] = _f(
+    base_dtype: Literal["auto", "float32", "bfloat16", "nf4"] = _f(
         "auto", "dtype of the frozen base weights; bfloat16 halves their memory (adapters and optimizer state stay "
-                "float32); auto: bfloat16 where training computes in bfloat16 (train.dtype), else float32")
+                "float32); nf4 holds the base's linear weights in 4 bits (QLoRA, torchao's NF4 tensor), quantized "
+                "tensor by tensor as they are read; auto: bfloat16 where training computes in bfloat16 "
+                "(train.dtype), else float32", flag="--lora-base-dtype")
 
 
 @dataclass(kw_only=True)
@@ -335,6 +337,11 @@ class TrainConfig:
         "ddp", "ddp: synchronous data parallelism on Spark barrier tasks; average: rounds of plain tasks whose "
                "weights are averaged every sync_every steps; diloco: the same rounds with an outer Nesterov step",
         flag="--strategy", choices=STRATEGY_NAMES)
+    parallel: Literal["auto", "replicate", "shard"] = _f(
+        "auto", "ddp: replicate (every rank holds the whole model, its gradients and optimizer state) or shard (FSDP2: "
+                "each rank holds 1/N of them, gathering a block's weights while it computes); auto: replicate where "
+                "a replica fits each rank's memory with the planned micro-batch, shard where only a shard fits. "
+                "Decided on the driver by the memory plan (config.json)", flag="--parallel")
     batch_size: int = _f(8, "sequences per micro-batch per worker", min=1)
     grad_accum: int = _f(1, "micro-batches per optimizer step", min=1)
     optimizer: Literal["auto", "adamw", "muon"] = _f(

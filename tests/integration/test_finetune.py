@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import make_text
+from conftest import make_text, tiny_tokenizer
 from sparklm.config import from_dict
 from sparklm.infra.errors import SparklmError
 
@@ -17,27 +17,13 @@ pytestmark = pytest.mark.xdist_group("finetune")
 TEXTS = [make_text(300, seed=s) for s in (21, 22)]
 
 
-def tiny_tokenizer(specials: list[str], bos: str | None):
-    """A byte-level BPE (vocabulary 300) with ``specials``; with ``bos``, it puts BOS first as Llama's does."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    if bos:
-        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
-    return tok
-
-
 def save_llama(directory):
     """A tiny random Llama (grouped-query attention) whose tokenizer adds BOS, as Llama's do."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from sparklm.data.tokenizer import from_tokenizer
 
-    spec = from_tokenizer(tiny_tokenizer(["<s>", "</s>", "<pad>"], "<s>"), "<s>", "</s>", "<pad>")
+    spec = from_tokenizer(tiny_tokenizer(TEXTS, ["<s>", "</s>", "<pad>"], "<s>"), "<s>", "</s>", "<pad>")
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=spec.vocab_size, hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -55,7 +41,7 @@ def save_gpt2(directory):
     from sparklm.data.tokenizer import from_tokenizer
 
     e = "<|endoftext|>"
-    spec = from_tokenizer(tiny_tokenizer([e], None), e, e, e)
+    spec = from_tokenizer(tiny_tokenizer(TEXTS, [e], None), e, e, e)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=spec.vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=64,
                                        bos_token_id=spec.bos_id, eos_token_id=spec.eos_id))

@@ -221,6 +221,11 @@ def test_resume_keeps_the_saved_config_and_applies_only_what_is_set_now():
     for key, value in (("seed", 1337), ("batch_size", 8), ("grad_accum", 2), ("workers", 2)):
         with pytest.raises(SparklmError, match=f"cannot change train.{key} when resuming"):
             resume_config(saved, {"train": {key: value}})
+    # another world size that keeps the global batch (16 rows a step) resumes: 2 workers of 8, or 4 of 4 x 1 ...
+    assert resume_config(saved, {"train": {"workers": 2, "batch_size": 8}}).train.workers == 2
+    assert resume_config(saved, {"train": {"workers": 4, "batch_size": 2, "grad_accum": 2}}).train.grad_accum == 2
+    with pytest.raises(SparklmError, match="global batch would be 32 rows, not 16"):
+        resume_config(saved, {"train": {"workers": 2, "batch_size": 16}})
 
 
 def test_config_diff_and_merge():
@@ -516,7 +521,7 @@ def test_the_run_plan_round_trips_records_what_the_memory_plan_changed_and_refus
     assert plan.steps.rows_per_step == 8 * settled.train.workers  # the global batch the settings asked for
     assert plan.codec == {"name": "int4", "density": settled.train.rounds.density, "bits": settled.train.rounds.bits}
     recorded = plan.record(settled)
-    assert "config" not in recorded and recorded["runs"] == {"train.batch_size": 2, "train.grad_accum": 4,
+    assert "config" not in recorded and recorded["runs"] == {"train.parallel": "replicate", "train.batch_size": 2, "train.grad_accum": 4,
                                                              "train.grad_checkpoint": "on", "train.allocator": "return"}
     assert recorded["memory"]["source"] == "train.memory_limit" and recorded["threads"] == 2
     plan.check_resumable(recorded, "run")  # the same plan resumes

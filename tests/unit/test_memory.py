@@ -184,3 +184,69 @@ def test_a_compiled_model_is_planned_with_its_chunked_loss():
     assert none is None and whole == may_be_whole
     assert whole.peak(8, False) > eager.peak(8, False)  # a 32k vocabulary's logits weigh more than chunks
     assert memory.chunks_loss(TrainConfig(compile="on")) and not memory.chunks_loss(TrainConfig(loss_chunk=-1))
+
+
+# -- train.parallel: the plan replicates, shards, or says what would fit -------------------------------------------
+
+def _decide(limit_gb: float, *, parallel: str = "auto", workers: int = 4, strategy: str = "ddp", lora: int = 0,
+            base: str = "auto", init: str = ""):
+    """The plan for a 360M-shaped model (SmolLM2-360M's layers) of 0.36e9 float32 parameters on ``workers`` ranks."""
+    from sparklm.config import from_dict
+
+    per_layer = 4 * 960 * 960 + 3 * 960 * 2560
+    shapes = Shapes(layers=32, hidden=960, intermediate=2560, vocab=49152, params=32 * per_layer + 49152 * 960,
+                    weight_bytes=4 * (32 * per_layer + 49152 * 960), trainable=32 * per_layer + 49152 * 960,
+                    head_trains=True, heads=15, block_params=per_layer, root_params=49152 * 960)
+    if lora:
+        shapes = Shapes(**{**shapes.__dict__, "trainable": 32 * 7 * 2 * lora * 960, "head_trains": False})
+    config = from_dict({"train": {"parallel": parallel, "workers": workers, "strategy": strategy, "batch_size": 1,
+                                  "dtype": "float32", "attention": "sdpa", "grad_checkpoint": "on"},
+                        "model": {"init_from": init}, "lora": {"r": lora, "base_dtype": base}})
+    return memory.decide(config, shapes, 256, int(limit_gb * GB), "test")
+
+
+def test_auto_replicates_where_a_replica_fits_and_shards_where_only_a_shard_does():
+    roomy = _decide(24)
+    assert roomy.parallel == "replicate" and roomy.replicated == 0
+    tight = _decide(4)  # a replica's ~6 GB of weights and AdamW state does not fit 4 GB; a quarter of it does
+    assert tight.parallel == "shard" and tight.replicated > 4 * GB * memory.HEADROOM > tight.estimate
+    assert "sharded over the ranks (a replica: " in tight.describe()
+    # the estimate: a quarter of the weights and states, the root's weights and two blocks' gathered
+    replica = _decide(100, parallel="replicate").estimate
+    assert tight.estimate < replica / 2
+    # one rank cannot shard; average and DiLoCo replicate inside each worker
+    assert _decide(24, workers=1).parallel == "replicate"
+    with pytest.raises(SparklmError, match="replicated on 1 rank.*--lora-base-dtype|replicated on 1 rank"):
+        _decide(4, workers=1)
+
+
+def test_a_plan_that_fits_nowhere_is_one_line_naming_what_would():
+    with pytest.raises(SparklmError) as e:
+        _decide(4, parallel="replicate")  # asked to replicate what only fits sharded: never an out-of-memory kill
+    line = e.value.one_line()
+    assert "replicated on 4 ranks" in line and "--parallel shard" in line and "\n" not in line
+    with pytest.raises(SparklmError) as e:
+        _decide(1, init="base")  # not even sharded over 4: LoRA, more workers, more memory
+    line = e.value.one_line()
+    assert "sharded over 4 ranks" in line and "--lora-r 8" in line and "more workers" in line
+    with pytest.raises(SparklmError) as e:
+        _decide(4, strategy="diloco", lora=0)
+    assert "--strategy ddp --parallel shard" in e.value.one_line()
+    with pytest.raises(SparklmError, match="train.parallel shard is for the strategy ddp, not average"):
+        _decide(24, parallel="shard", strategy="average")
+    with pytest.raises(SparklmError) as e:
+        _decide(0.9, lora=8, base="bfloat16", init="base", workers=1)
+    assert "--lora-base-dtype nf4" in e.value.one_line()
+
+
+def test_a_4_bit_base_counts_its_blocks_at_half_a_byte():
+    shapes = Shapes(layers=2, hidden=64, intermediate=256, vocab=1000, params=10**6, weight_bytes=4 * 10**6,
+                    trainable=10**4, head_trains=False, block_params=4 * 10**5, root_params=2 * 10**5)
+    from sparklm.config import from_dict
+
+    nf4 = memory.base_bytes(from_dict({"lora": {"r": 4, "base_dtype": "nf4"}}), shapes)
+    bf16 = memory.base_bytes(from_dict({"lora": {"r": 4, "base_dtype": "bfloat16"}}), shapes)
+    assert bf16 == 4 * 10**4 + 2 * (10**6 - 10**4)
+    frozen_blocks = 8 * 10**5
+    assert nf4 == int(4 * 10**4 + memory.NF4_BYTES * frozen_blocks + 2 * (10**6 - 10**4 - frozen_blocks))
+    assert nf4 < bf16 / 2

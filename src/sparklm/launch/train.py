@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 import uuid
 from typing import Any
@@ -37,7 +38,9 @@ from ..train import plan as plans
 from ..version import __version__
 
 # Settings that decide which rows each step trains on: a resumed run must keep them.
-DATA_ORDER_KEYS = ("train.seed", "train.batch_size", "train.grad_accum", "train.workers", "train.window_row_groups")
+DATA_ORDER_KEYS = ("train.seed", "train.window_row_groups")
+# a step's global rows: these may change on resume only together, keeping their product (another world size)
+GLOBAL_BATCH_KEYS = ("train.batch_size", "train.grad_accum", "train.workers")
 
 
 def train(data: str | None, *, output: str, config: Config | None = None, resume: bool = False, spark=None,
@@ -230,8 +233,10 @@ def _report(summary: dict, config: Config, figures: FigureSet) -> None:
 def resume_config(saved: Config, changes: dict[str, Any]) -> Config:
     """The configuration of a resumed run: the saved one, with only what the user set now applied.
 
-    A change of a setting that decides the data order (seed, batch size, accumulation, workers) is refused:
-    the checkpoint's position in the data would then mean other rows.
+    A change of a setting that decides the data order (the seed, the shuffle window, the global batch: batch size x
+    accumulation x workers) is refused: the checkpoint's position in the data would then mean other rows. The
+    workers, micro-batch and accumulation may change together where their product stays (a run resumed on another
+    number of ranks).
     """
     was = flatten(saved.to_dict())
     for key, value in flatten(changes).items():
@@ -239,7 +244,18 @@ def resume_config(saved: Config, changes: dict[str, Any]) -> Config:
             raise SparklmError(f"cannot change {key} when resuming (the run used {was[key]!r}, now {value!r}): "
                                "it changes which rows each step trains on",
                                hint=f"drop the {key} setting to resume, or start a new run with another --output")
-    return merge(saved, changes)
+    merged = merge(saved, changes)
+    now = flatten(merged.to_dict())
+    rows = {k: (was[k], now[k]) for k in GLOBAL_BATCH_KEYS}
+    before, after = (math.prod(v[i] for v in rows.values()) for i in (0, 1))
+    if before != after:
+        key = next(k for k, (a, b) in rows.items() if a != b)
+        raise SparklmError(f"cannot change {key} when resuming (the run used {was[key]!r}, now {now[key]!r}): a "
+                           f"step's global batch would be {after} rows, not {before}, which changes which rows each "
+                           "step trains on",
+                           hint=f"keep batch_size x grad_accum x workers at {before} (e.g. double batch_size when "
+                                "halving workers), or start a new run with another --output")
+    return merged
 
 
 def _check_resumable(run_dir: str, config: Config) -> None:

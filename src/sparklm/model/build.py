@@ -175,3 +175,19 @@ def flops_per_token(model: torch.nn.Module, context: int) -> float:
     if cfg.tie_word_embeddings and not embed.requires_grad:
         frozen += embed.numel()  # the tied LM head
     return 6.0 * n - 2.0 * frozen + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * context
+
+
+def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated units, sharded one by one: the modules whose class the Hugging Face model names as not to
+    be split (``_no_split_modules``: its decoder or encoder layers), found through any wrapper (peft's); else the
+    entries of its longest ``ModuleList``."""
+    import torch
+
+    names: set[str] = set()
+    for m in model.modules():
+        names |= set(getattr(m, "_no_split_modules", None) or ())
+    found = [m for m in model.modules() if type(m).__name__ in names]
+    if found:
+        return found
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []

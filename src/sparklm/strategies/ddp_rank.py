@@ -32,10 +32,11 @@ def main() -> None:
     where = f"training rank {rank.rank} on {socket.gethostname()}"
     plan = job.plan  # what runs, decided on the driver: a rank reads it and decides nothing
     try:
-        if rank.world > 1:  # the ranks find each other: their collectives from here on
+        shard = plan.config.train.parallel == "shard"
+        if rank.world > 1 or shard:  # the ranks find each other: their collectives from here on
             join_group(plan.device.backend, rank.rank, rank.world, start.master_addr, start.master_port,
                        timedelta(seconds=plan.config.train.ddp.collective_timeout))
-        comm = collective.of(rank.rank, rank.world)
+        comm = collective.of(rank.rank, rank.world, shard=shard)
         dataset = load_prepared(job.data, plan.config.storage)
         spec = load_tokenizer(dataset, plan.config.storage)
         if rank.rank == 0:

@@ -53,8 +53,13 @@ class CausalLM:
 
         vocab = spec.vocab_size
         if config.model.init_from:
-            dtype = torch.bfloat16 if config.lora.r and config.lora.base_dtype == "bfloat16" else None
-            model = load_model(config.model.init_from, dtype=dtype, storage=config.storage)
+            if config.lora.r and config.lora.base_dtype == "nf4":
+                from ..model import nf4
+
+                model = nf4.load(config.model.init_from, config.storage)  # read tensor by tensor, quantized as read
+            else:
+                dtype = torch.bfloat16 if config.lora.r and config.lora.base_dtype == "bfloat16" else None
+                model = load_model(config.model.init_from, dtype=dtype, storage=config.storage)
             have = model.get_input_embeddings().weight.shape[0]
             if have < vocab:
                 raise SparklmError(f"{config.model.init_from} has a vocabulary of {have} tokens, the data's tokenizer "

@@ -9,6 +9,7 @@ store, and only directories with it count); the newest ``keep`` are kept.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ from ..infra.fs import (
     file_sha256,
     join,
     list_names,
+    local_path,
     read_bytes,
     read_text,
     remove_stale,
@@ -66,8 +68,13 @@ def save(directory: str, step: int, *, files: dict[str, dict[str, torch.Tensor]]
             digests[path.name] = file_sha256(path)
         for name, src in (adopt or {}).items():
             (tmp / name).mkdir()
+            here = local_path(src)
             for f in list_names(src, storage):
-                put(f"{name}/{f}", read_bytes(join(src, f), storage))
+                if here is not None:  # moved, not read: a sharded checkpoint's files are a model's states
+                    shutil.move(here / f, tmp / name / f)
+                    digests[f"{name}/{f}"] = file_sha256(tmp / name / f)
+                else:
+                    put(f"{name}/{f}", read_bytes(join(src, f), storage))
         (tmp / STATE).write_text(json.dumps({**state, "step": step, "sha256": digests}, indent=2))
     for src in (adopt or {}).values():
         delete(src, storage)

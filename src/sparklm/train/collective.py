@@ -19,6 +19,7 @@ class Single:
     """One process: every collective is the identity."""
 
     rank, world = 0, 1
+    sharded = False  # the model is sharded over the ranks (train.parallel shard: train/shard.py)
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         return t
@@ -107,6 +108,23 @@ class Group(Single):
         return nullcontext() if last or not hasattr(net, "no_sync") else net.no_sync()
 
 
-def of(rank: int, world: int) -> Single:
-    """The collectives of rank ``rank`` of ``world`` (its process group initialised when ``world > 1``)."""
+class Sharded(Group):
+    """The ranks of a sharded run (FSDP2, train/shard.py): the model is sharded when it is built, so the network is the
+    model itself; its gradients are reduce-scattered at every micro-batch's backward (accumulating them unsharded
+    until the last would hold a whole model's gradients on every rank, the memory sharding saves)."""
+
+    sharded = True
+
+    def wrap(self, model, device):
+        return model
+
+    def no_sync(self, net, last: bool):
+        return nullcontext()
+
+
+def of(rank: int, world: int, *, shard: bool = False) -> Single:
+    """The collectives of rank ``rank`` of ``world`` (its process group initialised when ``world > 1``, or when
+    ``shard``: a sharded run keeps its form, and its checkpoints theirs, on one rank too)."""
+    if shard:
+        return Sharded(rank, world)
     return Group(rank, world) if world > 1 else Single()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -18,13 +19,13 @@ from ..data.manifest import PreparedDataset, checked_row_groups
 from ..data.stream import TokenStream, validation_rows
 from ..data.tokenizer import TokenizerSpec, token_byte_lengths
 from ..infra.errors import SparklmError
-from ..infra.fs import delete, exists, join
+from ..infra.fs import delete, exists, join, local_copy, local_path, upload_tree
 from ..metrics.recorder import Best, Recorder, RunResult
 from ..metrics.sinks import Sink
 from ..model import param_count
 from ..model.task import Batch, Task
 from ..registry import make_task
-from . import checkpoint, collective, compiling, device, loop, optim
+from . import checkpoint, collective, compiling, device, loop, optim, shard
 from .plan import RunPlan
 from .schedule import Schedule, fraction
 
@@ -63,6 +64,8 @@ class Trainer:
         self.task = task or make_task(self.config)
         self.seq_len = dataset.seq_len
         self.model = self.device.put(self.task.build(self.config, spec, self.seq_len))
+        if self.comm.sharded:  # FSDP2 (train.parallel shard): before the optimizer, which takes the shards
+            self.model = shard.shard(self.model, SHARD_DTYPES.get(self.device.dtype_name))
         # what draws at random while training (dropout, masked-LM masks) is a function of (seed, rank), whatever ran
         # in this process before; checkpoints keep the state from there (save/restore below)
         torch.manual_seed((self.tc.seed << 16) + rank.rank)
@@ -115,7 +118,7 @@ class Trainer:
         if scaler:  # fp16: the gradients back to their true scale before clipping; a step with inf/nan is skipped
             for opt in optim.parts(self.optimizer):
                 scaler.unscale_(opt)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip or float("inf"))
+        grad_norm = shard.whole(torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip or float("inf")))
         if scaler:
             for opt in optim.parts(self.optimizer):
                 scaler.step(opt)
@@ -158,14 +161,32 @@ class Trainer:
         self.model.eval()
         limit = tc.eval_batches * tc.batch_size if tc.eval_batches else None
         sums = self.device.zeros(self.task.eval_width, dtype=torch.float64)
-        for rows in validation_rows(self.val_groups, seq_len=self.seq_len, rank=part, world=parts, limit=limit,
-                                    storage=self.config.storage):
-            for i in range(0, len(rows.input_ids), tc.batch_size):
-                batch = self.device.put(self.task.batch(rows.take(slice(i, i + tc.batch_size))))
-                with self.device.autocast():
-                    sums += self.task.eval_sums(self.model, batch, self.byte_lengths)
+        batches = (self.device.put(self.task.batch(rows.take(slice(i, i + tc.batch_size))))
+                   for rows in validation_rows(self.val_groups, seq_len=self.seq_len, rank=part, world=parts,
+                                               limit=limit, storage=self.config.storage)
+                   for i in range(0, len(rows.input_ids), tc.batch_size))
+        for batch, counts in (self.lockstep(batches) if self.comm.sharded else ((b, True) for b in batches)):
+            with self.device.autocast():
+                scored = self.task.eval_sums(self.model, batch, self.byte_lengths)
+            if counts:
+                sums += scored
         self.model.train()
         return sums
+
+    def lockstep(self, batches: Iterator[Batch]) -> Iterator[tuple[Batch, bool]]:
+        """A sharded model's ranks compute together (each forward gathers every rank's shards), so each runs as many
+        batches as the rank with the most: one that has run out computes a spare batch again, not counted (False)."""
+        spare = None
+        for batch in _then_none(batches):
+            more = float(self.comm.max(self.device.tensor([0.0 if batch is None else 1.0])))
+            if not more:
+                return
+            if batch is None:
+                spare = spare if spare is not None else next(self.batches(0))
+                yield spare, False
+            else:
+                spare = batch
+                yield batch, True
 
     def evaluate(self) -> dict:
         """Validation figures over the whole (or ``eval_batches`` of the) split, summed over the ranks."""
@@ -234,11 +255,16 @@ class Trainer:
         return mean / self.comm.world, correct / counted if counted else float("nan")
 
     def weights(self) -> dict[str, torch.Tensor]:
+        """A copy of the trainable weights (sharded: this rank's shards)."""
         return {n: p.detach().clone() for n, p in self.task.trainable(self.model).items()}
 
     def export(self, run_dir: str, best: dict[str, torch.Tensor] | None = None) -> None:
         """model/ (HF format) and samples.txt: what a run leaves for generate, eval and export. With ``best``
-        (trainable weights better than the current ones), model/ holds those and model-final/ the current ones."""
+        (trainable weights better than the current ones), model/ holds those and model-final/ the current ones.
+        Rank 0 writes them; a sharded run's ranks all take part (:meth:`export_sharded`)."""
+        if self.comm.sharded:
+            self.export_sharded(run_dir, best)
+            return
         storage = self.config.storage
         final_dir = join(run_dir, "model-final")
         if best is not None:
@@ -252,12 +278,44 @@ class Trainer:
         with compiling.eager():  # samples: each new length would compile the blocks again
             self.task.artefacts(self.model, self.spec, run_dir, self.dataset, self.config)
 
+    def export_sharded(self, run_dir: str, best: dict[str, torch.Tensor] | None) -> None:
+        """:meth:`export` of a sharded model: rank 0 builds the model whole on the CPU and the ranks gather the
+        trained weights into it one tensor at a time (a collective each), for model-final/ first when ``best`` (this
+        rank's shards of the best weights) is kept apart, then for model/ and the samples."""
+        main, storage = self.rank.rank == 0, self.config.storage
+        whole = self.task.build(self.config, self.spec, self.seq_len) if main else None
+        into = dict(whole.named_parameters()) if main else {}
+
+        def pull() -> None:
+            with torch.no_grad():
+                for name, t in shard.gathered(self.task.trainable(self.model), keep=main):
+                    into[name].copy_(t)
+
+        final_dir = join(run_dir, "model-final")
+        if best is not None:
+            pull()
+            if main:
+                self.task.export(whole, self.spec, final_dir, storage)
+            with torch.no_grad():
+                for n, p in self.task.trainable(self.model).items():
+                    p.copy_(best[n])
+        elif main and exists(final_dir, storage):
+            delete(final_dir, storage)
+        pull()
+        if main:
+            self.task.export(whole, self.spec, join(run_dir, "model"), storage)
+            self.task.artefacts(whole, self.spec, run_dir, self.dataset, self.config)
+        self.comm.barrier()
+
     # -- checkpoints (DDP) --
 
     def save(self, run_dir: str, best: Best | None = None, best_weights: dict | None = None) -> None:
         """A checkpoint of the weights, optimizer state, every rank's RNG and the best evaluation (written by rank 0;
         a collective)."""
         states = self.comm.gather_tensors(self.device.rng_state())
+        if self.comm.sharded:
+            self.save_sharded(run_dir, best, best_weights, states)
+            return
         if self.rank.rank == 0:
             best = best or Best(key=self.task.figure_set.loss)
             opt, groups = checkpoint.optimizer_tensors(self.optimizer)
@@ -272,23 +330,87 @@ class Trainer:
                                 storage=self.config.storage)
         self.comm.barrier()
 
+    def save_sharded(self, run_dir: str, best: Best | None, best_weights: dict | None, states: list) -> None:
+        """A sharded checkpoint: every rank writes its shards of the weights, optimizer state and kept best weights
+        (torch.distributed.checkpoint) beside the checkpoint's staging; rank 0 then takes them into it with the RNG
+        states and state.json, which appears last (checkpoint.save: a checkpoint is whole or absent)."""
+        s, main, storage = self.state, self.rank.rank == 0, self.config.storage
+        best = best or Best(key=self.task.figure_set.loss)
+        kept = best.apart(best_weights, s.step)
+        directory = join(run_dir, "checkpoints")
+        staging = join(directory, f".{checkpoint.step_name(s.step)}.{shard.DCP}")
+        if main and exists(staging, storage):  # from a save that was killed
+            delete(staging, storage)
+        self.comm.barrier()
+        state = {"model": shard.model_state(self.model),
+                 "optimizer": shard.optimizer_state(self.model, optim.parts(self.optimizer))}
+        if kept is not None:
+            state["best"] = dict(kept)
+        here = local_path(staging)
+        with shard.staged(None if here is None else str(here)) as where:
+            shard.save(state, where)
+            self.comm.barrier()  # every rank's files and rank 0's metadata are written
+            if here is None:  # an object store: each rank uploads its own files
+                upload_tree(Path(where), staging, storage)
+        del state
+        self.comm.barrier()
+        if main:
+            run = checkpoint.RunState(strategy=self.tc.strategy, world=self.rank.world, step=s.step,
+                                      tokens_seen=s.tokens_seen, position=s.position, elapsed=s.elapsed,
+                                      best=best.to_state(), extra={"sharded": True, "best_kept": kept is not None})
+            checkpoint.save_run(directory, run, {"rng": {f"torch.{r}": t for r, t in enumerate(states)}},
+                                keep=self.tc.keep_checkpoints, storage=storage, adopt={shard.DCP: staging})
+        self.comm.barrier()
+
     def restore(self, run_dir: str, warn: Callable[[str], None] | None = None) -> loop.Restored | None:
         """Continue from the newest readable checkpoint, if there is one (weights, optimizer, position, RNG);
         a damaged newest one is skipped with ``warn``. Returns what the run loop restores of it."""
-        tc = self.tc
-        elastic = tc.workers_min > 0  # an elastic run resumes on any number of ranks (the plan kept the global batch)
-        found = checkpoint.restore_run(join(run_dir, "checkpoints"), world=None if elastic else self.rank.world, warn=warn,
-                                       names=("model", "optimizer", "rng", "best"), storage=self.config.storage)
+        # a run resumes on any number of ranks that keeps its global batch (the plan checked it: a checkpoint's
+        # position counts global rows); a sharded checkpoint is resharded to this world as it is read, a replicated
+        # one is whole, and a rank the checkpoint did not have draws from its seed
+        names = ("rng",) if self.comm.sharded else ("model", "optimizer", "rng", "best")
+        found = checkpoint.restore_run(join(run_dir, "checkpoints"), world=None, warn=warn, names=names,
+                                       storage=self.config.storage)
         if found is None:
             return None
         path, run, files = found
-        self.load_checkpoint_weights(files["model"], path)
-        checkpoint.load_optimizer(self.optimizer, files["optimizer"], run.extra["param_groups"])
+        if bool(run.extra.get("sharded")) != self.comm.sharded:
+            raise SparklmError(f"checkpoint {path} is {'' if run.extra.get('sharded') else 'not '}sharded, this run "
+                               f"{'is' if self.comm.sharded else 'is not'}",
+                               hint=f"resume with --parallel {'shard' if run.extra.get('sharded') else 'replicate'}")
+        if self.comm.sharded:
+            files.update(model={}, optimizer={}, best=self.load_sharded(path, run))
+        else:
+            self.load_checkpoint_weights(files["model"], path)
+            checkpoint.load_optimizer(self.optimizer, files["optimizer"], run.extra["param_groups"])
         rng = files["rng"].get(f"torch.{self.rank.rank}")
         if rng is not None:  # a rank an elastic run did not have at the checkpoint draws from its seed
             self.device.set_rng_state(rng)
         self.state = TrainState(step=run.step, position=run.position, tokens_seen=run.tokens_seen, elapsed=run.elapsed)
         return loop.Restored(loop.Position(run.step, run.tokens_seen, run.elapsed), run.best, files["best"])
+
+
+    def load_sharded(self, path: str, run: checkpoint.RunState) -> dict:
+        """The weights and optimizer state of sharded checkpoint ``path``, each rank reading its shards (another world
+        size's resharded); returns this rank's shards of the kept best weights ({}: none kept)."""
+        parts = optim.parts(self.optimizer)
+        state = {"model": shard.model_state(self.model), "optimizer": shard.optimizer_state(self.model, parts)}
+        if run.extra.get("best_kept"):
+            state["best"] = self.weights()
+        try:
+            shard.load(state, str(local_copy(join(path, shard.DCP), self.config.storage)))
+        except Exception as e:  # a missing or damaged shard
+            raise checkpoint.unreadable(path, e) from None
+        shard.load_states(self.model, parts, state["model"], state["optimizer"])
+        return state.get("best", {})
+
+
+def _then_none(items):
+    yield from items
+    yield None
+
+
+SHARD_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}  # weights gathered in the compute dtype
 
 
 class RankUnit:
@@ -346,7 +468,7 @@ class RankUnit:
         return loop.Evaluation(self.t.evaluate())
 
     def snapshot(self) -> dict | None:
-        return self.t.weights() if self.main else None
+        return self.t.weights() if self.main or self.t.comm.sharded else None  # sharded: each rank its shards
 
     def peaks(self) -> list[float | None]:
         return self.t.gather_peaks()
@@ -362,7 +484,7 @@ class RankUnit:
         return self.evaluate()
 
     def finish(self, best: dict | None) -> dict:
-        if self.main:
+        if self.main or self.t.comm.sharded:
             self.t.export(self.run_dir, best)
         device.trim_memory()
         return {}

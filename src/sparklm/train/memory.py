@@ -51,6 +51,16 @@ class Shapes:
     trainable: int  # parameters that train (all, or LoRA's adapters)
     head_trains: bool  # the LM head's weight gets a gradient (not under LoRA)
     heads: int = 0  # attention heads per layer (train.attention matmul keeps each head's T x T probabilities)
+    # sharding (train.parallel shard) gathers one unit at a time: a decoder block's weights, or the root's (embeddings,
+    # head, final norm), which stay gathered through the step; 0: unknown (counted as params / layers)
+    block_params: int = 0
+    root_params: int = 0
+
+    def block(self) -> int:
+        return self.block_params or self.params // max(1, self.layers)
+
+    def root(self) -> int:
+        return self.root_params or max(0, self.params - self.layers * self.block())
 
 
 @dataclass(frozen=True)
@@ -71,14 +81,16 @@ class Footprint:
 
 
 def footprint(shapes: Shapes, *, seq_len: int, optimizer_slots: int = 2, activation_bytes: int = 4,
-              loss_chunk: int | None = 512, score_bytes: int = 0) -> Footprint:
+              loss_chunk: int | None = 512, score_bytes: int = 0, shards: int = 1) -> Footprint:
     """The estimate's parts for a model of ``shapes`` trained on sequences of ``seq_len`` tokens (pure).
 
     ``optimizer_slots``: float32 values of optimizer state per trainable parameter (AdamW 2);
     ``activation_bytes``: 4 in float32, 2 when the model computes in bfloat16 (bf16 base weights);
     ``loss_chunk``: positions per chunk of the LM-head loss, None: unchunked (logits of every position);
     ``score_bytes``: bytes of each attention probability kept for the backward pass (train.attention matmul: the
-    compute dtype's; SDPA keeps none)."""
+    compute dtype's; SDPA keeps none); ``shards``: ranks the weights, gradients and optimizer state are sharded over
+    (FSDP2: each holds 1/N, plus the root's weights and gradients, gathered through the step, and two blocks' —
+    the one computing and the next, prefetched — with one block's gradients before they are reduce-scattered)."""
     per_token_layer = HIDDEN_UNITS * shapes.hidden + MLP_UNITS * shapes.intermediate
     scores = shapes.heads * seq_len * seq_len * score_bytes  # a layer's, per sequence
     per_sequence = seq_len * shapes.layers * per_token_layer * activation_bytes + shapes.layers * scores
@@ -90,7 +102,14 @@ def footprint(shapes: Shapes, *, seq_len: int, optimizer_slots: int = 2, activat
         checkpointed += 3 * seq_len * shapes.vocab * 4
     else:
         head += 3 * loss_chunk * shapes.vocab * 4
-    return Footprint(runtime=RUNTIME, weights=shapes.weight_bytes, states=shapes.trainable * 4 * (1 + optimizer_slots),
+    weights, states = shapes.weight_bytes, shapes.trainable * 4 * (1 + optimizer_slots)
+    if shards > 1:
+        per_param = shapes.weight_bytes / max(1, shapes.params)
+        trains = shapes.trainable / max(1, shapes.params)  # the share of a unit that trains (LoRA: the adapters')
+        gathered = shapes.root() + 2 * shapes.block()
+        weights = int(shapes.weight_bytes / shards + gathered * per_param)
+        states = int(states / shards + (shapes.root() + shapes.block()) * trains * 4)
+    return Footprint(runtime=RUNTIME, weights=weights, states=states,
                      per_sequence=per_sequence, per_sequence_checkpointed=checkpointed, head=head)
 
 
@@ -104,6 +123,8 @@ class MemoryPlan:
     source: str  # where the limit comes from
     hand_back: bool = False  # freed memory goes back to the OS (device.hand_back_memory): the plan had to shrink
     chunked: bool = True  # the LM-head loss in chunks (model/lm_head.py); False: the whole micro-batch's logits fit
+    parallel: str = "replicate"  # train.parallel as decided: replicate, or shard (FSDP2 over the ranks)
+    replicated: int = 0  # bytes a replica's step would need at the configured micro-batch (the decision's evidence)
 
     def describe(self) -> str:
         est = f"estimated peak {self.estimate / GB:.2f} GB"
@@ -111,6 +132,8 @@ class MemoryPlan:
         ckpt = ", LM-head loss in chunks" if self.chunked and self.limit else ""
         ckpt += ", gradient checkpointing" if self.checkpointing else ""
         ckpt += ", freed memory handed back" if self.hand_back else ""
+        if self.parallel == "shard":
+            ckpt += ", sharded over the ranks" + (f" (a replica: {self.replicated / GB:.2f} GB)" if self.replicated else "")
         return (f"memory: micro-batch {self.batch_size} x {self.grad_accum} accumulation{ckpt}, "
                 f"{est} {where}")
 
@@ -163,7 +186,8 @@ def scratch_shapes(cfg, vocab: int, context: int) -> Shapes:
     if not cfg.tie_embeddings:
         params += vocab * d
     return Shapes(layers=layers, hidden=d, intermediate=f, vocab=vocab, params=params, weight_bytes=4 * params,
-                  trainable=params, head_trains=True, heads=cfg.n_head)
+                  trainable=params, head_trains=True, heads=cfg.n_head, block_params=per_layer,
+                  root_params=params - layers * per_layer)
 
 
 def model_shapes(config, spec, context: int) -> Shapes:
@@ -200,18 +224,39 @@ def model_shapes(config, spec, context: int) -> Shapes:
     cfg = model.config
     params = list(model.parameters())
     head = model.get_output_embeddings()  # a classifier's logits are its classes, not a vocabulary
+    from ..model.build import blocks
+
+    units = blocks(model)
+    block = max((sum(p.numel() for p in b.parameters()) for b in units), default=0)
     return Shapes(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
                   intermediate=getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.hidden_size,
                   vocab=head.weight.shape[0] if head is not None else model.config.num_labels,
                   params=sum(p.numel() for p in params), weight_bytes=sum(p.numel() * p.element_size() for p in params),
                   trainable=sum(p.numel() for p in params if p.requires_grad),
                   head_trains=head.weight.requires_grad if head is not None else True,
-                  heads=getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None) or 0)
+                  heads=getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None) or 0,
+                  block_params=block,
+                  root_params=sum(p.numel() for p in params) - sum(p.numel() for b in units for p in b.parameters()))
 
 
 def base_in_bf16(config) -> bool:
     """Whether LoRA's frozen base will be held in bfloat16 (the driver decided ``lora.base_dtype``: resolve.py)."""
     return bool(config.lora.r) and config.lora.base_dtype == "bfloat16"
+
+
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # an NF4 weight: 4 bits, an 8-bit scaler per 64, a float32 per 256 scalers
+
+
+def base_bytes(config, shapes: Shapes) -> int:
+    """Bytes of the weights as training holds them: LoRA's frozen base in bfloat16 (2 bytes), or with ``nf4`` its
+    blocks' weights in 4 bits and the rest (embeddings, head, norms) in bfloat16; what trains in float32."""
+    if not config.lora.r or config.lora.base_dtype not in ("bfloat16", "nf4"):
+        return shapes.weight_bytes
+    frozen = shapes.params - shapes.trainable
+    if config.lora.base_dtype == "bfloat16":
+        return shapes.weight_bytes - 2 * frozen
+    linear = min(frozen, shapes.layers * shapes.block())  # the blocks' weights (their norms: a rounding error)
+    return int(4 * shapes.trainable + NF4_BYTES * linear + 2 * (frozen - linear))
 
 
 def chunks_loss(tc) -> bool:
@@ -220,17 +265,19 @@ def chunks_loss(tc) -> bool:
     return tc.loss_chunk >= 0
 
 
-def footprints(tc, shapes: Shapes, seq_len: int, activation_bytes: int) -> tuple[Footprint, Footprint | None]:
+def footprints(tc, shapes: Shapes, seq_len: int, activation_bytes: int, shards: int = 1
+               ) -> tuple[Footprint, Footprint | None]:
     """The footprint as ``tc`` (train settings) computes the LM head's loss, and the unchunked one where the plan
-    may pick either (None: it may not)."""
+    may pick either (None: it may not); ``shards``: ranks the model is sharded over (1: replicated)."""
     chunked = chunks_loss(tc)
     scores = (4 if tc.dtype == "float32" else 2) if tc.attention == "matmul" else 0  # in the compute dtype
     fp = footprint(shapes, seq_len=seq_len, activation_bytes=activation_bytes,
-                   loss_chunk=chunk_size(shapes.vocab, tc.loss_chunk) if chunked else None, score_bytes=scores)
+                   loss_chunk=chunk_size(shapes.vocab, tc.loss_chunk) if chunked else None, score_bytes=scores,
+                   shards=shards)
     # loss_chunk 0: the whole micro-batch's logits when they fit (the same step time or a little less than the
     # chunked loss, BENCHMARKS.md), the chunked loss when they do not
     whole = (footprint(shapes, seq_len=seq_len, activation_bytes=activation_bytes, loss_chunk=None,
-                       score_bytes=scores)
+                       score_bytes=scores, shards=shards)
              if tc.loss_chunk == 0 and chunked else None)
     return fp, whole
 
@@ -243,30 +290,73 @@ def plan_for(config, shapes: Shapes, seq_len: int, spark) -> MemoryPlan:
     conf = dict(sc.getConf().getAll())
     limit, source = (gpu_limit(tc.memory_limit) if tc.device == "cuda" else
                      rank_limit(conf, sc.master, ranks_per_host=tc.workers, setting=tc.memory_limit))
-    bf16_base = base_in_bf16(config)
-    if bf16_base:  # the frozen weights at 2 bytes instead of 4
-        shapes = replace(shapes, weight_bytes=shapes.weight_bytes - 2 * (shapes.params - shapes.trainable))
-    fp, whole = footprints(tc, shapes, seq_len, activation_bytes=2 if bf16_base else 4)
-    if source.startswith("spark.executor.pyspark.memory"):
-        fp = replace(fp, address_space=ADDRESS_SPACE)
-        whole = whole and replace(whole, address_space=ADDRESS_SPACE)
+    return decide(config, shapes, seq_len, limit, source, address_space=source.startswith("spark.executor.pyspark.memory"))
+
+
+def decide(config, shapes: Shapes, seq_len: int, limit: int | None, source: str, *, address_space: bool = False
+           ) -> MemoryPlan:
+    """:func:`plan_for`'s decision for ``limit`` bytes per rank (pure): the micro-batch, checkpointing and LM-head
+    loss, and ``train.parallel``. auto replicates where a replica fits at the configured micro-batch, shards where
+    only a shard does (DDP on more than one rank), and otherwise takes the first of the two that fits by shrinking
+    the micro-batch; nothing fitting is one line naming what would."""
+    tc = config.train
+    shapes = replace(shapes, weight_bytes=base_bytes(config, shapes))
+    acts = 2 if config.lora.r and config.lora.base_dtype in ("bfloat16", "nf4") else 4
+    can_shard = tc.strategy == "ddp" and tc.workers > 1
+    if tc.parallel == "shard" and tc.strategy != "ddp":
+        raise SparklmError(f"train.parallel shard is for the strategy ddp, not {tc.strategy} (its workers each train "
+                           "a whole replica between rounds)", hint="--strategy ddp, or --parallel replicate")
+    ways = {"replicate": ["replicate"], "shard": ["shard"],
+            "auto": ["replicate", "shard"] if can_shard else ["replicate"]}[tc.parallel]
+
+    def fits(way: str, *, shrink: bool) -> MemoryPlan | None:
+        fp, whole = footprints(tc, shapes, seq_len, acts, shards=tc.workers if way == "shard" else 1)
+        if address_space:
+            fp = replace(fp, address_space=ADDRESS_SPACE)
+            whole = whole and replace(whole, address_space=ADDRESS_SPACE)
+        try:
+            p = plan(fp, limit, batch_size=tc.batch_size,
+                     grad_accum=tc.grad_accum, checkpointing=tc.grad_checkpoint, source=source, whole=whole,
+                     chunked=chunks_loss(tc))
+        except SparklmError:
+            return None
+        if not shrink and p.hand_back:  # it fits only with a smaller micro-batch or checkpointing
+            return None
+        return replace(p, parallel=way)
+
+    replica = footprints(tc, shapes, seq_len, acts)[0].peak(tc.batch_size, tc.grad_checkpoint == "on")
+    for shrink in (False, True):
+        for way in ways:
+            p = fits(way, shrink=shrink)
+            if p is not None:
+                return replace(p, replicated=replica if p.parallel == "shard" else 0)
     fixes = []
+    if can_shard and "shard" not in ways:
+        fixes.append("shard the model over the ranks (--parallel shard)")
+    if tc.strategy != "ddp":
+        fixes.append("shard the model over DDP ranks (--strategy ddp --parallel shard)")
     if config.model.init_from and not config.lora.r:
         fixes.append("train LoRA adapters only (--lora-r 8)")
-    if config.lora.r and not bf16_base:
-        fixes.append('keep the frozen base in bfloat16 (--set lora.base_dtype="bfloat16")')
+    if config.lora.r and config.lora.base_dtype != "nf4":
+        fixes.append("hold the frozen base in 4 bits (--lora-base-dtype nf4)")
     if tc.grad_checkpoint == "off":
         fixes.append("--grad-checkpoint auto")
+    if "shard" in ways or can_shard:
+        fixes.append("more workers to shard over (--workers)")
     fixes += ["shorter sequences (prepare --seq-len)", "more memory per rank (--memory-limit, "
               "spark.executor.pyspark.memory, or a larger executor)"]
-    return plan(fp, limit, batch_size=tc.batch_size, grad_accum=tc.grad_accum, checkpointing=tc.grad_checkpoint,
-                source=source, fixes=fixes, whole=whole, chunked=chunks_loss(tc))
+    fp = footprints(tc, shapes, seq_len, acts, shards=tc.workers if ways[-1] == "shard" else 1)[0]
+    least = fp.peak(1, tc.grad_checkpoint != "off") + (ADDRESS_SPACE if address_space else 0)
+    how = "sharded over" if ways[-1] == "shard" else "replicated on"
+    raise SparklmError(f"training does not fit in each rank's {limit / GB:.2f} GB ({source}): {how} "
+                       f"{tc.workers} rank{'s' * (tc.workers > 1)}, even a micro-batch of one sequence needs about "
+                       f"{least / GB:.2f} GB", hint=f"to fit: {'; '.join(fixes)}")
 
 
 def unplanned(tc) -> MemoryPlan:
     """The settings as they are, where no limit is known or nothing was planned (a worker driven directly)."""
     return MemoryPlan(tc.batch_size, tc.grad_accum, tc.grad_checkpoint == "on", 0, None, "none",
-                      chunked=chunks_loss(tc))
+                      chunked=chunks_loss(tc), parallel="shard" if tc.parallel == "shard" else "replicate")
 
 
 def apply(config, p: MemoryPlan):
@@ -275,7 +365,7 @@ def apply(config, p: MemoryPlan):
     allocator = tc.allocator if tc.allocator != "auto" else "return" if p.hand_back else "keep"
     return config.replace(train=replace(tc, batch_size=p.batch_size, grad_accum=p.grad_accum,
                                         grad_checkpoint="on" if p.checkpointing else "off", allocator=allocator,
-                                        loss_chunk=tc.loss_chunk if p.chunked else -1))
+                                        loss_chunk=tc.loss_chunk if p.chunked else -1, parallel=p.parallel))
 
 
 # -- the limit --

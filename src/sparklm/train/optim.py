@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from . import shard
 from .plan import OptimizerPlan
 
 
@@ -67,8 +68,12 @@ class Muon(torch.optim.Muon):
                 buf.lerp_(grad, 1 - momentum)
                 updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
             lr, decay = float(group["lr"]), group["weight_decay"]
-            for p, update in zip(params, orthogonalized(updates, group["ns_coefficients"], group["ns_steps"],
+            # a sharded matrix (train.parallel shard) is orthogonalized whole: gathered, and each rank keeps its rows
+            wholes = [shard.whole(u) for u in updates]
+            for p, update in zip(params, orthogonalized(wholes, group["ns_coefficients"], group["ns_steps"],
                                                         group["eps"]), strict=True):
+                if shard.is_sharded(p):
+                    update = shard.like(update, p)
                 p.mul_(1 - lr * decay)
                 p.add_(update, alpha=-lr * lr_ratio(group["adjust_lr_fn"], p.shape))
         return loss
