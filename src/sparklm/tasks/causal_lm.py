@@ -48,7 +48,7 @@ class CausalLM:
     def build(self, config: Config, spec: TokenizerSpec, context: int) -> torch.nn.Module:
         import torch
 
-        from ..model import attention, lm_head, lora
+        from ..model import lora
         from ..model.build import build_model, load_model
 
         vocab = spec.vocab_size
@@ -69,6 +69,54 @@ class CausalLM:
         else:
             model = build_model(config.model, vocab_size=embedding_rows(vocab), context=context,
                                 bos_id=spec.bos_id, eos_id=spec.eos_id, pad_id=spec.pad_id, seed=config.train.seed)
+        return self._trainable(model, config)
+
+    def build_empty(self, config: Config, spec: TokenizerSpec, context: int):
+        """The pretrained model without its weights, on the meta device (its buffers real), and the directory whose
+        safetensors files hold them: a sharded run reads each rank's part itself (train/shard.materialize). None
+        where the weights must be built otherwise (from scratch, LoRA's base, an adapter or a GGUF file)."""
+        import torch
+
+        from ..model.build import ADAPTER_CONFIG, check_causal, check_model_dir, model_source, verify_checksums
+
+        name = config.model.init_from
+        if not name or config.lora.r or name.lower().endswith(".gguf"):
+            return None
+        path = model_source(name, config.storage)
+        if (path / ADAPTER_CONFIG).is_file():
+            return None
+        check_causal(check_model_dir(path, name), name)
+        verify_checksums(path)
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        try:
+            hf = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+            with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) are computed, not read
+                model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
+            model.tie_weights()  # (from_pretrained ties them as it loads; a sharded model must share one before)
+        except Exception as e:
+            raise SparklmError(f"cannot load the model in {name}: {' '.join(str(e).split())[:200]}") from None
+        if model.get_input_embeddings().weight.shape[0] < spec.vocab_size:
+            raise SparklmError(f"{name} has a vocabulary of {model.get_input_embeddings().weight.shape[0]} tokens, the "
+                               f"data's tokenizer {spec.vocab_size}",
+                               hint="prepare the data with --tokenizer pointing at that model's tokenizer")
+        return self._trainable(model, config, probe=False), path
+
+    def weights_loaded(self, model: torch.nn.Module) -> None:
+        """What :meth:`build_empty`'s model decides once its weights are read: whether the chunked LM-head loss
+        equals its own (a forward pass: a sharded model's ranks run it together)."""
+        from ..model import lm_head
+
+        chunked = self.chunk >= 0 and lm_head.supports(model)
+        set_loss_chunks(model, self.chunk if chunked else None)
+
+    def _trainable(self, model: torch.nn.Module, config: Config, *, probe: bool = True) -> torch.nn.Module:
+        """``model`` set up to train as ``config`` says: checkpointing, the attention kernel, LoRA, the chunked loss."""
+        import torch
+
+        from ..model import attention, lora
+
         if config.train.grad_checkpoint == "on":  # "auto" was resolved by the memory plan (train/memory.py)
             # non-reentrant: works with frozen inputs (LoRA) and needs no inputs that require grad
             if hasattr(model, "activation_checkpointing_enable"):  # transformers 5's name
@@ -81,8 +129,8 @@ class CausalLM:
         if config.lora.r:
             torch.manual_seed(config.train.seed)  # the adapters' initial weights, the same in every process
             model = lora.wrap(model, config.lora)
-        chunked = self.chunk >= 0 and lm_head.supports(model)
-        set_loss_chunks(model, self.chunk if chunked else None)
+        if probe:
+            self.weights_loaded(model)
         return model
 
     def batch(self, rows: tuple) -> Batch:

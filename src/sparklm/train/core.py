@@ -63,9 +63,11 @@ class Trainer:
         self.comm = comm or collective.Single()
         self.task = task or make_task(self.config)
         self.seq_len = dataset.seq_len
-        self.model = self.device.put(self.task.build(self.config, spec, self.seq_len))
-        if self.comm.sharded:  # FSDP2 (train.parallel shard): before the optimizer, which takes the shards
-            self.model = shard.shard(self.model, SHARD_DTYPES.get(self.device.dtype_name))
+        self.model = self.sharded_pretrained() if self.comm.sharded else None
+        if self.model is None:
+            self.model = self.device.put(self.task.build(self.config, spec, self.seq_len))
+            if self.comm.sharded:  # FSDP2 (train.parallel shard): before the optimizer, which takes the shards
+                self.model = shard.shard(self.model, SHARD_DTYPES.get(self.device.dtype_name))
         # what draws at random while training (dropout, masked-LM masks) is a function of (seed, rank), whatever ran
         # in this process before; checkpoints keep the state from there (save/restore below)
         torch.manual_seed((self.tc.seed << 16) + rank.rank)
@@ -77,6 +79,21 @@ class Trainer:
         self.byte_lengths = self.device.tensor(token_byte_lengths(spec))
         self.scaler = self.device.grad_scaler()  # fp16 only
         self.state = TrainState()
+
+    def sharded_pretrained(self) -> torch.nn.Module | None:
+        """A pretrained model sharded before its weights exist: built on the meta device, sharded, then each rank
+        reads its rows of every weight (shard.materialize). None where the task builds it otherwise, or where the
+        files do not name every weight as the model does (then it is loaded whole and sharded after)."""
+        empty = getattr(self.task, "build_empty", None)
+        found = empty(self.config, self.spec, self.seq_len) if empty is not None else None
+        if found is None:
+            return None
+        model, path = found
+        shard.shard(model, SHARD_DTYPES.get(self.device.dtype_name))
+        if shard.materialize(model, path, self.device.where):
+            return None  # (the weights it lacks: named otherwise in the files)
+        self.task.weights_loaded(model)
+        return model
 
     def use(self, plan: RunPlan) -> None:
         """Run as ``plan`` says from now on (an elastic round's share of the batch: the run plan at its world); the

@@ -15,6 +15,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -35,6 +36,46 @@ def shard(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
+
+
+def rows(t: torch.Tensor) -> tuple[int, int]:
+    """The rows of sharded ``t`` this rank keeps: FSDP2 shards dim 0 as torch.chunk does (ceil(rows / N) a rank, the
+    last ranks fewer or none); a plain tensor, all of them."""
+    if not is_sharded(t):
+        return 0, t.shape[0]
+    n, me = t.device_mesh.size(), t.device_mesh.get_local_rank()
+    size = -(-t.shape[0] // n)
+    start = min(me * size, t.shape[0])
+    return start, min(start + size, t.shape[0])
+
+
+def materialize(model: torch.nn.Module, path: Path, device: str) -> list[str]:
+    """Sharded ``model``, built on the meta device, given its storage on ``device`` and filled from the safetensors
+    files in ``path``: each rank reads only the rows of each weight that it keeps (safetensors reads a slice without
+    the rest), so no rank ever holds a whole weight, let alone the model. Its buffers stay as they were built
+    (computed ones, such as rotary frequencies, are in no file). Returns the weights no file held (none: complete)."""
+    from safetensors import safe_open
+
+    from ..model.nf4 import weight_files
+
+    built = {n: b.detach().clone() for n, b in model.named_buffers()}
+    model.to_empty(device=device)
+    params = dict(model.named_parameters())
+    filled = set()
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(built[n])
+        for file in weight_files(path):
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    p = params.get(key)
+                    if p is None or key in filled:
+                        continue
+                    start, stop = rows(p)
+                    if stop > start:
+                        local(p).copy_(f.get_slice(key)[start:stop])
+                    filled.add(key)
+    return sorted(set(params) - filled)
 
 
 def is_sharded(t: torch.Tensor) -> bool:
