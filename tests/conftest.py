@@ -457,9 +457,10 @@ def tiny_tokenizer(texts: list[str], specials: list[str], bos: str | None):
     return tok
 
 
-def tiny_causal(directory, family: str, texts: list[str], *, layers: int = 2, hidden: int = 32):
+def tiny_causal(directory, family: str, texts: list[str], *, layers: int = 2, hidden: int = 32, dtype: str = "float32"):
     """A tiny random causal LM of ``family`` (llama, qwen2, gemma: each family's own config and layers, grouped-query
-    attention) saved as an HF directory with a BPE tokenizer trained on ``texts``; returns its TokenizerSpec."""
+    attention) saved as an HF directory (weights in ``dtype``) with a BPE tokenizer trained on ``texts``; returns its
+    TokenizerSpec."""
     import torch
     import transformers
 
@@ -479,7 +480,7 @@ def tiny_causal(directory, family: str, texts: list[str], *, layers: int = 2, hi
         vocab_size=spec.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=spec.bos_id,
         eos_token_id=spec.eos_id, pad_token_id=spec.pad_id, **extra)
-    getattr(transformers, model_cls)(config).save_pretrained(directory)
+    getattr(transformers, model_cls)(config).to(getattr(torch, dtype)).save_pretrained(directory)
     spec.save(directory)
     return spec
 

@@ -384,10 +384,12 @@ class TrainConfig:
         "auto", "gradient checkpointing: recompute each block's activations in the backward pass (a fraction of the "
                 "activation memory, ~30% more compute); auto: only when the memory plan finds nothing that fits without",
         flag="--grad-checkpoint")
-    allocator: Literal["auto", "keep", "return"] = _f(
+    allocator: Literal["auto", "keep", "return", "trim"] = _f(
         "auto", "glibc's handling of freed memory in training processes: keep (reuse it, no page faults: fastest), "
                 "return (hand it back to the OS: half the peak resident memory of a LoRA run, measured ~2x slower "
-                "steps); auto: return only when the memory plan had to shrink the micro-batch to fit a limit")
+                "steps), trim (keep it within a step, hand the heap's free pages back after each: a sharded rank's "
+                "or a 4-bit base's memory stays flat); auto: return where the memory plan had to shrink the "
+                "micro-batch to fit a limit, trim for a sharded run or a 4-bit base, else keep")
     memory_limit: str = _f("", "each rank's memory limit, e.g. 2g or 1536m; the micro-batch (and checkpointing) is "
                                "planned to fit it, keeping batch_size x grad_accum. Empty: from Spark — "
                                "spark.executor.pyspark.memory, else on YARN/Kubernetes the executor container, in "

@@ -332,7 +332,7 @@ def test_a_model_that_brings_its_own_code_is_refused_without_a_prompt(spark, run
     assert not ran.exists()
 
 
-def test_a_model_that_is_not_a_causal_lm_is_one_line(spark, run_dir, tmp_path):
+def test_a_model_that_is_not_a_causal_lm_is_one_line(spark, run_dir, tmp_path, capsys):
     """A T5 given to generate or to train --init-from: transformers' "Unrecognized configuration class ... Model
     type should be one of" and a list cut at 200 characters; it says what the model is and what takes it."""
     from transformers import T5Config, T5ForConditionalGeneration
@@ -349,12 +349,15 @@ def test_a_model_that_is_not_a_causal_lm_is_one_line(spark, run_dir, tmp_path):
     (tmp_path / "text.txt").write_text(make_text(40))
     prepare([str(tmp_path / "text.txt")], output=str(tmp_path / "data"), spark=spark, config=from_dict(
         {"data": {"seq_len": 16}, "tokenizer": {"path": str(model)}}))
+    from sparklm.cli import main
+
     for args in (["generate", str(model), "--prompt", "Hi"],
                  ["train", "--data", str(tmp_path / "data"), "-o", str(tmp_path / "run"), "--init-from", str(model)]):
-        out = run_sparklm(*args)
-        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
-        assert "is a 't5' model (T5ForConditionalGeneration), not a causal LM" in out.stderr, out.stderr
-        assert "predict --embed" in out.stderr
+        code = main(args)  # in this process: both stop before any Spark job
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "is a 't5' model (T5ForConditionalGeneration), not a causal LM" in err, err
+        assert "predict --embed" in err
 
 
 @pytest.mark.parametrize("kind", ["metaspace", "wordpiece"])
@@ -786,11 +789,16 @@ def test_cli_generate_streams_and_writes(run_dir, tmp_path):
     (["--prompt", "   "], "empty prompt"),
     (["--prompt", "a", "--threads", "-1"], "--threads must be >= 0"),
 ])
-def test_cli_generate_bad_input_is_one_line(run_dir, args, message):
-    out = run_sparklm("generate", str(run_dir), *args)
-    assert out.returncode == 2 and message in out.stderr
-    assert out.stdout == ""  # a refused prompt is not echoed before its error
-    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+def test_cli_generate_bad_input_is_one_line(run_dir, args, message, capsys):
+    # in this process (main() is built to run in a caller's): each case as a fresh process took 6-10 s of startup;
+    # test_cli_missing_model_is_one_line keeps a fresh process's whole output to one line
+    from sparklm.cli import main
+
+    code = main(["generate", str(run_dir), *args])
+    out = capsys.readouterr()
+    assert code == 2 and message in out.err
+    assert out.out == ""  # a refused prompt is not echoed before its error
+    assert len(out.err.strip().splitlines()) == 1 and "Traceback" not in out.err
 
 
 def test_cli_missing_model_is_one_line(tmp_path):

@@ -135,14 +135,15 @@ def test_sharded_lora_and_muon_with_accumulation_and_checkpointing(spark, bases,
 
 
 def test_lora_on_a_4_bit_base_trains_sharded_and_exports(spark, tmp_path):
-    """lora.base_dtype nf4: the Llama base's block weights held as torchao NF4 tensors (quantized as they are read),
-    LoRA on top, sharded over 2 ranks: the loss falls, the adapter is PEFT's, and generate loads base + adapter."""
+    """lora.base_dtype nf4: the Llama base's block weights (published in bfloat16) held as torchao NF4 tensors
+    (quantized as they are read), LoRA on top, sharded over 2 ranks: the loss falls, the adapter is PEFT's, generate
+    loads base + adapter, and a merged export is a bfloat16 model, as the base was published."""
     from conftest import tiny_causal
     from sparklm.api import generate
     from sparklm.launch.prepare import prepare
 
     base = tmp_path / "base"
-    tiny_causal(base, "llama", TEXTS, hidden=128)
+    tiny_causal(base, "llama", TEXTS, hidden=128, dtype="bfloat16")
     (tmp_path / "text.txt").write_text(TEXTS[0])
     data = prepare([str(tmp_path / "text.txt")], output=str(tmp_path / "data"), spark=spark,
                    config=from_dict({"data": {"seq_len": 32, "val_fraction": 0.1}, "tokenizer": {"path": str(base)},
@@ -156,6 +157,13 @@ def test_lora_on_a_4_bit_base_trains_sharded_and_exports(spark, tmp_path):
     assert json.loads((run / "config.json").read_text())["config"]["lora"]["base_dtype"] == "nf4"
     assert (run / "model" / "adapter_model.safetensors").is_file()
     assert isinstance(generate(str(run), "the", max_new_tokens=4), str)
+    from safetensors import safe_open
+
+    from sparklm.infer.export import export_hub
+
+    export_hub(str(run), str(tmp_path / "merged"), merge=True)
+    with safe_open(str(tmp_path / "merged" / "model.safetensors"), framework="pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
 
 
 def test_a_bad_parallel_value_and_a_model_that_fits_nowhere_are_one_line(spark, bases, tmp_path, capsys):

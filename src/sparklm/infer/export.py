@@ -61,7 +61,7 @@ def export(model: str, output: str, *, quantize: str = "none", overwrite: bool =
         lm.tokenizer.save_pretrained(str(tmp))
         if merge:
             lm.model.config.use_cache = True
-            lm.model.save_pretrained(str(tmp), safe_serialization=True)
+            merged_in_base_dtype(lm.model, model, storage).save_pretrained(str(tmp), safe_serialization=True)
         else:
             lm.model.config.save_pretrained(str(tmp))
         info = {"format": "onnx", "quantize": quantize, "source": lm.path, "context": lm.context, "merged_hf": merge,
@@ -160,6 +160,26 @@ def export_dir(output: str, overwrite: bool) -> Path:
     return out
 
 
+def merged_in_base_dtype(merged, model: str, storage: StorageConfig | None):
+    """A LoRA adapter merged into its base, in the dtype the base was published in (its config.json's: bfloat16 for
+    most open models, which the run held in bfloat16 or 4 bits), else as loaded (float32). Any other model as it is."""
+    import torch
+
+    from ..model import lora
+    from ..model.build import ADAPTER_CONFIG, model_source
+    from .generate import model_dir
+
+    source = model_dir(model, storage)
+    if not (source / ADAPTER_CONFIG).is_file():
+        return merged
+    try:
+        base = json.loads((model_source(lora.base_of(source), storage) / "config.json").read_text())
+    except (OSError, ValueError):
+        return merged
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(base.get("dtype") or base.get("torch_dtype"))
+    return merged.to(dtype) if dtype is not None else merged
+
+
 def export_hub(model: str, output: str, *, overwrite: bool = False, merge: bool = False,
                storage: StorageConfig | None = None) -> dict:
     """Write ``output`` as a Hugging Face Hub repository's files, ready for ``huggingface_hub.upload_folder``: the
@@ -180,7 +200,7 @@ def export_hub(model: str, output: str, *, overwrite: bool = False, merge: bool 
         if adapter and merge:
             lm = load(model, storage=storage, device="cpu")  # merged into its base
             lm.model.config.use_cache = True
-            lm.model.save_pretrained(str(tmp), safe_serialization=True)
+            merged_in_base_dtype(lm.model, model, storage).save_pretrained(str(tmp), safe_serialization=True)
         for f in sorted(source.iterdir()):
             skip = f.name == CHECKSUMS or (adapter and merge and (f.name == ADAPTER_CONFIG or f.name.startswith(
                 "adapter_model")))

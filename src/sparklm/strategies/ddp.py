@@ -136,8 +136,15 @@ class DDP:
         if channel.error is not None:
             raise channel.error
         # gloo has no counters: a ring all-reduce of the fp32 gradients per step sends 2·(N−1)/N of them from each
-        # of the N ranks (only the trainable ones: with LoRA, the adapters'; an elastic run: at its last size)
-        traffic = int(r.steps * 2 * (job.workers - 1) * 4 * (r.trainable_params or r.params or 0))
+        # of the N ranks (only the trainable ones: with LoRA, the adapters'; an elastic run: at its last size).
+        # Sharded (FSDP2): every weight all-gathered for the forward and again for the backward, (N−1)/N each, and
+        # the gradients reduce-scattered, (N−1)/N, at every micro-batch (counted at 4 bytes a value)
+        n = job.workers
+        if job.config.train.parallel == "shard":
+            micro = job.config.train.grad_accum
+            traffic = int(r.steps * micro * (n - 1) * 4 * (2 * (r.params or 0) + (r.trainable_params or r.params or 0)))
+        else:
+            traffic = int(r.steps * 2 * (n - 1) * 4 * (r.trainable_params or r.params or 0))
         return dataclasses.replace(r, bytes_communicated=traffic)
 
 

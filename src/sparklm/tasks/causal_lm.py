@@ -9,6 +9,7 @@ section of report.html. torch is imported where a model is built.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,7 +57,8 @@ class CausalLM:
             if config.lora.r and config.lora.base_dtype == "nf4":
                 from ..model import nf4
 
-                model = nf4.load(config.model.init_from, config.storage)  # read tensor by tensor, quantized as read
+                shards = config.train.workers if config.train.parallel == "shard" else 1
+                model = nf4.load(config.model.init_from, config.storage, shards)  # quantized tensor by tensor as read
             else:
                 dtype = torch.bfloat16 if config.lora.r and config.lora.base_dtype == "bfloat16" else None
                 model = load_model(config.model.init_from, dtype=dtype, storage=config.storage)
@@ -203,9 +205,13 @@ class CausalLM:
         ends = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
         return {id(p) for p in model.parameters() if p.dim() == 2 and id(p) not in ends}
 
-    def export(self, model: torch.nn.Module, spec: TokenizerSpec, uri: str, storage: StorageConfig) -> None:
+    streams_export = True  # export(weights=...) takes a writer of the weights (a sharded model's, gathered as written)
+
+    def export(self, model: torch.nn.Module, spec: TokenizerSpec, uri: str, storage: StorageConfig, *,
+               weights: Callable[[Path], None] | None = None) -> None:
         """An HF model directory (config, model.safetensors, tokenizer files, generation config), or with LoRA
-        the adapter in PEFT format naming its base, with the tokenizer files."""
+        the adapter in PEFT format naming its base, with the tokenizer files. ``weights``: what writes the weights'
+        files into the directory instead of ``save_pretrained`` (which would need the whole model here)."""
         from ..infra.fs import CHECKSUMS, staged_dir, write_checksums
         from ..model import lora
         from ..model.build import context_length
@@ -227,17 +233,25 @@ class CausalLM:
                 lora.save(model, tmp, base_name(self.base))
             else:
                 model.config.use_cache = True  # for generation by whoever loads it
-                model.save_pretrained(str(tmp), safe_serialization=True)
+                if weights is None:
+                    model.save_pretrained(str(tmp), safe_serialization=True)
+                else:
+                    model.config.save_pretrained(str(tmp))
+                    gc.save_pretrained(str(tmp))
+                    weights(tmp)
                 model.config.use_cache = False
             spec.save(tmp, context=context)
             # peft writes a blank model card template; the run writes its own card (README.md) once it knows its figures
             (tmp / "README.md").unlink(missing_ok=True)
             write_checksums(tmp)
 
-    def artefacts(self, model: torch.nn.Module, spec: TokenizerSpec, run_dir: str, dataset, config: Config) -> None:
-        """samples.txt: continuations of validation prompts (train.samples of them)."""
+    def artefacts(self, model: torch.nn.Module, spec: TokenizerSpec, run_dir: str, dataset, config: Config, *,
+                  write: bool = True) -> None:
+        """samples.txt: continuations of validation prompts (train.samples of them). ``write`` False: a sharded
+        model's other ranks, which compute the same samples with rank 0 (each forward gathers every rank's
+        shards), and write nothing."""
         if self.samples:
-            write_samples(model, spec, run_dir, dataset, config)
+            write_samples(model, spec, run_dir, dataset, config, write=write)
 
 
 def base_name(init_from: str) -> str:
@@ -248,7 +262,7 @@ def base_name(init_from: str) -> str:
     return init_from if is_remote(init_from) else str(Path(init_from).expanduser().resolve())
 
 
-def write_samples(model, spec, run_dir: str, dataset, config) -> None:
+def write_samples(model, spec, run_dir: str, dataset, config, *, write: bool = True) -> None:
     """samples.txt: a few sampled continuations (sparklm's default sampling) of fixed prompts (openings of
     validation documents), written by the worker that holds the final model."""
     from ..infer.generate import LoadedModel, generate
@@ -268,7 +282,8 @@ def write_samples(model, spec, run_dir: str, dataset, config) -> None:
              f"{new_tokens} new tokens (seed {tc.seed})\n"]
     for g in generate(lm, prompts, sampling=sampling, warn=False):
         lines.append(f"--- prompt: {g.prompt!r}\n{g.prompt}{g.text}\n")
-    write_text(join(run_dir, "samples.txt"), "\n".join(lines), config.storage)
+    if write:
+        write_text(join(run_dir, "samples.txt"), "\n".join(lines), config.storage)
 
 
 def sample_prompts(dataset, tok, n: int, config) -> list[str]:

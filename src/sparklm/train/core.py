@@ -143,6 +143,8 @@ class Trainer:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if tc.allocator == "trim":  # what the step freed goes back to the OS: the next step's peak does not grow
+            device.trim_memory()
         return loss_sum, grad_norm, tally
 
     def run_steps(self, batches: Iterator[Batch], n: int, frac: Callable[[int], float], *, stop: bool = True
@@ -300,6 +302,9 @@ class Trainer:
         trained weights into it one tensor at a time (a collective each), for model-final/ first when ``best`` (this
         rank's shards of the best weights) is kept apart, then for model/ and the samples."""
         main, storage = self.rank.rank == 0, self.config.storage
+        if not self.frozen() and getattr(self.task, "streams_export", False):
+            self.export_streamed(run_dir, best)
+            return
         whole = self.task.build(self.config, self.spec, self.seq_len) if main else None
         into = dict(whole.named_parameters()) if main else {}
 
@@ -345,6 +350,31 @@ class Trainer:
                                       best=best.to_state(), extra={"param_groups": groups})
             checkpoint.save_run(join(run_dir, "checkpoints"), run, files, keep=self.tc.keep_checkpoints,
                                 storage=self.config.storage)
+        self.comm.barrier()
+
+    def export_streamed(self, run_dir: str, best: dict[str, torch.Tensor] | None) -> None:
+        """:meth:`export_sharded` without a whole model anywhere: rank 0 writes the directory, its weights' files
+        streamed as the ranks gather each tensor (shard.save_streamed: no process holds more than one whole tensor),
+        and the ranks compute the samples together from the sharded model."""
+        main, storage = self.rank.rank == 0, self.config.storage
+
+        def one(uri: str) -> None:
+            if main:
+                self.task.export(self.model, self.spec, uri, storage,
+                                 weights=lambda where: shard.save_streamed(where, self.model))
+            else:  # the same gathers, in the same order, written by rank 0
+                shard.save_streamed(None, self.model)
+
+        final_dir = join(run_dir, "model-final")
+        if best is not None:
+            one(final_dir)
+            with torch.no_grad():
+                for n, p in self.task.trainable(self.model).items():
+                    p.copy_(best[n])
+        elif main and exists(final_dir, storage):
+            delete(final_dir, storage)
+        one(join(run_dir, "model"))
+        self.task.artefacts(self.model, self.spec, run_dir, self.dataset, self.config, write=main)
         self.comm.barrier()
 
     def save_sharded(self, run_dir: str, best: Best | None, best_weights: dict | None, states: list) -> None:

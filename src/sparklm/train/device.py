@@ -235,7 +235,7 @@ def keep_freed_memory() -> None:
 def set_allocator(policy: str) -> None:
     """train.allocator: "return" hands freed memory back (:func:`hand_back_memory`), else keep it (auto: the memory
     plan resolved it on the driver; a core run without a plan keeps it)."""
-    hand_back_memory() if policy == "return" else keep_freed_memory()
+    hand_back_memory() if policy == "return" else keep_freed_memory()  # trim: kept, and trimmed after every step
 
 
 def hand_back_memory() -> None:

@@ -15,6 +15,10 @@ the backward pass (per sequence, from hidden and MLP widths, layers and sequence
 checkpointing only the blocks' inputs and one block's activations) and the LM head's loss buffers
 (chunked: a constant; unchunked: the logits, per sequence). Its coefficients were fitted to peak RSS
 measured on SmolLM2-135M (benchmarks/finetune.py speed); it errs high.
+
+The same estimate decides ``train.parallel`` (:func:`decide`): a sharded rank (FSDP2) holds 1/N of the weights,
+gradients and optimizer state, plus the weights it gathers (the root's, and two blocks'), and its gradients exist as
+its activations are freed, so its peak holds the larger of the two (measured against it: BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ HEADROOM = 0.9  # plan to this fraction of the limit: allocator fragmentation an
 ADDRESS_SPACE = 700 * MB
 # Activation elements kept per token and layer, in units of the hidden and MLP widths (fitted, see above)
 HIDDEN_UNITS, MLP_UNITS = 14, 6
+# A sharded rank hands freed memory back (train.allocator return): its runtime and activations measured smaller than
+# the fit above, made with freed memory kept (fitted on the 135M and 360M shapes sharded over 2 and 4 ranks:
+# BENCHMARKS.md, issue 80)
+SHARDED_RUNTIME, SHARDED_ACTIVATIONS = 450 * MB, 0.6
 
 
 @dataclass(frozen=True)
@@ -74,10 +82,14 @@ class Footprint:
     per_sequence_checkpointed: int
     head: int  # the LM head's loss buffers (chunked loss)
     address_space: int = 0  # added when the limit counts address space, not resident memory
+    # sharded: the gradients, apart from ``states`` (the optimizer's), which exist as the activations are freed (the
+    # backward pass frees a block's as it makes its gradients): the peak holds the larger of the two; 0: replicated,
+    # whose ``states`` count the gradients and which keeps both (its fit, on measured peaks, counts them so)
+    grads: int = 0
 
     def peak(self, micro_batch: int, checkpointing: bool) -> int:
-        act = self.per_sequence_checkpointed if checkpointing else self.per_sequence
-        return self.runtime + self.weights + self.states + micro_batch * act + self.head + self.address_space
+        act = micro_batch * (self.per_sequence_checkpointed if checkpointing else self.per_sequence)
+        return self.runtime + self.weights + self.states + max(act, self.grads) + self.head + self.address_space
 
 
 def footprint(shapes: Shapes, *, seq_len: int, optimizer_slots: int = 2, activation_bytes: int = 4,
@@ -102,14 +114,18 @@ def footprint(shapes: Shapes, *, seq_len: int, optimizer_slots: int = 2, activat
         checkpointed += 3 * seq_len * shapes.vocab * 4
     else:
         head += 3 * loss_chunk * shapes.vocab * 4
-    weights, states = shapes.weight_bytes, shapes.trainable * 4 * (1 + optimizer_slots)
+    weights, states, grads, runtime = shapes.weight_bytes, shapes.trainable * 4 * (1 + optimizer_slots), 0, RUNTIME
     if shards > 1:
+        runtime = SHARDED_RUNTIME
+        per_sequence = int(per_sequence * SHARDED_ACTIVATIONS)
+        checkpointed = int(checkpointed * SHARDED_ACTIVATIONS)
         per_param = shapes.weight_bytes / max(1, shapes.params)
         trains = shapes.trainable / max(1, shapes.params)  # the share of a unit that trains (LoRA: the adapters')
         gathered = shapes.root() + 2 * shapes.block()
         weights = int(shapes.weight_bytes / shards + gathered * per_param)
-        states = int(states / shards + (shapes.root() + shapes.block()) * trains * 4)
-    return Footprint(runtime=RUNTIME, weights=weights, states=states,
+        states = int(shapes.trainable * 4 * optimizer_slots / shards)
+        grads = int(shapes.trainable * 4 / shards + (shapes.root() + shapes.block()) * trains * 4)
+    return Footprint(runtime=runtime, weights=weights, states=states, grads=grads,
                      per_sequence=per_sequence, per_sequence_checkpointed=checkpointed, head=head)
 
 
@@ -362,7 +378,14 @@ def unplanned(tc) -> MemoryPlan:
 def apply(config, p: MemoryPlan):
     """``config`` with the plan's micro-batch, accumulation, checkpointing and LM-head loss."""
     tc = config.train
-    allocator = tc.allocator if tc.allocator != "auto" else "return" if p.hand_back else "keep"
+    # a sharded rank gathers and frees a block's weights twice a step: glibc's kept free lists then grow by a block's
+    # worth every time (measured on the 360M shape, 2 ranks: 8.3 GB and rising after 3 steps with "keep", 3.9 GB
+    # flat with "return", 10% fewer tokens/s)
+    shrink = p.hand_back or p.parallel == "shard"
+    # a 4-bit base dequantizes each weight at every use: kept, the freed copies grow the heap a step at a time
+    # (the 1.7B shape: 3.4 -> 4.9 GB over 4 steps); trimmed after each step it stays flat (3.9 GB), as fast
+    nf4 = config.lora.r and config.lora.base_dtype == "nf4"
+    allocator = (tc.allocator if tc.allocator != "auto" else "return" if shrink else "trim" if nf4 else "keep")
     return config.replace(train=replace(tc, batch_size=p.batch_size, grad_accum=p.grad_accum,
                                         grad_checkpoint="on" if p.checkpointing else "off", allocator=allocator,
                                         loss_chunk=tc.loss_chunk if p.chunked else -1, parallel=p.parallel))

@@ -51,12 +51,10 @@ def rows(t: torch.Tensor) -> tuple[int, int]:
 
 def materialize(model: torch.nn.Module, path: Path, device: str) -> list[str]:
     """Sharded ``model``, built on the meta device, given its storage on ``device`` and filled from the safetensors
-    files in ``path``: each rank reads only the rows of each weight that it keeps (safetensors reads a slice without
-    the rest), so no rank ever holds a whole weight, let alone the model. Its buffers stay as they were built
+    files in ``path``: each rank reads only the rows of each weight that it keeps (a row range is one byte range of
+    the file), so no rank ever holds a whole weight, let alone the model. Its buffers stay as they were built
     (computed ones, such as rotary frequencies, are in no file). Returns the weights no file held (none: complete)."""
-    from safetensors import safe_open
-
-    from ..model.nf4 import weight_files
+    from ..model.nf4 import Weights, weight_files
 
     built = {n: b.detach().clone() for n, b in model.named_buffers()}
     model.to_empty(device=device)
@@ -66,15 +64,15 @@ def materialize(model: torch.nn.Module, path: Path, device: str) -> list[str]:
         for n, b in model.named_buffers():
             b.copy_(built[n])
         for file in weight_files(path):
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    p = params.get(key)
-                    if p is None or key in filled:
-                        continue
-                    start, stop = rows(p)
-                    if stop > start:
-                        local(p).copy_(f.get_slice(key)[start:stop])
-                    filled.add(key)
+            f = Weights(file)  # plain reads of this rank's rows only (a memory map would count every page touched)
+            for key in f.keys():
+                p = params.get(key)
+                if p is None or key in filled:
+                    continue
+                start, stop = rows(p)
+                if stop > start:
+                    local(p).copy_(f.get(key, start, stop) if p.dim() else f.get(key))
+                filled.add(key)
     return sorted(set(params) - filled)
 
 
@@ -111,6 +109,69 @@ def gathered(tensors: dict[str, torch.Tensor], keep: bool) -> Iterator[tuple[str
         if keep:
             yield name, full.cpu()
         del full
+
+
+MAX_FILE = 5 * 10**9  # bytes of weights a file holds, as save_pretrained splits them (then an index names each one's)
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+           torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8", torch.bool: "BOOL"}
+
+
+def exported(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What a model's safetensors hold: each parameter once (a tied weight under its first name, as save_pretrained
+    drops the tied LM head) and the persistent buffers, in the model's order."""
+    out = list(model.named_parameters())
+    transient = {f"{n}.{b}" if n else b for n, m in model.named_modules() for b in m._non_persistent_buffers_set}
+    return out + [(n, b) for n, b in model.named_buffers() if n not in transient]
+
+
+def save_streamed(directory: Path | None, model: torch.nn.Module, *, max_file: int = MAX_FILE) -> None:
+    """The weights of sharded ``model`` as Hugging Face safetensors files in ``directory`` (``model.safetensors``, or
+    ``model-0000i-of-0000n.safetensors`` of at most ``max_file`` bytes each with ``model.safetensors.index.json``),
+    gathered one tensor at a time and written as it arrives: every rank takes part in each gather, and the rank
+    given ``directory`` (None: another) writes. Why by hand: safetensors' writer takes a whole file's tensors at
+    once; its format (an 8-byte header length, a JSON header of every tensor's dtype, shape and offsets, then the
+    bytes in order) lets the header, known from the shapes, go first and each tensor follow."""
+    import json
+
+    tensors = exported(model)
+    files: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in tensors:
+        n = t.numel() * t.element_size()
+        if files[-1] and size + n > max_file:
+            files.append([])
+            size = 0
+        files[-1].append((name, t))
+        size += n
+    names = (["model.safetensors"] if len(files) == 1 else
+             [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
+    weight_map, total = {}, 0
+    for fname, group in zip(names, files, strict=True):
+        out = None
+        if directory is not None:
+            header, offset = {}, 0
+            for name, t in group:
+                n = t.numel() * t.element_size()
+                header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+                offset += n
+                weight_map[name] = fname
+            total += offset
+            raw = json.dumps({"__metadata__": {"format": "pt"}, **header}, separators=(",", ":")).encode()
+            raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+            out = open(directory / fname, "wb")  # noqa: SIM115 (closed below, after every tensor of the file)
+            out.write(len(raw).to_bytes(8, "little") + raw)
+        try:
+            for _, t in group:
+                full = whole(t.detach())
+                if out is not None:
+                    out.write(full.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+                del full
+        finally:
+            if out is not None:
+                out.close()
+    if directory is not None and len(files) > 1:
+        (directory / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
 def model_state(model: torch.nn.Module) -> dict:
