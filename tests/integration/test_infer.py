@@ -349,6 +349,7 @@ def test_a_model_that_is_not_a_causal_lm_is_one_line(spark, run_dir, tmp_path, c
     (tmp_path / "text.txt").write_text(make_text(40))
     prepare([str(tmp_path / "text.txt")], output=str(tmp_path / "data"), spark=spark, config=from_dict(
         {"data": {"seq_len": 16}, "tokenizer": {"path": str(model)}}))
+    capsys.readouterr()  # prepare's progress and summary are not the commands' output
     from sparklm.cli import main
 
     for args in (["generate", str(model), "--prompt", "Hi"],
