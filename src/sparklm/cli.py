@@ -661,7 +661,11 @@ def _interrupted(signum, frame) -> None:
     read), and the Spark calls that follow fail one after another: ~50 lines of tracebacks. Nothing needs that
     clean-up: every output sparklm writes appears whole or not at all (an interrupted checkpoint or dataset is a
     hidden staging name, removed by the next run), and the JVM exits when this process does (its gateway watches
-    our pipe), ending its executors' work with it."""
+    our pipe), ending its executors' work with it. Only the run's lock is let go first (else the next run waits
+    for it, or is refused)."""
+    held = sys.modules.get("sparklm.infra.runlock")  # not imported: no lock held
+    if held is not None:
+        held.release_all()
     progress.last_words("interrupted")
     os._exit(130)
 

@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 
 from conftest import assert_one_line_interrupt, cfg, figures, interrupt, make_text, weights
 from sparklm.infra.errors import SparklmError
+from sparklm.infra.private import host_dir
 from sparklm.launch.train import train
 from sparklm.metrics.sinks import read_metrics
 
@@ -136,7 +136,7 @@ def test_a_retried_round_with_a_lossy_codec_is_bitwise_the_uninterrupted_one(dat
 
 
 def test_a_crashed_worker_is_left_out_of_its_round_and_nothing_leaks(spark, dataset, tmp_path, monkeypatch, capfd):
-    inner = Path(tempfile.gettempdir()) / "sparklm-inner"
+    inner = host_dir("inner")
     before = set(inner.iterdir()) if inner.exists() else set()
     # local[2] gives a task one attempt: worker 1's Python process is SIGKILLed after its steps of the second round
     # (which also evaluates the weights of step 2)
@@ -349,6 +349,7 @@ def test_one_writer_per_run_directory_ctrl_c_is_one_line_and_the_run_resumes(dat
     line = one_error_line(refused[0])
     assert f"is in use by another sparklm run (host {os.uname().nodename}, pid {r.pid}" in line, line
     assert_one_line_interrupt(r)
+    assert not (run / ".sparklm.lock").exists()  # let go on Ctrl-C: the next run needs no take-over
     last = max(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
     resumed = cli("train", "-o", str(run), "--resume", "--max-steps", str(last + 5), *flags)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -1,18 +1,24 @@
-"""DDP's network (the security review, issue 56 item 5): each test reproduces a finding first, then checks the fix.
+"""DDP's network (the security reviews, issue 56 item 5 and issue 83 item 4): each test reproduces a finding first,
+then checks the fix.
 
 The ranks' store, their gathers of checkpoint state, and the driver's metrics channel: what a stranger on the
-network (or a compromised peer) could reach, and what it could make the driver wait for."""
+network or the host (or a compromised peer) could reach, take, and make the driver wait for or hold."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
 import threading
 import time
 
+import psutil
+import pytest
+
 from sparklm.metrics import rows
 from sparklm.metrics.sinks import Channel, ChannelSink
+from sparklm.strategies.ddp import STORE_FD, store_listener
 
 # -- the ranks' store and their gathers: two real processes ---------------------------------------------------------
 
@@ -31,8 +37,10 @@ if how == "torch":
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timeout)
 else:
+    from sparklm.strategies.ddp import STORE_FD
     from sparklm.strategies.ddp_rank import join_group
-    join_group("gloo", rank, 2, "127.0.0.1", port, timeout)
+    held = os.environ.get(STORE_FD)  # rank 0: the socket its task bound (as ddp.launch hands it)
+    join_group("gloo", rank, 2, "127.0.0.1", port, timeout, listen_fd=int(held) if held else None)
 listening = sorted({c.laddr.ip for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"})
 print("listening", rank, *listening, flush=True)
 
@@ -68,11 +76,22 @@ def _two_ranks(how: str, tmp_path) -> tuple[str, bool]:
     script = tmp_path / "ranks.py"
     script.write_text(TWO_RANKS)
     marker = tmp_path / "ran-a-peers-code"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    if how == "torch":  # a free port, released: torch binds it again
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        store = None
+    else:  # bound and listening until rank 0's store closes it (ddp.launch)
+        store = store_listener("127.0.0.1")
+        port = store.getsockname()[1]
+    fds = [(store.fileno(),) if store and r == 0 else () for r in (0, 1)]
     procs = [subprocess.Popen([sys.executable, str(script), how, str(r), str(port), str(marker)],
+                              env={**os.environ, STORE_FD: str(store.fileno())} if fds[r] else None, pass_fds=fds[r],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    if store:
+        store.close()
+        with pytest.raises(OSError):  # held by rank 0 from its start: no other process can serve the ranks' store
+            socket.create_server(("127.0.0.1", port))
     out = ""
     for p in procs:
         text, _ = p.communicate(timeout=120)
@@ -91,6 +110,30 @@ def test_torchs_own_rendezvous_listens_everywhere_and_unpickles_what_a_peer_send
     out, ran = _two_ranks("torch", tmp_path)
     assert _listening(out) & {"::", "0.0.0.0"}, out
     assert ran
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["fresh", "warm"])
+def test_rank_0s_process_serves_on_the_socket_its_task_bound(tmp_path, warm):
+    """The fix: the task binds port 0, publishes the port it got and hands the listening socket to its rank's process:
+    by inheritance (a fresh process) or over the warm process's Unix socket with the header (SCM_RIGHTS)."""
+    from sparklm.config import Config, TrainConfig
+    from sparklm.strategies.ddp import DDP, _start_rank
+
+    store = store_listener("127.0.0.1")
+    port = store.getsockname()[1]
+    with DDP().prestart(Config(train=TrainConfig(workers=1, threads=1)), "local[1]") as paths:
+        assert paths
+        proc, _ = _start_rank(str(tmp_path), 0, 1, paths[0] if warm else "", store=store)
+        store.close()
+        try:
+            assert type(proc).__name__ == ("WarmRank" if warm else "Popen")
+            held = {c.laddr.port for c in psutil.Process(proc.pid).net_connections("tcp") if c.status == "LISTEN"}
+            assert port in held
+            with pytest.raises(OSError):
+                socket.create_server(("127.0.0.1", port))
+        finally:
+            proc.kill()
+            proc.wait()
 
 
 def test_the_ranks_listen_on_loopback_in_local_mode_and_gather_tensors_only(tmp_path):
@@ -145,9 +188,13 @@ def _a_rank(channel: Channel, steps=(1, 2)) -> None:
     sink.close()
 
 
-def test_a_first_line_without_end_is_cut_off_at_the_length_of_a_token():
+CHANNELS = pytest.mark.parametrize("kind", [Channel], ids=["Channel"])
+
+
+@CHANNELS
+def test_a_first_line_without_end_is_cut_off_at_the_length_of_a_token(kind):
     """Before: the channel read the first line whole, however long, before it checked the token."""
-    channel = Channel(_Rows())
+    channel = kind(_Rows())
     sock = socket.create_connection(channel.address)
 
     def flood():
@@ -165,11 +212,12 @@ def test_a_first_line_without_end_is_cut_off_at_the_length_of_a_token():
         channel.close()
 
 
-def test_a_silent_client_is_dropped_after_the_timeout_and_others_get_through(monkeypatch):
+@CHANNELS
+def test_a_silent_client_is_dropped_after_the_timeout_and_others_get_through(monkeypatch, kind):
     """Before: a client that connected and said nothing held its reader forever (and close() 30 s)."""
-    monkeypatch.setattr(Channel, "hello_timeout", 0.5, raising=False)
+    monkeypatch.setattr(kind, "hello_timeout", 0.5, raising=False)
     sink = _Rows()
-    channel = Channel(sink)
+    channel = kind(sink)
     silent = socket.create_connection(channel.address)
     try:
         _a_rank(channel)  # a rank that connects after it is read at once
@@ -180,9 +228,10 @@ def test_a_silent_client_is_dropped_after_the_timeout_and_others_get_through(mon
     assert [r.step for r in sink.rows] == [1, 2]
 
 
-def test_a_wrong_token_is_refused_and_its_rows_never_read():
+@CHANNELS
+def test_a_wrong_token_is_refused_and_its_rows_never_read(kind):
     sink = _Rows()
-    channel = Channel(sink)
+    channel = kind(sink)
     try:
         for token in ("0" * len(channel.token), channel.token[:-1], " " + channel.token, channel.token + "0"):
             stranger = socket.create_connection(channel.address)
@@ -195,12 +244,13 @@ def test_a_wrong_token_is_refused_and_its_rows_never_read():
     assert [r.step for r in sink.rows] == [7]
 
 
-def test_close_does_not_wait_for_idle_connections(monkeypatch):
+@CHANNELS
+def test_close_does_not_wait_for_idle_connections(monkeypatch, kind):
     """Before: close() waited up to 30 s for each connection whose reader had not ended (a silent stranger, a rank
     whose executor vanished). Now strangers are cut at once and the ranks' readers share one short grace."""
-    monkeypatch.setattr(Channel, "close_grace", 0.5, raising=False)
+    monkeypatch.setattr(kind, "close_grace", 0.5, raising=False)
     sink = _Rows()
-    channel = Channel(sink)
+    channel = kind(sink)
     idle = [socket.create_connection(channel.address) for _ in range(3)]  # strangers that never send their token
     members = [socket.create_connection(channel.address) for _ in range(2)]  # ranks that stay connected
     for m in members:
@@ -219,10 +269,95 @@ def test_close_does_not_wait_for_idle_connections(monkeypatch):
     assert [r.step for r in sink.rows] == [1, 2]
 
 
-def test_close_still_takes_the_rows_a_rank_sent_just_before():
+@CHANNELS
+def test_close_still_takes_the_rows_a_rank_sent_just_before(kind):
     sink = _Rows()
-    channel = Channel(sink)
+    channel = kind(sink)
     _a_rank(channel, steps=range(1, 201))
     channel.close()
     assert [r.step for r in sink.rows] == list(range(1, 201))
 
+
+
+# -- the channel's bounds (issue 83): threads for clients yet to send the token, time to send it, line length -------
+
+
+def _silent_clients(address, n: int) -> list[socket.socket]:
+    """``n`` connections that never send anything (non-blocking: the ones the kernel holds back do not stop here)."""
+    out = []
+    for _ in range(n):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(address)
+        out.append(s)
+    return out
+
+
+def _most_threads(seconds: float) -> int:
+    most, until = threading.active_count(), time.monotonic() + seconds
+    while time.monotonic() < until:
+        most = max(most, threading.active_count())
+        time.sleep(0.02)
+    return most
+
+
+def test_silent_clients_hold_at_most_pending_readers_and_a_rank_still_gets_through(monkeypatch):
+    monkeypatch.setattr(Channel, "hello_timeout", 0.5)
+    sink = _Rows()
+    channel = Channel(sink)
+    before = threading.active_count()
+    clients = _silent_clients(channel.address, 40)
+    try:
+        assert _most_threads(1.0) - before <= Channel.pending
+        t0 = time.monotonic()
+        _a_rank(channel)  # waits in the backlog (or the kernel's retries) while strangers are checked
+        took = time.monotonic() - t0
+    finally:
+        for c in clients:
+            c.close()
+        channel.close()
+    assert [r.step for r in sink.rows] == [1, 2]
+    assert took < 20, took
+
+
+def test_a_silent_client_has_a_few_seconds_to_send_the_token():
+    assert Channel.hello_timeout <= 5.0
+    channel = Channel(_Rows())
+    silent = socket.create_connection(channel.address)
+    t0 = time.monotonic()
+    try:
+        assert _dropped_within(silent, Channel.hello_timeout + 2.0)
+        assert time.monotonic() - t0 >= Channel.hello_timeout - 0.5
+    finally:
+        silent.close()
+        channel.close()
+
+
+def _send_after_token(channel: Channel, data: bytes) -> socket.socket:
+    sock = socket.create_connection(channel.address)
+    sock.sendall(f"{channel.token}\n".encode())
+
+    def flood():
+        try:
+            sock.sendall(data)
+        except OSError:
+            pass  # the channel closed the connection
+
+    threading.Thread(target=flood, daemon=True).start()
+    return sock
+
+
+def test_a_line_longer_than_the_bound_cuts_its_connection_and_the_ranks_go_on():
+    sink = _Rows()
+    channel = Channel(sink)
+    long = _send_after_token(channel, b"x" * (64 << 20))
+    not_utf8 = _send_after_token(channel, b"\xff\xfe\n" + b'{"kind": "rewind", "step": 0}\n')
+    try:
+        assert _dropped_within(long, 3.0)
+        assert _dropped_within(not_utf8, 3.0)
+        _a_rank(channel, steps=(1, 2, 3))
+    finally:
+        long.close()
+        not_utf8.close()
+        channel.close()
+    assert [r.step for r in sink.rows] == [1, 2, 3]

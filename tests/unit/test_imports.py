@@ -180,3 +180,31 @@ def test_no_resolver_is_reachable_from_worker_code():
     found = sorted(m for m in reachable(WORKER_CODE) if any(m == d or m.startswith(d + ".") for d in DRIVER_ONLY))
     assert not found, found
     assert "sparklm.train.resolve" in reachable(["sparklm.launch.train"])  # the check sees what the driver reaches
+
+
+def test_every_transformers_load_refuses_remote_code():
+    """SECURITY.md says `trust_remote_code=False` on every load: the MLflow tracker's pipelines and the GGUF import
+    left it to transformers' default (which asks on a terminal, and whose default may change)."""
+    missing = []
+    for path in SRC.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        literals = {}  # name -> the keys of a dict literal assigned to it (kwargs built before the call)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Dict):
+                target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+                if isinstance(target, ast.Name):
+                    literals[target.id] = {ast.unparse(k): ast.unparse(v) for k, v in
+                                           zip(node.value.keys, node.value.values, strict=True) if k is not None}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = ast.unparse(node.func)
+            if func.rsplit(".", 1)[-1] not in ("from_pretrained", "pipeline") or func.startswith("PeftModel"):
+                continue  # peft's loader reads adapter weights and config, no code
+            given = {k.arg: ast.unparse(k.value) for k in node.keywords if k.arg}
+            for k in node.keywords:
+                if k.arg is None and isinstance(k.value, ast.Name):
+                    given.update({n.strip("'\""): v for n, v in literals.get(k.value.id, {}).items()})
+            if given.get("trust_remote_code") != "False":
+                missing.append(f"{path.relative_to(SRC)}:{node.lineno} {func}")
+    assert not missing, missing

@@ -3,8 +3,6 @@ another on its host holds, from the whole weights, or none (the driver then send
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,6 +12,7 @@ import torch
 from sparklm.strategies import round_worker
 from sparklm.strategies.base import RoundSpec
 from sparklm.strategies.codec import Codec, encode_forward, forward_without
+from sparklm.strategies.round_worker import inner_dir
 
 
 def _spec(step0: int, base_step: int | None) -> RoundSpec:
@@ -27,7 +26,7 @@ def job(request):
     yield SimpleNamespace(uid=uid)
     import shutil
 
-    shutil.rmtree(Path(tempfile.gettempdir()) / "sparklm-inner" / uid, ignore_errors=True)
+    shutil.rmtree(inner_dir(uid), ignore_errors=True)
 
 
 def test_a_worker_without_the_weights_says_so_and_one_on_the_same_host_reads_its_copy(job):
@@ -54,5 +53,5 @@ def test_a_worker_without_the_weights_says_so_and_one_on_the_same_host_reads_its
     round_worker._HELD.clear()
     b = round_worker.global_weights(job, _spec(2, 0), None, update, hold=True, own=own, mine=lambda: mine)
     assert torch.equal(a["x"], b["x"]) and not torch.equal(a["x"], got["x"])
-    kept = sorted(p.name for p in (Path(tempfile.gettempdir()) / "sparklm-inner" / job.uid).glob("held-*"))
+    kept = sorted(p.name for p in inner_dir(job.uid).glob("held-*"))
     assert kept == ["held-step0000000.safetensors", "held-step0000002.safetensors"]

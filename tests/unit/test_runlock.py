@@ -174,6 +174,38 @@ def test_a_reused_pid_does_not_keep_a_dead_holders_lock(tmp_path):
             RunLock(str(tmp_path)).acquire()
 
 
+def test_a_holder_with_our_hostname_on_another_machine_is_judged_by_its_lease(tmp_path):
+    """Containers on two machines often share a hostname: a holder there was judged dead by a pid of this machine
+    (none running here), and its live run's lock was taken over. The lock records the machine (boot and pid
+    namespace); another machine's holder keeps its lock for the lease, as any remote holder does."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    _holder(tmp_path, pid=gone.pid, machine="another machine's boot id")
+    with pytest.raises(SparklmError, match=rf"pid {gone.pid}"):
+        RunLock(str(tmp_path), lease=60).acquire()
+    _holder(tmp_path, pid=gone.pid, machine="another machine's boot id", heartbeat=time.time() - 61)
+    with RunLock(str(tmp_path), lease=60) as lock:
+        assert lock.me["machine"]  # and this machine's own is recorded (Linux)
+    _holder(tmp_path, pid=gone.pid, machine=lock.me["machine"])  # this machine: its pid is gone, so is the holder
+    with RunLock(str(tmp_path), lease=60):
+        pass
+
+
+def test_release_all_lets_go_of_every_lock_this_process_holds(tmp_path):
+    """Ctrl-C ends a command with os._exit (no with-block ends): its run's lock stayed, and the next run was refused
+    or had to take it over. The handler releases what this process holds first."""
+    from sparklm.infra.runlock import release_all
+
+    a, b = RunLock(str(tmp_path / "a")), RunLock(str(tmp_path / "b"), kind="dataset")
+    a.acquire()
+    b.acquire()
+    assert (tmp_path / "a" / LOCK).exists() and (tmp_path / f".b{LOCK}").exists()
+    release_all()
+    assert not (tmp_path / "a" / LOCK).exists() and not (tmp_path / f".b{LOCK}").exists()
+    RunLock(str(tmp_path / "a")).acquire()  # free at once
+    release_all()
+
+
 @pytest.mark.parametrize("uri", ["gs://bucket/run", "abfs://container@account.dfs.core.windows.net/run",
                                  "hdfs://namenode/run", "unknown://x/run"])
 def test_a_scheme_other_than_s3_is_never_sent_to_boto3(uri, tmp_path, monkeypatch, capsys):

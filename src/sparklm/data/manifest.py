@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Any
 
 from ..config import StorageConfig
 from ..infra.errors import SparklmError
-from ..infra.fs import join, resolve
+from ..infra.fs import inside, join, resolve
 from .tokenizer import TokenizerSpec, from_tokenizer
 
 MANIFEST = "manifest.json"
@@ -28,11 +29,20 @@ class PreparedDataset:
     manifest: dict[str, Any]
 
     def files(self, split: str) -> list[str]:
-        return [join(self.uri, f["path"]) for f in self.manifest["splits"][split]["files"]]
+        return [self.file(f["path"]) for f in self.manifest["splits"][split]["files"]]
+
+    def file(self, name: str) -> str:
+        """The dataset's file ``name`` (as its manifest gives it), refused in one line unless it is inside the
+        dataset: a manifest is data, and a remote dataset's must not make a run read this host's files."""
+        return join(self.uri, _inside(self.uri, name))
 
     @property
     def seq_len(self) -> int:
         return int(self.manifest["packing"]["seq_len"])
+
+
+def _inside(uri: str, name: str) -> str:
+    return inside(PurePosixPath("."), name, what=f"a file in {uri}/{MANIFEST}").as_posix()
 
 
 def load_prepared(uri: str, storage: StorageConfig | None = None) -> PreparedDataset:
@@ -80,13 +90,14 @@ def load_tokenizer(dataset: PreparedDataset, storage: StorageConfig | None = Non
     t = dataset.manifest["tokenizer"]
     names = [tok.id_to_token(t[k]) for k in ("bos_id", "eos_id", "pad_id")]
     template = ""
-    if t.get("chat_template"):  # kept beside the tokenizer, as save_pretrained writes it
-        with fs.open_input_stream(f"{path}/{t['chat_template']}") as f:
+    if t.get("chat_template"):  # kept beside the tokenizer, as save_pretrained writes it; checked by its checksum
+        with fs.open_input_stream(f"{path}/{_inside(dataset.uri, t['chat_template'])}") as f:
             template = f.read().decode("utf-8")
     # datasets from before the BOS convention was recorded all start documents with BOS
     spec = from_tokenizer(tok, *names, add_bos=t.get("add_bos", True), chat_template=template)
-    if spec.sha256 != t["sha256"]:
-        raise SparklmError(f"{dataset.uri}/tokenizer.json does not match its manifest (fingerprint differs)",
+    if spec.checksum != t["sha256"]:
+        raise SparklmError(f"{dataset.uri}/tokenizer.json or its chat template does not match its manifest "
+                           "(fingerprint differs)",
                            hint="prepare the dataset again; do not edit its files")
     return spec
 

@@ -46,6 +46,14 @@ class TokenizerSpec:
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
 
     @property
+    def checksum(self) -> str:
+        """What a dataset's manifest records: :attr:`sha256`, and the chat template where there is one (it renders
+        the training text and travels with the model, so a template file swapped beside the tokenizer is caught)."""
+        if not self.chat_template:
+            return self.sha256
+        return hashlib.sha256(f"{self.sha256}\n{self.chat_template}".encode()).hexdigest()
+
+    @property
     def vocab_size(self) -> int:
         return self.tokenizer().get_vocab_size(with_added_tokens=True)
 

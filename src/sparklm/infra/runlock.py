@@ -24,7 +24,6 @@ import json
 import os
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 import uuid
@@ -37,10 +36,12 @@ from ..config import StorageConfig
 from . import progress
 from .errors import SparklmError
 from .fs import join, local_path
+from .private import host_dir
 
 LOCK = ".sparklm.lock"
 LEASE = 120.0  # seconds without a heartbeat after which a holder on another host counts as dead
 # what the lock guards, in the words of its messages: (the directory, how it is busy, the other process)
+_HELD: set[RunLock] = set()  # the locks this process holds, for release_all
 _WORDS = {"run": ("run directory", "is in use by", "another sparklm run"),
           "dataset": ("output", "is being written by", "another sparklm prepare")}
 
@@ -68,7 +69,8 @@ class RunLock:
         self.where, self.kind = os.fspath(run_dir).rstrip("/") or os.fspath(run_dir), kind
         self.uri = join(run_dir, LOCK) if kind == "run" else _beside(self.where)
         self.storage, self.lease = storage or StorageConfig(), lease
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _process_start(os.getpid()),
+        self.me = {"host": socket.gethostname(), "machine": _machine(), "pid": os.getpid(),
+                   "pid_start": _process_start(os.getpid()),
                    "token": uuid.uuid4().hex, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         self.store = _store(self.uri, self.storage, self.where)
         self.on_lost: Callable[[], None] | None = None
@@ -104,6 +106,7 @@ class RunLock:
         raise self._busy(seen)
 
     def release(self) -> None:
+        _HELD.discard(self)
         self._stop.set()
         if self._beat is not None:
             self._beat.join(timeout=5)
@@ -117,6 +120,7 @@ class RunLock:
             raise self._lost()
 
     def _start(self) -> None:
+        _HELD.add(self)
         self._beat = threading.Thread(target=self._heartbeat, daemon=True)
         self._beat.start()
 
@@ -152,7 +156,10 @@ class RunLock:
 
     def _dead(self, seen: Seen) -> bool:
         holder = seen.holder
-        if holder.get("host") == self.me["host"] and isinstance(holder.get("pid"), int):
+        # a pid says something only on this machine, in this pid namespace: containers elsewhere share hostnames
+        # (a lock written before "machine" was recorded is judged by its host, as then)
+        here = holder.get("host") == self.me["host"] and holder.get("machine", self.me["machine"]) == self.me["machine"]
+        if here and isinstance(holder.get("pid"), int):
             return not _running(holder["pid"], holder.get("pid_start"))
         return seen.age > self.lease
 
@@ -188,7 +195,29 @@ def _store(uri: str, storage: StorageConfig, where: str):
         return _S3(uri, storage)
     progress.warn(f"the lock on {where} is local to this host: sparklm has no conditional write for {scheme}:// "
                   "(only for local paths and s3://), so make sure no run on another host writes there at once")
-    return _Local(Path(tempfile.gettempdir()) / "sparklm-locks" / (hashlib.sha256(uri.encode()).hexdigest()[:16] + LOCK))
+    # this user's own directory: a shared one could be made first by another user, closed to every other
+    return _Local(host_dir("locks") / (hashlib.sha256(uri.encode()).hexdigest()[:16] + LOCK))
+
+
+def release_all() -> None:
+    """Release every lock this process holds: for an exit that skips ``with`` blocks (Ctrl-C's ``os._exit``)."""
+    for lock in list(_HELD):
+        try:
+            lock.release()
+        except Exception:  # noqa: BLE001 - exiting anyway; a lock left behind is taken over by the next run
+            pass
+
+
+def _machine() -> str | None:
+    """This machine's boot and pid namespace (Linux), or None: what makes a pid comparable with ours."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+    try:
+        return f"{boot} {os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return boot
 
 
 def _process_start(pid: int) -> str | None:

@@ -28,7 +28,7 @@ from ..data import tokenizer as tokenizers_mod
 from ..data.manifest import FORMAT, MANIFEST, SPLITS, PreparedDataset, load_prepared
 from ..data.packing import PackSpec
 from ..data.spark_engine import SparkSource
-from ..infra import progress
+from ..infra import progress, redact
 from ..infra.errors import SparklmError, spark_errors
 from ..infra.fs import effective, is_remote, remove_stale, resolve, staging_path, swap_in, uri_like
 from ..infra.runlock import RunLock
@@ -466,8 +466,8 @@ def _manifest(config, inputs, validation_inputs, stats, files, tokens, spec, pac
         "task": config.data.task,
         "sparklm_version": __version__,
         "created_unix": round(time.time(), 3),
-        "inputs": list(inputs),
-        "validation_inputs": list(validation_inputs),
+        "inputs": [redact.value(i) for i in inputs],  # a credential inside a URI is never written
+        "validation_inputs": [redact.value(i) for i in validation_inputs],
         "input": {"files": stats["files"], "documents_read": stats["documents_read"],
                   "dropped": stats["dropped"], "invalid_bytes_replaced": stats["invalid_bytes_replaced"]},
         "splits": splits,
@@ -476,7 +476,7 @@ def _manifest(config, inputs, validation_inputs, stats, files, tokens, spec, pac
                     "targets": "inputs shifted by one (labels = input_ids)",
                     "bos_eos": _framing(config.data, spec), "format": config.data.format,
                     "chat_template": passes.templated(config.data, spec), "loss_mask": config.data.format != "text"},
-        "tokenizer": {"file": "tokenizer.json", "sha256": spec.sha256, "vocab_size": spec.vocab_size,
+        "tokenizer": {"file": "tokenizer.json", "sha256": spec.checksum, "vocab_size": spec.vocab_size,
                       "bos_id": spec.bos_id, "eos_id": spec.eos_id, "pad_id": spec.pad_id, "add_bos": spec.add_bos,
                       "chat_template": "chat_template.jinja" if spec.chat_template else None,
                       "trained": not config.tokenizer.path},

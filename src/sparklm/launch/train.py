@@ -118,7 +118,7 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
         # --resume starts from them); plan: everything else decided about the run, and the settings it changed
         write_text(join(run_dir, "config.json"), json.dumps(
             {"config": config.to_saved(), "decided": resolve.decided(asked, config), "plan": plan.record(config),
-             "data": data, "sparklm_version": __version__}, indent=2), storage)
+             "data": redact.value(data), "sparklm_version": __version__}, indent=2), storage)
         job = Job(plan, data=data, run_dir=run_dir, resume=resume, uid=uuid.uuid4().hex, warm=warm)
         figures = task_info(config.model.task).figures
         sinks = _sinks(run_dir, figures, storage, tracking, resume)
@@ -178,8 +178,8 @@ def _cards(run_dir: str, config: Config, data: str, summary: dict) -> None:
         adapter = exists(join(directory, ADAPTER_CONFIG), config.storage)
         if not adapter and not exists(join(directory, "config.json"), config.storage):
             continue
-        card = model_card(name=directory, summary=summary, data=data, base=base, license=license, adapter=adapter,
-                          which=which, final=name == "model-final")
+        card = model_card(name=directory, summary=summary, data=redact.value(data), base=redact.value(base),
+                          license=license, adapter=adapter, which=which, final=name == "model-final")
         write_text(join(directory, "README.md"), card, config.storage)
 
 
@@ -204,6 +204,9 @@ def _resumed(run_dir: str, config: Config | None, changes: dict[str, Any] | None
                       "without them: give them again (--config, or --conf KEY='${env:NAME}') if it needs them")
     config = resume_config(_untracked(base, changes, saved), changes)
     _check_resumable(run_dir, config)
+    if not data and redact.holds_mask(meta["data"]):
+        raise SparklmError(f"cannot resume: {saved} names the dataset {meta['data']}, its credential masked",
+                           hint="pass --data again (a credential inside a URI is never written)")
     return config, data or meta["data"], meta.get("plan")
 
 

@@ -258,15 +258,25 @@ class Channel:
     It binds to the driver's address (``host``), which the ranks can reach (Spark's executors already
     talk to the driver there); a random token authenticates the sender, so nothing else on the network
     can inject rows. A stranger can make the driver neither read nor wait much: a client's first
-    ``len(token) + 1`` bytes must be the token and a newline, sent within ``hello_timeout`` seconds.
+    ``len(token) + 1`` bytes must be the token and a newline, sent within ``hello_timeout`` seconds; a connection
+    costs a reader thread only while fewer than ``pending`` clients are being checked (the next ones wait in the
+    kernel's listen backlog of ``backlog``; beyond it the kernel drops attempts, which retry), and a line after the
+    token is at most ``max_line`` characters (a longer one, or one not UTF-8, cuts that connection; the others go
+    on). Only rank 0 connects, once per attempt: it waits only while strangers hold every slot, each for
+    ``hello_timeout`` at most.
     """
 
-    hello_timeout = 10.0  # seconds a client has to send the token (a rank sends it as it connects)
+    hello_timeout = 5.0  # seconds a client has to send the token (a rank sends it as it connects)
     close_grace = 30.0  # seconds close() waits for the ranks' readers, all together, before it cuts them
+    pending = 8  # clients being checked at once, a reader thread each
+    backlog = 8  # connections the kernel holds for the next check
+    max_line = 1 << 20  # characters in a line after the token, its newline included (a row is a few hundred)
 
     def __init__(self, sink: Sink, host: str = "127.0.0.1"):
         self.sink, self.token = sink, secrets.token_hex(16)
-        self.server = socket.create_server((host, 0))
+        self._slots = threading.BoundedSemaphore(self.pending)
+        self._holding: set[socket.socket] = set()  # accepted connections that hold a slot until checked
+        self.server = socket.create_server((host, 0), backlog=self.backlog)
         self.server.settimeout(0.5)
         self.address = (host, self.server.getsockname()[1])
         self._stop = threading.Event()
@@ -282,12 +292,17 @@ class Channel:
 
     def _serve(self) -> None:
         while not self._stop.is_set():
+            if not self._slots.acquire(timeout=0.5):
+                continue  # every slot is held by a client yet to be checked: the next one waits in the backlog
             try:
                 conn, _ = self.server.accept()
             except TimeoutError:
+                self._slots.release()
                 continue
             except OSError:
+                self._slots.release()
                 return
+            self._holding.add(conn)
             self._start_reading(conn)
 
     def _start_reading(self, conn: socket.socket) -> None:
@@ -310,6 +325,14 @@ class Channel:
 
     def _welcome(self, conn: socket.socket) -> bool:
         """Whether the client's first line is the token: never more than its length is read before the check."""
+        try:
+            return self._check_token(conn)
+        finally:  # its slot is free once the token came or the client was refused
+            if conn in self._holding:
+                self._holding.discard(conn)
+                self._slots.release()
+
+    def _check_token(self, conn: socket.socket) -> bool:
         want = f"{self.token}\n".encode()
         got, deadline = b"", time.monotonic() + self.hello_timeout
         while len(got) < len(want):
@@ -324,8 +347,19 @@ class Channel:
         self._conns[conn] = True
         return True
 
+    def _bounded(self, lines):
+        """``lines`` up to the first longer than ``max_line`` with its newline (never read whole), or one that is
+        not UTF-8."""
+        try:
+            while line := lines.readline(self.max_line):
+                if len(line) == self.max_line and not line.endswith("\n"):
+                    return  # the connection closes as _read returns
+                yield line
+        except UnicodeDecodeError:
+            return
+
     def _take(self, conn: socket.socket, lines) -> None:
-        for line in lines:
+        for line in self._bounded(lines):
             try:
                 raw = json.loads(line)
                 if raw.get("kind") == FLUSH:

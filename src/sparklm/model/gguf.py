@@ -254,7 +254,8 @@ def _load(path: Path, arch: str | None, head_dim: int | None = None) -> tuple[An
                                hint=f"pip install {needed}") from None
     hf_logging.disable_progress_bar()
     folder, name = str(path.parent), path.name
-    kwargs: dict[str, Any] = {"gguf_file": name, "local_files_only": True, "dtype": torch.float32}
+    kwargs: dict[str, Any] = {"gguf_file": name, "local_files_only": True, "trust_remote_code": False,
+                              "dtype": torch.float32}
     with contextlib.suppress(ImportError):
         from transformers import GgufConfig
 
@@ -282,7 +283,7 @@ def _load(path: Path, arch: str | None, head_dim: int | None = None) -> tuple[An
                     "this transformers reads (pip install -U transformers gguf)")
         raise SparklmError(f"transformers cannot load {what} from {path}: {_short(e)}", hint=hint) from None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True, trust_remote_code=False)
     except (ValueError, NotImplementedError, KeyError, OSError) as e:
         raise SparklmError(f"transformers cannot build the tokenizer of {path}: {_short(e)}",
                            hint="upgrade transformers, or convert the original checkpoint instead") from None
@@ -295,7 +296,7 @@ def _with_head_dim(folder: str, name: str, head_dim: int):
     ``key_length`` out, so the config's default (128) was taken and a model of narrower heads did not load."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True, trust_remote_code=False)
     if getattr(config, "head_dim", None) not in (None, head_dim):
         config.head_dim = head_dim
     return config

@@ -51,7 +51,9 @@ LD_LIBRARY_PATH="$here/../lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$here/
 # the user's alone: under a world-writable temp dir another user could create it first and plant an interpreter
 # there (run as this user) or hold its lock for ever. So everything lives in one directory per user,
 # $SPARKLM_ENV_DIR or the temp dir + /sparklm-<uid>, used only when it is a real directory (not a link) owned by
-# this user and closed to others (mode 700), else ~/.cache/sparklm/env under the same checks; neither: one line.
+# this user and closed to others (mode 700), in a parent where no other user can rename it (infra/private.py's rule,
+# checked with one lstat, not tests a swap can slip between), else ~/.cache/sparklm/env under the same checks;
+# neither: one line. The archive's SHA-256 is checked before it is unpacked.
 # The mark an unpack writes last holds the archive's SHA-256, so a directory that holds anything else is unpacked
 # again. Several Python workers may start at once: the first to make the lock directory unpacks, the others wait;
 # a lock left by a killed unpack is taken over after 15 minutes. Environments unused for a week are removed.
@@ -61,9 +63,15 @@ archive="$(pwd)/%(archive)s"
 want="%(sha256)s"
 uid=$(id -u)
 private() {  # a directory of this user's alone, made if missing
-  [ -L "$1" ] && return 1
-  mkdir -p "$(dirname "$1")" 2>/dev/null; mkdir -m 700 "$1" 2>/dev/null
-  [ -d "$1" ] && [ ! -L "$1" ] && [ -O "$1" ] && chmod 700 "$1" 2>/dev/null
+  parent=$(dirname "$1")
+  mkdir -p "$parent" 2>/dev/null; mkdir -m 700 "$1" 2>/dev/null
+  # its parent must not let another user rename the entry away: owned by this user or root, sticky if others write
+  owner=$(stat -L -c %%u "$parent" 2>/dev/null) && mode=$((0$(stat -L -c %%a "$parent" 2>/dev/null))) || return 1
+  [ "$owner" = "$uid" ] || [ "$owner" = 0 ] || return 1
+  [ $((mode & 022)) -eq 0 ] || [ $((mode & 01000)) -ne 0 ] || return 1
+  # one lstat gives type and owner at once: no link/directory swap between two tests; once such an entry is
+  # ours, the parent keeps it ours
+  [ "$(stat -c %%F:%%u "$1" 2>/dev/null)" = "directory:$uid" ] && chmod 700 "$1"
 }
 home="${SPARKLM_ENV_DIR:-${TMPDIR:-/tmp}}/sparklm-$uid"
 if ! private "$home"; then
@@ -76,8 +84,8 @@ fi
 env="$home/%(name)s"
 if [ "$(cat "$env/.unpacked" 2>/dev/null)" != "$want" ]; then
   if mkdir -m 700 "$env.lock" 2>/dev/null; then
-    rm -rf "$env" && mkdir -m 700 "$env" && tar -xzf "$archive" -C "$env" \\
-      && [ "$(sha256sum < "$archive" | cut -d' ' -f1)" = "$want" ] \\
+    [ "$(sha256sum < "$archive" | cut -d' ' -f1)" = "$want" ] \\
+      && rm -rf "$env" && mkdir -m 700 "$env" && tar -xzf "$archive" -C "$env" \\
       && printf %%s "$want" > "$env/.unpacked"
     rmdir "$env.lock"
     if [ "$(cat "$env/.unpacked" 2>/dev/null)" != "$want" ]; then

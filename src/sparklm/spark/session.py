@@ -83,6 +83,7 @@ def get_session(config: SparkConfig | None = None, *, spark=None, jvm_log: str |
         defaults["spark.python.daemon.module"] = "sparklm.spark.daemon"
     user = {k: expand(v, f"spark.conf {k}") for k, v in config.conf.items()}  # ${env:NAME} read here only
     confs = session_conf(defaults, preset, {**user, **({"spark.app.name": config.app_name} if config.app_name else {})})
+    confs.update(redaction_conf({**preset, **confs}))
     ship = config.ship_env == "on" and not master.startswith("local")
     spark = _start(master, confs, pending, config, jvm_log, ship)
     if (config.ship_env == "auto" and not master.startswith("local") and not user_python
@@ -91,6 +92,19 @@ def get_session(config: SparkConfig | None = None, *, spark=None, jvm_log: str |
         spark.stop()
         spark = _start(master, confs, pending, config, jvm_log, True)
     return spark
+
+
+def redaction_conf(settings: dict[str, str]) -> dict[str, str]:
+    """Spark's redaction settings from sparklm's rule, so that its UI and event logs mask what sparklm masks: the key
+    rule, and the credentials inside values (Spark also tests its key regex on each value, and masks the whole value:
+    ``spark.hadoop.fs.defaultFS=abfss://:KEY@...`` on the environment page). A regex the user set (``--conf``,
+    spark-defaults.conf) is kept and ours added to it: Spark then masks what either masks."""
+    out = {}
+    for key, ours in (("spark.redaction.regex", f"{redact.KEY_RULE}|{redact.VALUE_RULE}"),
+                      ("spark.redaction.string.regex", redact.VALUE_RULE)):
+        theirs = settings.get(key, "")
+        out[key] = theirs if ours in theirs else f"(?:{theirs})|{ours}" if theirs else ours
+    return out
 
 
 def active_session():

@@ -3,10 +3,11 @@
 Each barrier task starts its rank as a child process (``python -m sparklm.strategies.ddp_rank``):
 the rank's threads, memory and gloo teardown stay out of Spark's Python worker, and a rank that dies
 takes its task down with it (and the barrier stage with it) instead of hanging. Rank 0's address is
-shared with ``BarrierTaskContext.allGather`` (with peers to tell); rank 0 streams its metrics rows to
-the driver over a socket (sinks.Channel). Launching 2 ranks this way took 3.6 s against 5.8 s / 12.9 s for
-``TorchDistributor`` (local_mode True / False; benchmarks/launch_overhead.py), and rank 0's result
-comes back directly.
+shared with ``BarrierTaskContext.allGather`` (with peers to tell): rank 0's task binds the store's port
+before it publishes it and hands the socket to its rank, so no other process can take the port in between.
+Rank 0 streams its metrics rows to the driver over a socket (metrics.sinks.Channel). Launching 2 ranks
+this way took 3.6 s against 5.8 s / 12.9 s for ``TorchDistributor`` (local_mode True / False;
+benchmarks/launch_overhead.py), and rank 0's result comes back directly.
 
 In local mode the ranks' processes start before Spark does (``DDP.prestart``): they import torch and
 transformers (~3 s) while the JVM starts, then wait on a Unix socket; each barrier task takes one
@@ -30,6 +31,7 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager
+from pathlib import Path
 
 from ..config import Config
 from ..infra import progress
@@ -204,8 +206,8 @@ def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> RunResult:
     """Run ``job`` on ``job.workers`` ranks and return rank 0's result."""
     workers, threads = job.workers, job.threads  # threads: decided on the driver (resolve.threads)
     local_run = local_path(job.run_dir)
-    log_dir = str(local_run / "logs") if local_run is not None else os.path.join(tempfile.gettempdir(), "sparklm-logs",
-                                                                                  job.uid)
+    # a run directory elsewhere: each host's own private directory, found where the task runs
+    log_dir = str(local_run / "logs") if local_run is not None else None
     job_json = job.to_json()
     # where rank 0 serves the ranks' store (ddp_rank.join_group): loopback when every rank runs on this host
     loopback = spark.sparkContext.master.startswith("local")
@@ -215,12 +217,19 @@ def launch(spark, job: Job, *, channel: tuple[str, int, str]) -> RunResult:
 
         ctx = BarrierTaskContext.get()
         rank = ctx.partitionId()
-        # Start the rank first: it imports torch and transformers (~3 s) while the ranks find each other.
-        proc, log_path = _start_rank(log_dir, rank, threads, job.warm[rank] if len(job.warm) > rank else "")
+        host = "127.0.0.1" if loopback else ctx.getTaskInfos()[rank].address.rsplit(":", 1)[0] or "127.0.0.1"
+        # rank 0's store: bound (port 0) and listening before its port is published, then its rank's alone
+        store = store_listener(host) if rank == 0 and workers > 1 else None
+        port = store.getsockname()[1] if store else 0
         try:
-            host = "127.0.0.1" if loopback else ctx.getTaskInfos()[rank].address.rsplit(":", 1)[0] or "127.0.0.1"
+            # Start the rank first: it imports torch and transformers (~3 s) while the ranks find each other.
+            proc, log_path = _start_rank(log_dir or str(rank_log_dir(job.uid)), rank, threads, job.warm[rank] if len(job.warm) > rank else "",
+                                         store=store)
+        finally:
+            if store:
+                store.close()  # the rank holds its own copy
+        try:
             if workers > 1:
-                port = _free_port(host) if rank == 0 else 0
                 peers = [json.loads(m) for m in ctx.allGather(json.dumps({"host": host, "port": port}))]
             else:  # no peers to find (and a barrier call costs about a second: Spark 4 polls once a second)
                 peers = [{"host": host, "port": 0}]
@@ -274,25 +283,32 @@ def _rank_env(threads: int) -> dict[str, str]:
     return env
 
 
-def _start_rank(log_dir: str, rank: int, threads: int, warm: str = "") -> tuple[subprocess.Popen | WarmRank, str]:
+def _start_rank(log_dir: str, rank: int, threads: int, warm: str = "",
+                store: socket.socket | None = None) -> tuple[subprocess.Popen | WarmRank, str]:
+    """Start rank ``rank``'s process (a warm one's fork where there is one), handing it ``store``, the listening
+    socket it serves the ranks' store on (rank 0's)."""
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"rank-{rank}.log")
     with open(log_path, "ab") as log:
         log.write(f"{START_MARK} {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())  # a restart appends to the log
         log.flush()
         limited = process_limit() is not None  # this task's address-space limit binds the rank too
-        if warm and not limited and (taken := WarmRank.take(warm, log_path)) is not None:
+        if warm and not limited and (taken := WarmRank.take(warm, log_path, store=store)) is not None:
             return taken, log_path
         env = _rank_env(threads)
         if limited:
             env.update(LEAN_ADDRESS_SPACE)
+        if store is not None:
+            env[STORE_FD] = str(store.fileno())
         proc = subprocess.Popen([sys.executable, "-m", "sparklm.strategies.ddp_rank"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=log, env=env, preexec_fn=die_with_parent)
+                                stdout=subprocess.PIPE, stderr=log, env=env, preexec_fn=die_with_parent,
+                                pass_fds=(store.fileno(),) if store is not None else ())
     return proc, log_path
 
 
 WARM_RANKS = os.environ.get("SPARKLM_WARM_RANKS", "1") != "0"  # off: every task starts a fresh rank process
 WARM_PID, WARM_EXIT = b"SPARKLM-WARM-PID ", b"SPARKLM-WARM-EXIT "
+STORE_FD = "SPARKLM_STORE_FD"  # rank 0's environment: the store's listening socket (ddp_rank.join_group's listen_fd)
 
 
 class WarmRank:
@@ -304,14 +320,17 @@ class WarmRank:
         self.stdin = self
 
     @classmethod
-    def take(cls, path: str, log_path: str, wait: float = 120.0) -> WarmRank | None:
-        """The warm process at ``path`` forks a rank logging to ``log_path``; None when it is gone (taken by an
-        earlier attempt, or dead): the task then starts a fresh process."""
+    def take(cls, path: str, log_path: str, wait: float = 120.0, store: socket.socket | None = None) -> WarmRank | None:
+        """The warm process at ``path`` forks a rank logging to ``log_path`` (and serving the store on ``store``,
+        passed with the header); None when it is gone (taken by an earlier attempt, or dead): the task then starts a
+        fresh process."""
         sock = socket.socket(socket.AF_UNIX)
         try:
             sock.settimeout(wait)  # the warm process answers once its imports are done
             sock.connect(path)
-            sock.sendall(json.dumps({"log": log_path}).encode() + b"\n")
+            header = json.dumps({"log": log_path}).encode() + b"\n"
+            sent = socket.send_fds(sock, [header], [store.fileno()]) if store is not None else 0
+            sock.sendall(header[sent:])
             lines = sock.makefile("rb")
             first = lines.readline(64)  # "SPARKLM-WARM-PID N": no more is read before it is checked
             sock.settimeout(None)
@@ -489,10 +508,11 @@ def _last_error_text(log: str) -> SparklmError | None:
     return None
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host if host not in ("localhost",) else "127.0.0.1", 0))
-        return s.getsockname()[1]
+def store_listener(host: str) -> socket.socket:
+    """A socket listening on a port of ``host`` that the system chose and that stays bound until the ranks' store
+    closes it: choosing a free port, releasing it and binding it again would let another process take it between
+    the two (and serve the ranks' store itself)."""
+    return socket.create_server((host if host not in ("localhost",) else "127.0.0.1", 0))
 
 
 def die_with_parent() -> None:
@@ -505,3 +525,11 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def rank_log_dir(job_uid: str) -> Path:
+    """Where a run whose directory is not on this host's disk keeps its ranks' logs on this host: this user's own
+    directory (they are read back for the ranks' errors, so no other user may write them; nor read them)."""
+    from ..infra.private import host_dir
+
+    return host_dir("logs", job_uid)

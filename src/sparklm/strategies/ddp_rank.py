@@ -22,6 +22,7 @@ def main() -> None:
     from ..train.core import Rank, train
     from ..train.loop import Leaving
     from .base import Job, RankStart
+    from .ddp import STORE_FD
 
     if sys.argv[1:2] == ["--warm"]:  # started before Spark (ddp.DDP.prestart): wait for the task that takes it
         _serve_once(int(sys.argv[2]))
@@ -33,9 +34,11 @@ def main() -> None:
     plan = job.plan  # what runs, decided on the driver: a rank reads it and decides nothing
     try:
         shard = plan.config.train.parallel == "shard"
+        listener = os.environ.pop(STORE_FD, None)  # rank 0: the store's socket, bound by its Spark task
         if rank.world > 1 or shard:  # the ranks find each other: their collectives from here on
             join_group(plan.device.backend, rank.rank, rank.world, start.master_addr, start.master_port,
-                       timedelta(seconds=plan.config.train.ddp.collective_timeout))
+                       timedelta(seconds=plan.config.train.ddp.collective_timeout),
+                       listen_fd=int(listener) if listener else None)
         comm = collective.of(rank.rank, rank.world, shard=shard)
         dataset = load_prepared(job.data, plan.config.storage)
         spec = load_tokenizer(dataset, plan.config.storage)
@@ -74,11 +77,14 @@ def main() -> None:
     os._exit(0)
 
 
-def join_group(backend: str, rank: int, world: int, addr: str, port: int, timeout: timedelta) -> None:
+def join_group(backend: str, rank: int, world: int, addr: str, port: int, timeout: timedelta, *,
+               listen_fd: int | None = None) -> None:
     """Join the ranks' process group, whose store rank 0 serves on ``addr:port``.
 
-    torch's own rendezvous (MASTER_ADDR) listens on every interface, whatever the address; rank 0 binds the store's
-    socket itself instead: to ``addr``, which is 127.0.0.1 in local mode and its executor's address on a cluster.
+    torch's own rendezvous (MASTER_ADDR) listens on every interface, whatever the address; rank 0 serves the store
+    on a socket bound to ``addr`` instead, which is 127.0.0.1 in local mode and its executor's address on a cluster:
+    ``listen_fd``, bound to port 0 and listening before ``port`` was published (ddp.launch), so that no other
+    process can take the port between its choice and its use; without it, rank 0 binds ``addr:port`` itself.
     With a loopback store every rank is on this host, so gloo's and NCCL's own sockets stay on loopback too (unless
     GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise); elsewhere gloo binds the address of the host's name.
     """
@@ -91,7 +97,9 @@ def join_group(backend: str, rank: int, world: int, addr: str, port: int, timeou
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
         os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
     # the listening socket goes to the store (detach: torch owns and closes it)
-    fd = socket.create_server((addr, port)).detach() if rank == 0 else None
+    fd = None
+    if rank == 0:
+        fd = listen_fd if listen_fd is not None else socket.create_server((addr, port)).detach()
     store = dist.TCPStore(addr, port, world, rank == 0, timeout, master_listen_fd=fd)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
@@ -100,12 +108,13 @@ def _serve_once(fd: int) -> None:
     """Wait on the listening socket ``fd`` for the one Spark task that takes this process, then fork the rank for
     it. The child returns, with the task's connection as stdin and stdout and the task's log as stderr, to run as
     any rank; this process waits for it, sends the task its exit status (ddp.WarmRank) and exits."""
-    from .ddp import WARM_EXIT, WARM_PID, die_with_parent
+    from .ddp import STORE_FD, WARM_EXIT, WARM_PID, die_with_parent
 
     listener = socket.socket(fileno=fd)
     conn, _ = listener.accept()
     listener.close()  # one task only: a later attempt finds nobody listening and starts a fresh process
-    header = b""
+    # the header's first byte brings the store's listening socket where the task is rank 0's (ddp.WarmRank.take)
+    header, store, _, _ = socket.recv_fds(conn, 1, 1)
     while not header.endswith(b"\n"):  # byte by byte: what follows is the rank's own stdin
         byte = conn.recv(1)
         if not byte or len(header) > 4096:  # (a path in JSON: a longer header is no task's)
@@ -120,9 +129,13 @@ def _serve_once(fd: int) -> None:
         os.dup2(conn.fileno(), 1)
         os.close(log)
         conn.close()
+        if store:
+            os.environ[STORE_FD] = str(store[0])
         os.write(1, WARM_PID + f"{os.getpid()}\n".encode())
         return
     os.close(log)
+    for f in store:  # the rank holds its own copy
+        os.close(f)
     _, status = os.waitpid(pid, 0)
     try:
         conn.sendall(WARM_EXIT + f"{os.waitstatus_to_exitcode(status)}\n".encode())

@@ -32,6 +32,7 @@ from safetensors.torch import save as save_bytes
 from ..data.manifest import load_prepared, load_tokenizer
 from ..infra.cache import process_local
 from ..infra.fs import delete, exists, join, list_names, local_path, read_bytes, write_bytes
+from ..infra.private import host_dir
 from ..model.task import Batch
 from ..train import checkpoint, device
 from ..train.core import Rank, Trainer, TrainState
@@ -58,7 +59,7 @@ def run_worker(job: Job, worker: int, full: Callable[[], bytes] | None, spec: Ro
     codec = Codec(**job.plan.codec)  # decided on the driver
     t0 = time.time()
     trainable = trainer.task.trainable(trainer.model)
-    state_dir = Path(tempfile.gettempdir()) / "sparklm-inner" / job.uid
+    state_dir = inner_dir(job.uid)
     state = InnerState(_inner_sources(job, spec, worker, state_dir), trainer.config.storage)
     global_w = global_weights(job, spec, full, update, hold=not codec.lossless, own=trainable, mine=state.sent)
     if global_w is None:  # neither the weights the update applies to nor the whole weights: the driver sends them
@@ -168,7 +169,7 @@ def global_weights(job: Job, spec: RoundSpec, full: Callable[[], bytes] | None, 
     from safetensors.numpy import load
 
     held = _HELD if _HELD.get("uid") == job.uid else {}
-    here = Path(tempfile.gettempdir()) / "sparklm-inner" / job.uid  # this host's copy, for its other processes
+    here = inner_dir(job.uid)  # this host's copy, for its other processes
     updatable = update is not None and spec.base_step is not None
     if updatable and held.get("step") != spec.base_step:
         held = _held_on_disk(here, spec.base_step)
@@ -249,6 +250,12 @@ def _counted(batches: Iterator[Batch], seen: list[int]) -> Iterator[Batch]:
 
 def _seed(seed: int, step: int, worker: int) -> int:
     return (seed * 1_000_003 + step * 7919 + worker) % (2**63)
+
+
+def inner_dir(job_uid: str) -> Path:
+    """This host's directory of job ``job_uid``'s inner states and held weights: this user's alone (a name in the
+    shared temp directory would let another user swap the weights a round loads)."""
+    return host_dir("inner") / job_uid
 
 
 def shared_inner_dir(run_dir: str) -> str | None:

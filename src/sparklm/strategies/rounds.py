@@ -20,7 +20,6 @@ import functools
 import os
 import re
 import shutil
-import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -69,8 +68,9 @@ class Rounds:
             return loop.run(unit, unit.rec, unit.schedule, keep_best=unit.tc.keep_best,
                             info={"sync_every": unit.tc.rounds.sync_every})
         finally:  # the workers' inner states in the temporary directory (shared with the driver in local mode)
-            shutil.rmtree(os.path.join(tempfile.gettempdir(), "sparklm-inner", job.uid), ignore_errors=True)
-            from .round_worker import shared_inner_dir
+            from .round_worker import inner_dir, shared_inner_dir
+
+            shutil.rmtree(inner_dir(job.uid), ignore_errors=True)
 
             shared = shared_inner_dir(job.run_dir)
             if shared:

@@ -144,8 +144,9 @@ class MlflowTracker(Buffered):
         from ...model.build import context_length, load_model, model_source
 
         model = load_model(model_dir, storage=self.ctx.storage)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_source(model_dir, self.ctx.storage)))
-        pipe = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_source(model_dir, self.ctx.storage)),
+                                                               local_files_only=True, trust_remote_code=False)
+        pipe = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer, trust_remote_code=False)
         d = Sampling().fitted(context_length(model.config))
         inference = {"max_new_tokens": d.max_new_tokens,
                      "do_sample": True, "temperature": d.temperature, "top_k": d.top_k}
@@ -164,7 +165,8 @@ class MlflowTracker(Buffered):
         from ...model.build import model_source
 
         path = str(model_source(model_dir, self.ctx.storage))
-        pipe = transformers.pipeline(task, model=path, tokenizer=path, device="cpu")
+        pipe = transformers.pipeline(task, model=path, tokenizer=path, device="cpu", trust_remote_code=False,
+                                     model_kwargs={"local_files_only": True})
         self._log_pipe(pipe, task, _pipeline_signature(task), pip_requirements=_requirements())
 
     def _log_pipe(self, pipe, task: str, signature, **extra) -> None:
