@@ -31,7 +31,7 @@ PLAIN_NAMES = [
     "spark.hadoop.google.cloud.auth.service.account.json.keyfile", "GOOGLE_APPLICATION_CREDENTIALS",
     "spark.authenticate.secret.file", "spark.kubernetes.authenticate.driver.oauthTokenFile",
     "spark.io.encryption.keySizeBits", "spark.authenticate", "spark.ssl.enabled", "fs.s3a.endpoint",
-    "max_tokens", "num_tokens", "eos_token", "pad_token_id", "tokenizer.path", "spark.redaction.regex",
+    "max_tokens", "num_tokens", "eos_token", "pad_token_id", "flops_per_token", "tokenizer.path", "spark.redaction.regex",
 ]
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..config import StorageConfig
+from ..infra import redact
 from ..infra.errors import SparklmError
 from ..infra.fs import listing, staged_dir
 
@@ -66,7 +67,7 @@ def export(model: str, output: str, *, quantize: str = "none", overwrite: bool =
             lm.model.config.save_pretrained(str(tmp))
         info = {"format": "onnx", "quantize": quantize, "source": lm.path, "context": lm.context, "merged_hf": merge,
                 "add_bos": lm.add_bos, "inputs": ["input_ids", "attention_mask"], "outputs": ["logits"]}
-        (tmp / MARKER).write_text(json.dumps({**info, "files": listing(tmp)}, indent=2))
+        (tmp / MARKER).write_text(json.dumps(redact.mapping({**info, "files": listing(tmp)}), indent=2))
     return {**info, "path": str(out), "bytes": (out / ONNX_FILE).stat().st_size}
 
 
@@ -146,7 +147,7 @@ def _export_encoder(model: str, out: Path, architectures: list, *, quantize: str
         info = {"format": "onnx", "quantize": quantize, "task": "text-classification" if head else
                 "feature-extraction", "context": enc.max_length, "labels": enc.labels,
                 "inputs": ["input_ids", "attention_mask"], "outputs": [output]}
-        (tmp / MARKER).write_text(json.dumps({**info, "files": listing(tmp)}, indent=2))
+        (tmp / MARKER).write_text(json.dumps(redact.mapping({**info, "files": listing(tmp)}), indent=2))
     return {**info, "path": str(out), "bytes": (out / ONNX_FILE).stat().st_size}
 
 
@@ -212,7 +213,7 @@ def export_hub(model: str, output: str, *, overwrite: bool = False, merge: bool 
                                            encoding="utf-8")
         info = {"format": "hub", "source": str(source), "adapter": adapter and not merge, "merged": adapter and merge,
                 "files": sorted(f.name for f in tmp.iterdir())}
-        (tmp / MARKER).write_text(json.dumps({**info, "files": listing(tmp)}, indent=2))
+        (tmp / MARKER).write_text(json.dumps(redact.mapping({**info, "files": listing(tmp)}), indent=2))
     return {**info, "path": str(out)}
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import StorageConfig
+from ..infra import redact
 from ..infra.errors import SparklmError
 from ..infra.fs import listing, staged_dir
 
@@ -47,7 +48,7 @@ def export_gguf(model: str, output: str, *, quantize: str = "f32", overwrite: bo
     lm = load(model, storage=storage, device="cpu")
     with staged_dir(str(out), marker=MARKER) as tmp:
         info = write_gguf(lm, tmp, quantize)
-        (tmp / MARKER).write_text(json.dumps({**info, "files": listing(tmp)}, indent=2))
+        (tmp / MARKER).write_text(json.dumps(redact.mapping({**info, "files": listing(tmp)}), indent=2))
     return {**info, "path": str(out), "bytes": (out / GGUF_FILE).stat().st_size}
 
 

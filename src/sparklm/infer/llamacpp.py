@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import StorageConfig
+from ..infra import redact
 from ..infra.cache import cache_dir
 from ..infra.errors import SparklmError
 from ..infra.fs import CHECKSUMS, staged_cache
@@ -154,7 +155,7 @@ def cached_export(path: str, directory: Path, quant: str, storage: StorageConfig
         with staged_cache(target, marker="info.json") as tmp:
             info = write_gguf(lm, tmp, quant)
             info["plain_tokenizer"] = plain_tokenizer_agrees(directory, lm.tokenizer)
-            (tmp / "info.json").write_text(json.dumps(info, indent=2))
+            (tmp / "info.json").write_text(json.dumps(redact.mapping(info), indent=2))
     return target
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from ..infra import redact
 from ..infra.errors import SparklmError, spark_errors
 from ..infra.fs import check_replaceable, listing, staging_path, swap_in
 
@@ -128,7 +129,7 @@ def predict(spark, model: str, inputs: list[str], output: str, *, text_col: str 
     info = {"model": model, "inputs": inputs, "format": fmt,
             "task": "embed" if embed else "regression" if values else "classify",
             "text_col": text_col, **counts, "seconds": round(time.time() - started, 3)}
-    (staging / MARKER).write_text(json.dumps({**info, "files": listing(staging)}, indent=2))
+    (staging / MARKER).write_text(json.dumps(redact.mapping({**info, "files": listing(staging)}), indent=2))
     swap_in(pafs.LocalFileSystem(), str(staging), str(out), marker=MARKER)  # the old one stays whole till then
     return {**info, "path": str(out)}
 

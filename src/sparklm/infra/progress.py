@@ -140,7 +140,7 @@ def table(title: str, rows: list[tuple[str, ...]], header: tuple[str, ...]) -> N
     for i, h in enumerate(header):
         t.add_column(h, justify="left" if i == 0 else "right")
     for row in rows:
-        t.add_row(*row)
+        t.add_row(*(redact.text(str(c)) for c in row))
     _print(t)
 
 
@@ -154,7 +154,7 @@ def info(message: str) -> None:
 
 def plain(message: str) -> None:
     """Results on stdout (paths, figures) so scripts can capture them."""
-    print(message, file=sys.stdout, flush=True)
+    print(redact.text(message), file=sys.stdout, flush=True)
 
 
 def duration(seconds: float) -> str:

@@ -29,7 +29,7 @@ _WORDS = (r"secret|password|passwd|passphrase|credential|private[._-]?key|(?:acc
 _CAMEL = r"[a-z](?:Token|Secret|Password|Key)(?:$|[._A-Z-])"  # oauthToken, accountKey, sasToken (case counts)
 # ...but not a model's special tokens and token counts, nor a setting that names a class, a path, a mode or a size
 # (a credential provider, a key file): masked, it would be dropped on --resume and the run would lose it
-_NOT = (r"(?:^|[._-])(?:bos|eos|pad|unk|mask|sep|cls|max|num|new|min)[._-]?tokens?(?:[._-]?ids?)?$|"
+_NOT = (r"(?:^|[._-])(?:bos|eos|pad|unk|mask|sep|cls|max|num|new|min|per)[._-]?tokens?(?:[._-]?ids?)?$|"
         r"provider(?:s|[._-]?(?:type|path|class))?$|[._-](?:binding|type)$|(?:[._-]|[a-z])(?:file|path)$|"
         r"application[._-]?credentials$|(?:[._-]|[a-z])(?:algorithm|bits|length|size)$")
 # Spark applies it with findFirstIn to each key, and to each value: anchored, so that an exception holds for a whole

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from ..config import StorageConfig
-from ..infra import progress
+from ..infra import progress, redact
 from ..infra.fs import exists, local_path, read_text, write_text
 from ..model.figures import FigureSet
 from . import rows
@@ -175,7 +175,7 @@ class JsonSink(_WrittenAsItComes):
     def write(self, row: Row) -> None:
         if isinstance(row, rows.Info):
             info = {k: v for k, v in row.to_dict().items() if k != "kind" and v is not None}
-            write_text(self.uri, json.dumps(info, indent=2), self.storage)
+            write_text(self.uri, json.dumps(redact.mapping(info), indent=2), self.storage)
 
 
 class ConsoleSink(_WrittenAsItComes):

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from ...config import TrackingConfig
-from ...infra import progress
+from ...infra import progress, redact
 from ...infra.errors import SparklmError
 from ...infra.fs import exists, inside, join, read_bytes
 from ..rows import Row
@@ -57,7 +57,7 @@ def open_tracker(tc: TrackingConfig, ctx: Context) -> MlflowTracker:
         run_id = _resumed_run(client, exp_id, ctx) if ctx.resume else None
         if run_id is None:
             run_id = client.create_run(exp_id, run_name=ctx.name, tags={
-                "sparklm.command": ctx.command, "sparklm.run_dir": ctx.run_dir,
+                "sparklm.command": ctx.command, "sparklm.run_dir": redact.value(ctx.run_dir),
                 "mlflow.source.name": f"sparklm {ctx.command}", "mlflow.source.type": "JOB"}).info.run_id
             _log_params(client, run_id, ctx.params)
         else:
@@ -165,8 +165,7 @@ class MlflowTracker(Buffered):
         from ...model.build import model_source
 
         path = str(model_source(model_dir, self.ctx.storage))
-        pipe = transformers.pipeline(task, model=path, tokenizer=path, device="cpu", trust_remote_code=False,
-                                     model_kwargs={"local_files_only": True})
+        pipe = transformers.pipeline(task, model=path, tokenizer=path, device="cpu", trust_remote_code=False)
         self._log_pipe(pipe, task, _pipeline_signature(task), pip_requirements=_requirements())
 
     def _log_pipe(self, pipe, task: str, signature, **extra) -> None:
