@@ -23,7 +23,7 @@ from .infra.errors import SparklmError  # noqa: E402
 from .version import __version__  # noqa: E402
 
 # The API's functions are imported on first use: `import sparklm` stays light (no torch, no pyspark).
-_LAZY = {"prepare": "api", "fit": "api", "FitResult": "api", "generate": "api", "evaluate": "api", "export": "api",
+_LAZY = {"prepare": "api", "fit": "api", "FitResult": "api", "generate": "api", "evaluate": "api", "export": "api", "tune": "api",
          "generate_dataframe": "infer.batch", "Sampling": "infer.sampling",
          "classify_dataframe": "infer.encode", "embed_dataframe": "infer.encode"}
 

@@ -206,6 +206,24 @@ def evaluate(model: str, source, *, max_length: int = 0, stride: int = 0, batch_
                    spark=spark)
 
 
+def tune(*, data, output: str, space: dict[str, str] | list[str], trials: int = 16, concurrent: int = 1,
+         metric: str = "val_bpb", direction: str = "auto", sampler: str = "tpe", pruner: Any = "median",
+         storage: str | None = None, resume: bool = False, seed: int = 0, config: Config | dict | str | None = None,
+         settings: dict[str, Any] | None = None, spark=None) -> dict:
+    """A hyperparameter search (``sparklm tune``): an Optuna study of ``trials`` runs on ``data`` (a prepared
+    dataset's path) over ``space`` (``{"train.lr": "loguniform(1e-4,1e-2)", "model.n_embd": "choice(128,256)"}``),
+    ``concurrent`` at once on the session's executors; ``settings`` fixed for every trial. Returns the study's
+    summary: ``best`` (its trial's value, settings, run directory and model/) and every trial."""
+    from .launch.tune import tune as search
+
+    config = settings_of(config, settings)
+    with progress.spark_bar_paused(_running(spark)):
+        return search(str(data), output=output, space=space, trials=trials, concurrent=concurrent, metric=metric,
+                      direction=direction, sampler=sampler, pruner=pruner, storage=storage, resume=resume, seed=seed,
+                      config=config,
+                      spark=spark)
+
+
 def export(model: str, *, output: str, format: str = "onnx", quantize: str = "none", merge_adapter: bool = False,
            overwrite: bool = False) -> dict:
     """``model`` in the directory ``output``, as ``sparklm export``: ``format="onnx"`` a graph with its tokenizer

@@ -109,6 +109,32 @@ def build_parser() -> argparse.ArgumentParser:
     _config_flags(r.add_argument_group("data, tokenizer and training"), _FLAG_SECTIONS["run"])
     _common(r)
 
+    tu = sub.add_parser("tune", help="search hyperparameters: an Optuna study whose trials are sparklm runs",
+                        description="Search training settings with Optuna: each trial is a `train` run of its own on "
+                                    "the cluster, several at once in Spark scheduler pools.")
+    tu.add_argument("--data", required=True, metavar="DIR", help="prepared dataset (from `sparklm prepare`)")
+    tu.add_argument("--output", "-o", required=True, metavar="DIR",
+                    help="the search's directory: study.db, best.json, trials/trial-NNNN (one run directory each)")
+    tu.add_argument("--space", action="append", default=[], required=True, metavar="KEY=DIST(...)",
+                    help="a setting to search (repeatable): uniform(lo,hi), loguniform(lo,hi), int(lo,hi[,step]), "
+                         "logint(lo,hi), choice(a,b,...); e.g. --space 'train.lr=loguniform(1e-4,1e-2)'")
+    tu.add_argument("--trials", type=int, default=16, help="trials in the study (default: 16)")
+    tu.add_argument("--concurrent", type=int, default=1, help="trials running at once (default: 1)")
+    tu.add_argument("--metric", default="val_bpb", help="the run's figure to optimize (default: val_bpb)")
+    tu.add_argument("--direction", choices=("auto", "minimize", "maximize"), default="auto",
+                    help="auto: maximize accuracy-like figures, minimize the rest")
+    tu.add_argument("--sampler", choices=("tpe", "random", "grid"), default="tpe", help="Optuna's sampler (default: tpe)")
+    tu.add_argument("--pruner", choices=("median", "halving", "none"), default="median",
+                    help="Optuna's pruner, judging each evaluation: a pruned trial ends at its next step (default: "
+                         "median)")
+    tu.add_argument("--storage", metavar="URL",
+                    help="Optuna storage URL (default: sqlite in --output; postgresql://... for a shared study)")
+    tu.add_argument("--seed", type=int, default=0, help="the sampler's seed (default: 0)")
+    tu.add_argument("--resume", action="store_true",
+                    help="continue the study in --output; trials a killed search left running are run again")
+    _config_flags(tu.add_argument_group("training (fixed for every trial)"), _FLAG_SECTIONS["train"])
+    _common(tu)
+
     rp = sub.add_parser("report", help="a run's report.html again, or several runs side by side in one page",
                         description="Write a self-contained HTML page (no network needed to view it) from run "
                                     "directories: with one run, its report.html (curves, rounds, samples, Spark's "
@@ -331,6 +357,21 @@ def _train(args: argparse.Namespace) -> int:
                     spark=_session_factory(args, config))
     progress.plain(args.output)
     return 0 if summary else 1
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from .launch.tune import tune
+
+    config, _ = _config(args)
+    # trials share the executors in scheduler pools: only the FAIR scheduler shares them (a setting given wins)
+    config = config.replace(spark=replace(config.spark, conf={"spark.scheduler.mode": "FAIR", **config.spark.conf}))
+    summary = tune(args.data, output=args.output, space=args.space, trials=args.trials, concurrent=args.concurrent,
+                   metric=args.metric, direction=args.direction, sampler=args.sampler, pruner=args.pruner,
+                   storage=args.storage,
+                   resume=args.resume, seed=args.seed, config=config, spark=_session_factory(args, config))
+    best = summary["best"]
+    progress.plain(best["model"] or best["run_dir"] if best else args.output)
+    return 0 if best else 1
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -604,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         commands = {"prepare": _prepare, "train": _train, "run": _run, "report": _report, "generate": _generate,
-                    "eval": _eval, "export": _export, "import": _import, "config": _print_config,
+                    "eval": _eval, "export": _export, "import": _import, "config": _print_config, "tune": _tune,
                     "predict": _predict}
         return commands[args.command](args)
     except SparklmError as e:

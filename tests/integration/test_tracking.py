@@ -269,3 +269,27 @@ def test_a_regressor_is_tracked_through_the_task_seam(spark, tmp_path, mlflow_se
     model = mlflow.pyfunc.load_model("models:/sparklm-regress/1")
     out = model.predict(["good good fine", "bad awful"])
     assert len(out) == 2 and all(isinstance(float(s), float) for s in out["score"])
+
+
+def test_a_search_is_one_mlflow_run_with_a_child_run_per_trial(spark, dataset, tmp_path, mlflow_server):
+    """`sparklm tune` (issue 82): the study's run holds its settings, best figure and report; each trial's run is its
+    child (MLflow's parentRunId), with the trial's own settings."""
+    from mlflow import MlflowClient
+
+    from sparklm.launch.tune import tune
+
+    config = cfg(max_steps=2).replace(tracking=_tracking(mlflow_uri=mlflow_server, mlflow_experiment="search",
+                                                         log_model=False))
+    s = tune(dataset, output=str(tmp_path / "search"), space=["train.lr=choice(0.001,0.003)"], trials=2,
+             sampler="grid", config=config, spark=spark)
+    client = MlflowClient(tracking_uri=mlflow_server)
+    exp = client.get_experiment_by_name("search")
+    runs = client.search_runs([exp.experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("sparklm.command") == "tune"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(float(r.data.params["train.lr"]) for r in children) == [0.001, 0.003]
+    assert parent.data.params["search.space.train.lr"] == "train.lr=choice(0.001,0.003)"
+    assert parent.data.metrics["summary/best/val_bpb"] == pytest.approx(s["best"]["value"])
+    assert parent.data.metrics["summary/trials/complete"] == 2
+    assert parent.info.status == "FINISHED"
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"best.json", "report.html"}

@@ -28,7 +28,7 @@ from ..metrics.epochs import EpochRows
 from ..metrics.html_report import write_report
 from ..metrics.recorder import RunResult
 from ..metrics.report import plot_loss
-from ..metrics.sinks import ConsoleSink, CsvSink, JsonSink, Sinks, metric_columns, read_metrics
+from ..metrics.sinks import ConsoleSink, CsvSink, JsonSink, Sink, Sinks, metric_columns, read_metrics
 from ..model.figures import FigureSet
 from ..registry import DEFAULT_TASK
 from ..registry import task as task_info
@@ -44,16 +44,19 @@ GLOBAL_BATCH_KEYS = ("train.batch_size", "train.grad_accum", "train.workers")
 
 
 def train(data: str | None, *, output: str, config: Config | None = None, resume: bool = False, spark=None,
-          changes: dict[str, Any] | None = None) -> dict:
+          changes: dict[str, Any] | None = None, observers: tuple[Sink, ...] = (),
+          parent: dict[str, str] | None = None) -> dict:
     """Train a model on a prepared dataset into ``output`` (a run directory); return the summary.
 
     On ``resume``, the run's saved configuration is used, with ``changes`` (nested settings, as the CLI
     collects what the user set) or else the settings where ``config`` differs from the defaults applied on top.
+    ``observers``: sinks that see the run's rows on the driver too (a search's pruner reads its evaluations);
+    ``parent``: the trackers' runs of the search this run is a trial of (``trackers.parents``).
     """
     storage = effective((config or Config()).storage)
     with RunLock(output, storage) as lock:  # one writer per run directory
         return _train(data, output=output, config=config, resume=resume, spark=spark, changes=changes,
-                      storage=storage, lock=lock)
+                      storage=storage, lock=lock, observers=observers, parent=parent or {})
 
 
 def _check_fresh(run_dir: str, storage) -> None:
@@ -67,7 +70,7 @@ def _check_fresh(run_dir: str, storage) -> None:
 
 
 def _train(data: str | None, *, output: str, config: Config | None, resume: bool, spark, changes, storage,
-           lock: RunLock) -> dict:
+           lock: RunLock, observers: tuple[Sink, ...] = (), parent: dict[str, str] | None = None) -> dict:
     from ..spark.session import check_shared, get_session, planned_master
     from ..strategies import Job, get
 
@@ -113,15 +116,17 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
         strategy.check(spark, plan)  # DDP: slots and GPUs for every rank, before anything is written
         # an unreachable tracker stops the run here, before its directory holds anything
         tracking = trackers.open_trackers(config, trackers.Context(
-            command="train", run_dir=run_dir, storage=storage, params=flatten(config.to_saved()), resume=resume))
+            command="train", run_dir=run_dir, storage=storage, params=flatten(config.to_saved()), resume=resume,
+            parent=parent or {}))
         # config: the settings, every "auto" decided ("decided" lists what the driver chose where they left it open;
         # --resume starts from them); plan: everything else decided about the run, and the settings it changed
         write_text(join(run_dir, "config.json"), json.dumps(
             {"config": config.to_saved(), "decided": resolve.decided(asked, config), "plan": plan.record(config),
              "data": redact.value(data), "sparklm_version": __version__}, indent=2), storage)
-        job = Job(plan, data=data, run_dir=run_dir, resume=resume, uid=uuid.uuid4().hex, warm=warm)
+        job = Job(plan, data=data, run_dir=run_dir, resume=resume, uid=uuid.uuid4().hex, warm=warm,
+                  halts=any(hasattr(o, "halted") for o in observers))
         figures = task_info(config.model.task).figures
-        sinks = _sinks(run_dir, figures, storage, tracking, resume)
+        sinks = _sinks(run_dir, figures, storage, [*tracking, *observers], resume)
         t0 = time.time()
         with trackers.failed_on_error(tracking):
             try:

@@ -15,7 +15,7 @@ import math
 
 from . import rows
 from .rows import Row
-from .sinks import Sink
+from .sinks import Sink, halted
 
 FIELDS = ("step", "epoch", "tokens", "loss", "acc", "lr", "elapsed", "peak_rss_mb")
 
@@ -91,3 +91,6 @@ class EpochRows:
 
     def close(self) -> None:
         self.out.close()
+
+    def halted(self) -> bool:
+        return halted(self.out)

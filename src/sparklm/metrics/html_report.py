@@ -384,7 +384,6 @@ def flatten(raw: dict, prefix: str = "") -> dict:
 
 def svg(title: str, xlabel: str, ylabel: str, draw: Callable) -> str:
     """One chart as inline SVG (text as text: small, selectable, in the page's fonts)."""
-    from matplotlib import rc_context
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
@@ -403,9 +402,17 @@ def svg(title: str, xlabel: str, ylabel: str, draw: Callable) -> str:
     ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 5), useOffset=False)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small")
+    return figure_svg(fig, title)
+
+
+def figure_svg(fig, salt: str) -> str:
+    """A matplotlib figure as inline SVG in a ``<figure>`` (text as text; ``salt`` keeps its ids apart from other
+    charts' on the page)."""
+    from matplotlib import rc_context
+
     out = io.StringIO()
     # a fixed salt: the same page each time; ids from the content, so equal ids in two charts mean equal definitions
-    with rc_context({"svg.fonttype": "none", "svg.hashsalt": title}):
+    with rc_context({"svg.fonttype": "none", "svg.hashsalt": salt}):
         fig.savefig(out, format="svg", metadata={"Date": None})
     text = out.getvalue()
     return f"<figure>{text[text.index('<svg'):]}</figure>"  # without the XML prolog, which HTML does not take

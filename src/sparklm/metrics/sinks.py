@@ -76,6 +76,17 @@ class Sinks:
         for s in self.sinks:
             s.close()
 
+    def halted(self) -> bool:
+        """Whether a sink asks the run to end early (a search's pruner): see :func:`halted`."""
+        return any(halted(s) for s in self.sinks)
+
+
+def halted(sink) -> bool:
+    """Whether ``sink`` asks the run to end at its next step (a sink may offer ``halted()``: a search pruning the
+    run); the run then ends as at its last step, its model exported."""
+    ask = getattr(sink, "halted", None)
+    return bool(ask is not None and ask())
+
 
 class CsvSink:
     """Rows of the given kinds appended to a CSV file on any filesystem (an existing file is continued,
@@ -153,7 +164,7 @@ class CsvSink:
             self.file.close()
 
 
-class _WrittenAsItComes:
+class StatelessSink:
     """A sink that keeps nothing per step and writes each row as it comes: no rewind, flush or close to do."""
 
     def rewind(self, step: int, evaluated: bool = True) -> None:
@@ -166,7 +177,7 @@ class _WrittenAsItComes:
         pass
 
 
-class JsonSink(_WrittenAsItComes):
+class JsonSink(StatelessSink):
     """The ``info`` row as a JSON file (run_info.json)."""
 
     def __init__(self, uri: str, storage: StorageConfig | None = None):
@@ -178,7 +189,7 @@ class JsonSink(_WrittenAsItComes):
             write_text(self.uri, json.dumps(redact.mapping(info), indent=2), self.storage)
 
 
-class ConsoleSink(_WrittenAsItComes):
+class ConsoleSink(StatelessSink):
     """Progress lines on the console: one per log step, evaluation (the task's figures) or round, with an ETA."""
 
     def __init__(self, figures: FigureSet):
@@ -386,11 +397,18 @@ class Channel:
         """Tell the ranks (rank 0, which tells the others at its next step) to checkpoint and stop: an executor of
         the run is being decommissioned, and the run restarts on the executors that stay (DDP.run)."""
         self.asked = True
+        self._tell(LEAVE)
+
+    def ask_to_halt(self) -> None:
+        """Tell rank 0 (which tells the others at its next step) that the run is to end now, as at its last step."""
+        self._tell(HALT)
+
+    def _tell(self, word: bytes) -> None:
         for conn, member in self._conns.copy().items():
             if member:
                 with self._send_lock:
                     try:
-                        conn.sendall(LEAVE)
+                        conn.sendall(word)
                     except OSError:
                         pass
 
@@ -460,6 +478,7 @@ REWIND = "rewind"  # a channel message that is not a row: the driver's sinks for
 FLUSH = "flush"  # another: the driver makes the rows durable and answers FLUSHED (or NOT_FLUSHED)
 FLUSHED, NOT_FLUSHED = b"flushed\n", b"not flushed\n"
 LEAVE = b"leave\n"  # the driver to rank 0, unasked: an executor of the run is leaving (Spark decommissions it)
+HALT = b"halt\n"  # the driver to rank 0, unasked: end the run now (a search pruned it)
 LEFT = "left"  # rank 0 to the driver: the ranks checkpointed and stopped as asked (Spark may report the leaving
 # executor's loss before the ranks' own failure: this says which it was)
 
@@ -480,6 +499,7 @@ class ChannelSink:
         self.file.write(token + "\n")
         self.file.flush()
         self.inbox, self.asked_to_leave = b"", False  # what the driver sent that no call has read yet
+        self.asked_to_halt = False
 
     def write(self, row: Row) -> None:
         self._send(row.to_dict())
@@ -502,6 +522,12 @@ class ChannelSink:
         """Tell the driver that the ranks stopped, as it asked, after their checkpoint of ``step``."""
         self._send({"kind": LEFT, "step": step})
 
+    def halted(self) -> bool:
+        """Whether the driver has asked the run to end now (Channel.ask_to_halt); never waits."""
+        while not self.asked_to_halt and self._line(block=False):
+            pass
+        return self.asked_to_halt
+
     def leaving(self) -> bool:
         """Whether the driver has asked the ranks to checkpoint and stop (Channel.ask_to_leave); never waits."""
         while not self.asked_to_leave and self._line(block=False):
@@ -514,10 +540,13 @@ class ChannelSink:
         while True:
             if b"\n" in self.inbox:
                 line, self.inbox = self.inbox.split(b"\n", 1)
-                if line + b"\n" == LEAVE:
-                    self.asked_to_leave = True
+                if line + b"\n" in (LEAVE, HALT):
+                    if line + b"\n" == LEAVE:
+                        self.asked_to_leave = True
+                    else:
+                        self.asked_to_halt = True
                     if not block:
-                        return LEAVE
+                        return line + b"\n"
                     continue
                 return line + b"\n"
             try:

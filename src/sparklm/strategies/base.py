@@ -34,6 +34,7 @@ class Job:
     resume: bool
     uid: str  # unique per launch: keys per-process caches and executor-side state
     warm: tuple[str, ...] = ()  # processes the strategy started before Spark (local mode), one per worker
+    halts: bool = False  # the driver may end the run early (a search pruning it): the ranks agree at every step
 
     @property
     def config(self) -> Config:

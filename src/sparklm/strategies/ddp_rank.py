@@ -45,7 +45,7 @@ def main() -> None:
         if rank.rank == 0:
             sink = ChannelSink(*start.channel)
         result = train(plan, dataset, spec, job.run_dir, rank=rank, sink=sink, comm=comm,
-                       on_step=_fault_hook(rank.rank, job.resume))
+                       on_step=_fault_hook(rank.rank, job.resume), halts=job.halts)
     except SparklmError as e:
         print(e.one_line(), file=sys.stderr, flush=True)
         os._exit(2)

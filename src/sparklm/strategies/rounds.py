@@ -29,7 +29,7 @@ from ..infra.errors import SparklmError, killed_note, spark_errors
 from ..infra.fs import delete, join
 from ..metrics import rows
 from ..metrics.recorder import Best, Recorder
-from ..metrics.sinks import CsvSink, Sink, Sinks
+from ..metrics.sinks import CsvSink, Sink, Sinks, halted
 from ..train import checkpoint, loop
 from ..train.schedule import Schedule
 from .base import BEST, Job, Partial, RoundSpec, RunResult, WorkerResult
@@ -91,7 +91,7 @@ class RoundsUnit:
         from ..data.manifest import load_prepared, load_tokenizer
         from ..registry import make_task
 
-        self.spark, self.job, self.name = spark, job, name
+        self.spark, self.job, self.name, self.sink = spark, job, name, sink
         plan = job.plan
         config = plan.config
         self.tc, self.storage = config.train, config.storage
@@ -355,7 +355,8 @@ class RoundsUnit:
                             acc=sum(r.correct for r in done) / counted if counted else float("nan"),
                             lr=sum(r.lr for r in done) / len(done), grad_norm=sum(r.grad_norm for r in done) / len(done),
                             rss_mb=max(r.rss_mb for r in done), peaks=peaks, seconds=wall, trained=round_tokens,
-                            evaluation=evaluation, rows=(row,), warnings=warnings, workers=len(done))
+                            evaluation=evaluation, rows=(row,), warnings=warnings, workers=len(done),
+                            halt=halted(self.sink))
 
     def average(self, partial: Partial) -> dict:
         """The workers' deltas averaged by tokens: a topk codec's value by value over the workers that sent it

@@ -469,10 +469,12 @@ class RankUnit:
 
     def __init__(self, trainer: Trainer, run_dir: str, *, warn: Callable[[str], None],
                  note: Callable[[str], None] = lambda _: None, on_step: Callable[[int], None] | None = None,
-                 leaving: Callable[[], bool] | None = None):
+                 leaving: Callable[[], bool] | None = None, halts: bool = False,
+                 halting: Callable[[], bool] | None = None):
         self.t, self.run_dir, self.warn, self.note, self.on_step = trainer, run_dir, warn, note, on_step
-        # an elastic run's ranks agree after every step whether to leave (rank 0 hears it from the driver)
-        self.leaving = leaving
+        # an elastic run's ranks agree after every step whether to leave, and a run the driver may end early (a
+        # search's trial: ``halts``) whether to end (rank 0 hears both from the driver)
+        self.leaving, self.halts, self.halting = leaving, halts, halting
         self.log_every = trainer.tc.log_every
         self.main = trainer.rank.rank == 0
         self.stream: Iterator[Batch] | None = None
@@ -504,12 +506,13 @@ class RankUnit:
         if self.on_step is not None:
             self.on_step(t.state.step)
         mean, acc = t.global_mean(loss, tally)
-        leave = False
-        if t.tc.workers_min:  # an elastic run: one flag per step, the same on every rank
-            asked = 1.0 if self.leaving is not None and self.leaving() else 0.0
-            leave = float(t.comm.max(t.device.tensor([asked]))) > 0
+        leave = halt = False
+        if t.tc.workers_min or self.halts:  # flags per step, the same on every rank
+            asked = [1.0 if self.leaving is not None and self.leaving() else 0.0,
+                     1.0 if self.halting is not None and self.halting() else 0.0]
+            leave, halt = (float(v) > 0 for v in t.comm.max(t.device.tensor(asked)))
         return loop.Advance(tokens=t.steps.tokens_per_step, loss=mean, acc=acc, lr=lr, grad_norm=float(grad_norm),
-                            rss_mb=device.rss_mb(), leave=leave)
+                            rss_mb=device.rss_mb(), leave=leave, halt=halt)
 
     def evaluate(self) -> loop.Evaluation:
         return loop.Evaluation(self.t.evaluate())
@@ -539,10 +542,11 @@ class RankUnit:
 
 def train(plan: RunPlan, dataset: PreparedDataset, spec: TokenizerSpec, run_dir: str, *,
           rank: Rank = Rank(), sink: Sink | None = None, on_step: Callable[[int], None] | None = None,
-          comm: collective.Single | None = None) -> RunResult:
+          comm: collective.Single | None = None, halts: bool = False) -> RunResult:
     """A whole run on one rank (of ``rank.world``, whose collectives are ``comm``): train, evaluate, checkpoint;
     rank 0 exports ``model/`` and samples and sends its rows to ``sink``. ``on_step(step)`` runs after every step
-    (a hook for fault injection and profiling). The run loop (loop.py) sequences it."""
+    (a hook for fault injection and profiling); ``halts``: the driver may end the run early (rank 0's sink says
+    when). The run loop (loop.py) sequences it."""
     torch.set_num_threads(rank.threads)
     device.set_allocator(plan.config.train.allocator)  # before the model's first allocation
     trainer = Trainer(plan, dataset, spec, rank=rank, comm=comm or collective.of(rank.rank, rank.world))
@@ -550,6 +554,6 @@ def train(plan: RunPlan, dataset: PreparedDataset, spec: TokenizerSpec, run_dir:
     rec = Recorder(sink if rank.rank == 0 else None, tc, strategy=tc.strategy, workers=rank.world,
                    epoch_tokens=dataset.manifest["splits"]["train"]["tokens"], figures=trainer.task.figure_set)
     unit = RankUnit(trainer, run_dir, warn=rec.warn, note=rec.note, on_step=on_step,
-                    leaving=getattr(sink, "leaving", None))
+                    leaving=getattr(sink, "leaving", None), halts=halts, halting=getattr(sink, "halted", None))
     schedule = Schedule(trainer.steps.total_steps, tc.eval_every, tc.checkpoint_every, tc.time_budget)
     return loop.run(unit, rec, schedule, keep_best=tc.keep_best, info={"threads": rank.threads})

@@ -51,6 +51,7 @@ class Advance:
     evaluation: Evaluation | None = None  # a deferred evaluation of the weights before these steps
     rows: tuple = ()  # the unit's own rows, after the train row (a round's row)
     warnings: tuple[str, ...] = ()
+    halt: bool = False  # the driver asked the run to end now (a search pruned it): it ends as at its last step
     workers: int = 0  # the workers that trained these steps (a round's; 0: the run's)
     leave: bool = False  # every worker agreed to stop after these steps (an executor is leaving): checkpoint, stop
 
@@ -187,6 +188,9 @@ def run(unit: Unit, rec: Recorder, schedule: Schedule, *, keep_best: bool, info:
         if adv.leave:
             raise Leaving(after)
         if stop and rec.should_stop(unit.where()):
+            break
+        if adv.halt:
+            rec.note(f"ended at {unit.where()}, as asked (a search pruned the run)")
             break
     return _finish(unit, rec, r, keep_best)
 

@@ -31,6 +31,7 @@ from ..sinks import Sink
 # the run directory's files a tracker keeps beside its run (those that exist)
 RUN_FILES = ("config.json", "summary.json", "metrics.csv", "rounds.csv", "run_info.json", "loss.png", "samples.txt",
              "report.html", "manifest.json")
+SEARCH_FILES = ("best.json", "report.html")  # what a search (sparklm tune) leaves besides its trials' runs
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class Context:
     storage: StorageConfig
     params: dict[str, Any]  # the resolved settings, flattened ("train.lr": 0.001)
     resume: bool = False
+    # the search this run is a trial of, per tracker (:func:`parents`): MLflow nests the run under it, W&B groups
+    parent: dict[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -57,6 +60,8 @@ class Context:
 
     def files(self) -> tuple[str, ...]:
         """The files of the run (or dataset) a tracker logs: :data:`RUN_FILES` and the task's own picture."""
+        if self.command == "tune":
+            return SEARCH_FILES
         shown = self.task.shows if self.command == "train" else None
         return RUN_FILES + ((shown,) if shown and shown not in RUN_FILES else ())
 
@@ -121,6 +126,16 @@ def open_trackers(config: Config, ctx: Context) -> list[Tracker]:
     except BaseException:
         finish_all(out, Outcome(ok=False))
         raise
+    return out
+
+
+def parents(trackers: list[Tracker]) -> dict[str, str]:
+    """What a search's trackers give its trials' runs (``Context.parent``): their run or group to go under."""
+    out: dict[str, str] = {}
+    for t in trackers:
+        ref = getattr(t, "parent_ref", None)
+        if ref is not None:
+            out.update(ref())
     return out
 
 

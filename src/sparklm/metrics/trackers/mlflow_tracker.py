@@ -56,9 +56,10 @@ def open_tracker(tc: TrackingConfig, ctx: Context) -> MlflowTracker:
         exp_id = experiment.experiment_id if experiment else client.create_experiment(tc.mlflow_experiment)
         run_id = _resumed_run(client, exp_id, ctx) if ctx.resume else None
         if run_id is None:
+            nested = {"mlflow.parentRunId": ctx.parent["mlflow"]} if "mlflow" in ctx.parent else {}
             run_id = client.create_run(exp_id, run_name=ctx.name, tags={
                 "sparklm.command": ctx.command, "sparklm.run_dir": redact.value(ctx.run_dir),
-                "mlflow.source.name": f"sparklm {ctx.command}", "mlflow.source.type": "JOB"}).info.run_id
+                "mlflow.source.name": f"sparklm {ctx.command}", "mlflow.source.type": "JOB", **nested}).info.run_id
             _log_params(client, run_id, ctx.params)
         else:
             client.update_run(run_id, status="RUNNING")
@@ -99,6 +100,10 @@ class MlflowTracker(Buffered):
     def __init__(self, client, run_id: str, uri: str, tc: TrackingConfig, ctx: Context):
         super().__init__()
         self.client, self.run_id, self.uri, self.tc, self.ctx = client, run_id, uri, tc, ctx
+
+    def parent_ref(self) -> dict[str, str]:
+        """A search's run: its trials' runs are its children (MLflow's ``mlflow.parentRunId``)."""
+        return {"mlflow": self.run_id}
 
     def _send(self, rows: list[tuple[int, Row]]) -> None:
         from mlflow.entities import Metric

@@ -34,6 +34,7 @@ def open_tracker(tc: TrackingConfig, ctx: Context) -> WandbTracker:
     try:
         run = wandb.init(project=tc.wandb_project, name=ctx.name, dir=str(local), config=ctx.params,
                          job_type=ctx.command, tags=[f"sparklm-{ctx.command}"], id=resume_id,
+                         group=ctx.parent.get("wandb") or (ctx.name if ctx.command == "tune" else None),
                          resume="allow" if resume_id else None, reinit="create_new",
                          settings=wandb.Settings(console="off", save_code=False, silent=True))
     except Exception as e:
@@ -63,6 +64,10 @@ class WandbTracker(Buffered):
     def __init__(self, run, local: Path, temporary: bool, tc: TrackingConfig, ctx: Context):
         super().__init__()
         self.run, self.local, self.temporary, self.tc, self.ctx = run, local, temporary, tc, ctx
+
+    def parent_ref(self) -> dict[str, str]:
+        """A search's run: its trials' runs join its group."""
+        return {"wandb": self.ctx.name}
 
     def _send(self, rows: list[tuple[int, Row]]) -> None:
         for step, row in rows:
