@@ -293,3 +293,17 @@ def test_a_search_is_one_mlflow_run_with_a_child_run_per_trial(spark, dataset, t
     assert parent.data.metrics["summary/trials/complete"] == 2
     assert parent.info.status == "FINISHED"
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"best.json", "report.html"}
+
+
+def test_a_searchs_trials_join_its_wandb_group(spark, dataset, tmp_path, monkeypatch):
+    from sparklm.launch.tune import tune
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "search"
+    tune(dataset, output=str(out), space=["train.lr=choice(0.003)"], trials=1, spark=spark,
+         config=cfg(max_steps=2).replace(tracking=_tracking(wandb_project="sparklm-test", log_model=False)))
+    study = [r.run for r in wandb_records(out) if r.WhichOneof("record_type") == "run"]
+    trial = [r.run for r in wandb_records(out / "trials" / "trial-0000") if r.WhichOneof("record_type") == "run"]
+    assert study[0].run_group == "search" and trial[0].run_group == "search", (study[0].run_group, trial[0].run_group)
+    assert study[0].job_type == "tune" and trial[0].job_type == "train"

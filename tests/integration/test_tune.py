@@ -6,6 +6,7 @@ import json
 
 import optuna
 import pytest
+from test_report import chromium
 
 from conftest import cfg
 from sparklm.cli import main
@@ -32,6 +33,8 @@ def test_trials_run_concurrently_a_failed_one_is_recorded_and_the_best_model_is_
     assert json.loads((out / "best.json").read_text())["best"]["number"] == best["number"]
     page = (out / "report.html").read_text()
     assert page.count("<svg") >= 3 and "must be divisible by model.n_head (3)" in page  # Optuna's plots, the trials
+    dom, console, shot = chromium(out / "report.html", tmp_path, "study")  # as a browser shows it: no script, no load
+    assert console == [] and dom.count("<svg") == page.count("<svg") and shot.stat().st_size > 30_000
     study = optuna.load_study(study_name=STUDY, storage=f"sqlite:///{out / 'study.db'}")
     for t in study.trials:
         assert t.user_attrs["run_dir"].endswith(f"trial-{t.number:04d}")
