@@ -360,15 +360,13 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from .launch.tune import tune
+    from .launch.tune import fair, tune
 
     config, _ = _config(args)
-    # trials share the executors in scheduler pools: only the FAIR scheduler shares them (a setting given wins)
-    config = config.replace(spark=replace(config.spark, conf={"spark.scheduler.mode": "FAIR", **config.spark.conf}))
     summary = tune(args.data, output=args.output, space=args.space, trials=args.trials, concurrent=args.concurrent,
                    metric=args.metric, direction=args.direction, sampler=args.sampler, pruner=args.pruner,
-                   storage=args.storage,
-                   resume=args.resume, seed=args.seed, config=config, spark=_session_factory(args, config))
+                   storage=args.storage, resume=args.resume, seed=args.seed, config=config,
+                   spark=_session_factory(args, fair(config)))
     best = summary["best"]
     progress.plain(best["model"] or best["run_dir"] if best else args.output)
     return 0 if best else 1

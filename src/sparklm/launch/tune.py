@@ -63,7 +63,7 @@ def tune(data: str, *, output: str, space: list[str] | dict[str, str], trials: i
     url = storage or _default_storage(output)
     direction = direction_of(metric) if direction == "auto" else direction
     with RunLock(output, base.storage):
-        if not resume and _holds_study(output, url, optuna):
+        if not resume and _holds_study(url, optuna):
             raise SparklmError(f"{output} already holds a study", hint="--resume continues it; or choose another -o")
         study = optuna.create_study(storage=url, study_name=STUDY, direction=direction, load_if_exists=True,
                                     sampler=_sampler(optuna, sampler, dims, seed), pruner=pruning)
@@ -82,9 +82,9 @@ def tune(data: str, *, output: str, space: list[str] | dict[str, str], trials: i
             if left > 0:
                 spark = _session(base, spark)
                 base = _shared_threads(base, spark, concurrent, dims)
-                _run_trials(study, optuna, data, output, dims, base, metric, left, concurrent, spark,
+                _run_trials(study, data, output, dims, base, metric, left, concurrent, spark,
                             trackers.parents(tracking))
-            out = _summary(study, optuna, output, metric, direction, base.storage)
+            out = _summary(study, output, metric, direction, base.storage)
         counts = {s: sum(t["state"] == s for t in out["trials"]) for s in ("complete", "pruned", "fail")}
         trackers.finish_all(tracking, trackers.Outcome(ok=True, summary={
             "best": {metric: out["best"]["value"]} if out["best"] else {}, "trials": counts}))
@@ -108,13 +108,13 @@ def _check(base: Config, dims: list[Dimension], trials: int, concurrent: int, sa
     if sampler not in ("tpe", "random", "grid"):
         raise SparklmError(f"--sampler {sampler!r} is not one of tpe, random, grid")
     seen = set()
+    settings = [k for k, v in flatten(base.to_dict()).items() if not isinstance(v, dict)]
     for d in dims:
         if d.key in seen:
             raise SparklmError(f"--space {d.key} is given twice", hint="one distribution per setting")
         seen.add(d.key)
-        known = flatten(base.to_dict())
-        if d.key not in known or isinstance(known[d.key], dict):
-            near = difflib.get_close_matches(d.key, [k for k, v in known.items() if not isinstance(v, dict)], 1)
+        if d.key not in settings:
+            near = difflib.get_close_matches(d.key, settings, 1)
             raise SparklmError(f"--space {d.describe()}: {d.key} is not a setting",
                                hint=f"did you mean {near[0]}?" if near else "`sparklm config` lists every setting")
     if sampler == "grid":
@@ -130,7 +130,7 @@ def _default_storage(output: str) -> str:
     return f"sqlite:///{path.resolve() / 'study.db'}"
 
 
-def _holds_study(output: str, url: str, optuna) -> bool:
+def _holds_study(url: str, optuna) -> bool:
     if url.startswith("sqlite:///") and not os.path.exists(url.removeprefix("sqlite:///")):
         return False
     return STUDY in {s.study_name for s in optuna.get_all_study_summaries(storage=url)}
@@ -173,13 +173,19 @@ def _counted(study, optuna) -> int:
     return sum(1 for t in study.get_trials(deepcopy=False, states=done) if not t.user_attrs.get("interrupted"))
 
 
+def fair(config: Config) -> Config:
+    """``config`` whose session shares its executors among the trials' scheduler pools (only the FAIR scheduler
+    does; a mode the user set wins): for the session a search starts (here, or the CLI's starter)."""
+    return config.replace(spark=dataclasses.replace(
+        config.spark, conf={"spark.scheduler.mode": "FAIR", **config.spark.conf}))
+
+
 def _session(base: Config, spark):
     from ..spark.session import get_session
 
     if spark is not None:
-        return spark() if callable(spark) else spark  # (the CLI's starter: Ctrl-C and the JVM's log its own way)
-    conf = {"spark.scheduler.mode": "FAIR", **base.spark.conf}  # pools share the executors only under FAIR
-    return get_session(dataclasses.replace(base.spark, conf=conf))
+        return spark() if callable(spark) else spark  # (the CLI's starter, made with fair(): its Ctrl-C, its log)
+    return get_session(fair(base).spark)
 
 
 def _shared_threads(base: Config, spark, concurrent: int, dims: list[Dimension]) -> Config:
@@ -232,7 +238,7 @@ class TrialFailed(Exception):
     study goes on."""
 
 
-def _run_trials(study, optuna, data: str, output: str, dims: list[Dimension], base: Config, metric: str,
+def _run_trials(study, data: str, output: str, dims: list[Dimension], base: Config, metric: str,
                 left: int, concurrent: int, spark, parent: dict[str, str]) -> None:
     """Optuna's own loop (``optimize``: its threads, its stop when a grid is walked), each thread's jobs in a
     scheduler pool of its own."""
@@ -298,7 +304,7 @@ def _short(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def _summary(study, optuna, output: str, metric: str, direction: str, storage) -> dict:
+def _summary(study, output: str, metric: str, direction: str, storage) -> dict:
     """What the search found, also written to OUTPUT/best.json, with OUTPUT/report.html (the page people look
     at: the trials and Optuna's plots)."""
     trials = []
@@ -306,9 +312,8 @@ def _summary(study, optuna, output: str, metric: str, direction: str, storage) -
         trials.append({"number": t.number, "state": t.state.name.lower(), "value": t.value, "params": t.params,
                        "run_dir": t.user_attrs.get("run_dir"), "error": t.user_attrs.get("error"),
                        "interrupted": bool(t.user_attrs.get("interrupted"))})
-    complete = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]
     best = None
-    if complete:
+    if any(t["state"] == "complete" for t in trials):
         b = study.best_trial
         run_dir = b.user_attrs.get("run_dir")
         model = join(run_dir, "model") if run_dir else None

@@ -327,6 +327,8 @@ class Channel:
         try:
             with conn:
                 if self._welcome(conn):
+                    if halted(self.sink):  # a restarted attempt of a run already pruned
+                        self.ask_to_halt()
                     with conn.makefile("r", encoding="utf-8") as lines:
                         self._take(conn, lines)
         except OSError:  # silent too long, or cut by close(); a rank that is gone: the launcher reports why
@@ -392,6 +394,8 @@ class Channel:
                     self.sink.rewind(row) if isinstance(row, int) else self.sink.write(row)
                 except Exception as e:  # never a traceback from this thread: the launcher reports it
                     self.error = e
+            if isinstance(row, rows.Eval) and halted(self.sink):  # a search's pruner judged this evaluation
+                self.ask_to_halt()
 
     def ask_to_leave(self) -> None:
         """Tell the ranks (rank 0, which tells the others at its next step) to checkpoint and stop: an executor of
@@ -498,8 +502,7 @@ class ChannelSink:
         self.file = self.sock.makefile("w", encoding="utf-8")
         self.file.write(token + "\n")
         self.file.flush()
-        self.inbox, self.asked_to_leave = b"", False  # what the driver sent that no call has read yet
-        self.asked_to_halt = False
+        self.inbox, self.heard = b"", set()  # what the driver sent that no call has read yet; the words it said
 
     def write(self, row: Row) -> None:
         self._send(row.to_dict())
@@ -524,15 +527,20 @@ class ChannelSink:
 
     def halted(self) -> bool:
         """Whether the driver has asked the run to end now (Channel.ask_to_halt); never waits."""
-        while not self.asked_to_halt and self._line(block=False):
-            pass
-        return self.asked_to_halt
+        return self._said(HALT)
 
     def leaving(self) -> bool:
         """Whether the driver has asked the ranks to checkpoint and stop (Channel.ask_to_leave); never waits."""
-        while not self.asked_to_leave and self._line(block=False):
+        return self._said(LEAVE)
+
+    @property
+    def asked_to_leave(self) -> bool:
+        return LEAVE in self.heard
+
+    def _said(self, word: bytes) -> bool:
+        while word not in self.heard and self._line(block=False):
             pass
-        return self.asked_to_leave
+        return word in self.heard
 
     def _line(self, *, block: bool) -> bytes:
         """The driver's next answer (a line; b"" when none came: nothing waiting, or the driver is gone); a LEAVE on
@@ -541,10 +549,7 @@ class ChannelSink:
             if b"\n" in self.inbox:
                 line, self.inbox = self.inbox.split(b"\n", 1)
                 if line + b"\n" in (LEAVE, HALT):
-                    if line + b"\n" == LEAVE:
-                        self.asked_to_leave = True
-                    else:
-                        self.asked_to_halt = True
+                    self.heard.add(line + b"\n")
                     if not block:
                         return line + b"\n"
                     continue

@@ -30,7 +30,6 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -38,7 +37,7 @@ from ..config import Config
 from ..infra import progress
 from ..infra.errors import SparklmError, killed_note, known_cause, spark_errors
 from ..infra.fs import join, local_path, read_text, write_bytes
-from ..metrics.sinks import Channel, Sink, halted
+from ..metrics.sinks import Channel, Sink
 from ..spark.resources import gpu_slots, task_gpu
 from ..spark.session import LEAN_ADDRESS_SPACE, process_limit
 from ..train import checkpoint
@@ -99,8 +98,7 @@ class DDP:
             for attempt in range(restarts + 1):
                 channel.attempt()
                 try:
-                    with _watch_decommission(spark, channel, leaving, elastic=bool(full.config.train.workers_min)), \
-                            _watch_halt(sink, channel, job.halts):
+                    with _watch_decommission(spark, channel, leaving, elastic=bool(full.config.train.workers_min)):
                         r = launch(spark, job, channel=(*channel.address, channel.token))
                     break
                 except Exception as e:
@@ -153,23 +151,6 @@ class DDP:
 
 
 @contextmanager
-def _watch_halt(sink: Sink, channel: Channel, halts: bool, every: float = 0.5):
-    """While the ranks run: once a driver sink asks the run to end (a search pruned it), tell rank 0, again at every
-    poll (rank 0 may connect after the first)."""
-    if not halts:
-        yield
-        return
-
-    def watch(stop: threading.Event) -> None:
-        while not stop.wait(every):
-            if halted(sink):
-                channel.ask_to_halt()
-
-    with _watching(watch):
-        yield
-
-
-@contextmanager
 def _watch_decommission(spark, channel: Channel, seen: set[str], *, elastic: bool, every: float = 1.0):
     """While the ranks run: once Spark starts decommissioning an executor not ``seen`` before, ask the ranks to
     checkpoint and stop (Channel.ask_to_leave), so that an elastic run restarts on the executors that stay having
@@ -179,7 +160,9 @@ def _watch_decommission(spark, channel: Channel, seen: set[str], *, elastic: boo
         return
     from ..spark.resources import decommissioning
 
-    def watch(stop: threading.Event) -> None:
+    stop = threading.Event()
+
+    def watch() -> None:
         new = set()
         while not stop.wait(every):
             new |= decommissioning(spark) - seen
@@ -187,15 +170,7 @@ def _watch_decommission(spark, channel: Channel, seen: set[str], *, elastic: boo
                 channel.ask_to_leave()
         seen.update(new)
 
-    with _watching(watch):
-        yield
-
-
-@contextmanager
-def _watching(watch: Callable[[threading.Event], None]):
-    """``watch(stop)`` in a thread for the block's length (it returns once ``stop`` is set)."""
-    stop = threading.Event()
-    t = threading.Thread(target=watch, args=(stop,), daemon=True)
+    t = threading.Thread(target=watch, daemon=True)
     t.start()
     try:
         yield
