@@ -457,7 +457,8 @@ def tiny_tokenizer(texts: list[str], specials: list[str], bos: str | None):
     return tok
 
 
-def tiny_causal(directory, family: str, texts: list[str], *, layers: int = 2, hidden: int = 32, dtype: str = "float32"):
+def tiny_causal(directory, family: str, texts: list[str], *, layers: int = 2, hidden: int = 32, dtype: str = "float32",
+                context: int = 64):
     """A tiny random causal LM of ``family`` (llama, qwen2, gemma: each family's own config and layers, grouped-query
     attention) saved as an HF directory (weights in ``dtype``) with a BPE tokenizer trained on ``texts``; returns its
     TokenizerSpec."""
@@ -478,7 +479,7 @@ def tiny_causal(directory, family: str, texts: list[str], *, layers: int = 2, hi
     torch.manual_seed(0)
     config = getattr(transformers, config_cls)(
         vocab_size=spec.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=spec.bos_id,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context, bos_token_id=spec.bos_id,
         eos_token_id=spec.eos_id, pad_token_id=spec.pad_id, **extra)
     getattr(transformers, model_cls)(config).to(getattr(torch, dtype)).save_pretrained(directory)
     spec.save(directory)
@@ -601,3 +602,99 @@ def toy_corpus() -> str:
     """Every word the toy records use, for the tiny tokenizers' training."""
     return " ".join(FILLER + " ".join(CUES.values()).split()) + "\n"
 
+
+
+# -- benchmark tasks (lm-evaluation-harness): a tiny model and task files written here, never downloaded -----------
+
+HARNESS_TASKS = ("toy_mc", "toy_roll", "toy_gen")
+
+
+def harness_toy(root: Path) -> Path:
+    """In ``root``: a tiny Llama (``model/``), three task YAML files (``tasks/``: a multiple-choice task scored with
+    two shots, a rolling log-likelihood task and a greedy ``generate_until`` task) over JSON Lines written beside them,
+    and ARC-Easy's splits in the Hub's layout (``ai2_arc/ARC-Easy/*.jsonl``) for the harness's own ``arc_easy``."""
+    import random
+
+    # a context of 128: the two-shot prompts are cut from the left, the longest page takes several windows
+    tiny_causal(root / "model", "llama", [make_text(20, seed=i) for i in range(3)] + MULTILINGUAL, context=128)
+    rng = random.Random(0)
+    words = make_text(30).split() + "über naïve café 東京 Москва".split()
+
+    def words_of(n):
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    data, tasks = root / "data", root / "tasks"
+    data.mkdir(parents=True)
+    tasks.mkdir()
+
+    def jsonl(path: Path, rows: list[dict]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+    jsonl(data / "mc.jsonl", [{"question": words_of(rng.randint(3, 9)),
+                               "choices": [words_of(rng.randint(1, 3)) for _ in range(4)], "label": i % 4}
+                              for i in range(16)])
+    jsonl(data / "pages.jsonl", [{"page": words_of(20 + 15 * i)} for i in range(6)])  # the longest: several windows
+    jsonl(data / "qa.jsonl", [{"q": words_of(rng.randint(3, 8)), "a": words_of(1)} for _ in range(10)])
+    common = "\nmetric_list:\n{}\n"
+    metric = "  - metric: {}\n    aggregation: {}\n    higher_is_better: {}"
+    (tasks / "mc.yaml").write_text(
+        f"task: toy_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data / 'mc.jsonl'}\n"
+        f"    train: {data / 'mc.jsonl'}\ntest_split: test\nfewshot_split: train\nnum_fewshot: 2\n"
+        "output_type: multiple_choice\ndoc_to_text: \"Question: {{question}}\\nAnswer:\"\ndoc_to_target: label\n"
+        "doc_to_choice: \"{{choices}}\"" + common.format("\n".join(
+            metric.format(m, "mean", "true") for m in ("acc", "acc_norm"))))
+    (tasks / "roll.yaml").write_text(
+        f"task: toy_roll\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data / 'pages.jsonl'}\n"
+        "test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: \"\"\ndoc_to_target: \"{{page}}\""
+        + common.format("\n".join([metric.format("word_perplexity", "weighted_perplexity", "false"),
+                                   metric.format("byte_perplexity", "weighted_perplexity", "false"),
+                                   metric.format("bits_per_byte", "bits_per_byte", "false")])))
+    (tasks / "gen.yaml").write_text(
+        f"task: toy_gen\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data / 'qa.jsonl'}\n"
+        "test_split: test\noutput_type: generate_until\ndoc_to_text: \"Q: {{q}}\\nA:\"\ndoc_to_target: \"{{a}}\"\n"
+        "generation_kwargs:\n  until: [\"\\n\", \".\"]\n  max_gen_toks: 12\n  do_sample: false"
+        + common.format(metric.format("exact_match", "mean", "true")))
+    labels = ["A", "B", "C", "D"]
+    for split, n in (("train", 6), ("validation", 4), ("test", 12)):
+        jsonl(root / "ai2_arc" / "ARC-Easy" / f"{split}.jsonl", [
+            {"id": f"{split}-{i}", "question": words_of(6), "answerKey": labels[i % 4],
+             "choices": {"text": [words_of(2) for _ in labels], "label": labels}} for i in range(n)])
+    return root
+
+
+def harness_reference(root: Path, tasks: list[str], *, batch_size: int = 4, model: Path | None = None,
+                      **kwargs) -> dict:
+    """lm-evaluation-harness's own ``simple_evaluate`` with its HF backend on ``harness_toy(root)``'s model (or
+    ``model``; its results, samples logged): the figures sparklm must reproduce. ``arc_easy`` reads the local ARC
+    files."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from sparklm.infer.harness import LocalData, offline, serving
+
+    offline()
+    manager = TaskManager(include_path=str(root / "tasks"), include_defaults="arc_easy" in tasks)
+    with serving(LocalData([f"allenai/ai2_arc={root / 'ai2_arc'}"])):
+        return simple_evaluate(model="hf", model_args={"pretrained": str(model or root / "model"), "dtype": "float32",
+                                                       "device": "cpu"}, tasks=tasks, batch_size=batch_size,
+                               task_manager=manager, log_samples=True, **kwargs)
+
+
+def assert_same_figures(ours: dict, theirs: dict) -> None:
+    """Every metric of every task equal to 4 decimals (perplexities, exponentials of sums, to 4 significant
+    decimals: 1e-4 relative), and every generated text the same."""
+    import math
+
+    assert ours["results"].keys() == theirs["results"].keys()
+    for task, figures in theirs["results"].items():
+        for key, value in figures.items():
+            if not isinstance(value, float):
+                assert ours["results"][task][key] == value, (task, key)
+            elif "perplexity" in key:
+                assert math.isclose(ours["results"][task][key], value, rel_tol=1e-4), (task, key)
+            else:
+                assert round(ours["results"][task][key], 4) == round(value, 4), (task, key)
+    for task, samples in theirs.get("samples", {}).items():
+        if task == "toy_gen":
+            assert [s["resps"] for s in ours["samples"][task]] == [s["resps"] for s in samples]

@@ -191,13 +191,30 @@ def generate(model: str, prompts: str | list[str], *, backend: str = "torch", qu
     return _generate(backends.load(str(model), backend=backend, quantize=quantize), prompts, sampling)
 
 
-def evaluate(model: str, source, *, max_length: int = 0, stride: int = 0, batch_size: int = 8,
-             config: Config | dict | str | None = None, settings: dict[str, Any] | None = None, spark=None) -> dict:
-    """Loss, perplexity, bits per byte and accuracy of ``model`` on text files (paths, as ``sparklm eval``), on
-    Spark: each document scored with a sliding window."""
+def evaluate(model: str, source=None, *, tasks: str | list[str] | None = None, max_length: int = 0, stride: int = 0,
+             batch_size: int = 8, num_fewshot: int | None = None, limit: float | None = None, seed: int | None = None,
+             task_data: str | list[str] = (), log_samples: bool = False, output: str | None = None,
+             overwrite: bool = False, config: Config | dict | str | None = None, settings: dict[str, Any] | None = None,
+             spark=None) -> dict:
+    """``model`` evaluated on Spark, as ``sparklm eval``: on text files (``source``: paths; loss, perplexity, bits per
+    byte and accuracy with a sliding window), or on lm-evaluation-harness tasks (``tasks``: names, task YAML files or
+    directories; ``task_data``: where their datasets are, ``--task-data``), which returns the harness's own results
+    dict (``results["results"]["arc_easy"]["acc,none"]``), written to ``output`` as results.json and report.html."""
+    config = settings_of(config, settings)
+    if (tasks is None) == (source is None):
+        raise SparklmError("evaluate takes a source (text files) or tasks (benchmark tasks), one of the two",
+                           hint="evaluate(model, 'data.txt') or evaluate(model, tasks=['arc_easy'])")
+    if tasks is not None:
+        from .launch.benchmarks import run_benchmarks
+
+        names = tasks.split(",") if isinstance(tasks, str) else [str(t) for t in tasks]
+        with progress.spark_bar_paused(_running(spark)):
+            return run_benchmarks(str(model), names, config=config, output=output, overwrite=overwrite,
+                                  num_fewshot=num_fewshot, limit=limit, batch_size=batch_size, seed=seed,
+                                  task_data=[task_data] if isinstance(task_data, str) else list(task_data),
+                                  log_samples=log_samples, spark=spark)["results"]
     from .infer.evaluate import evaluate as run
 
-    config = settings_of(config, settings)
     inputs, _ = _source(source, config, spark, "source")
     if not isinstance(inputs, list):
         raise SparklmError("evaluate reads text files", hint="write the DataFrame's text out, or pass paths")

@@ -26,6 +26,7 @@ _FLAG_SECTIONS = {"prepare": ("data", "tokenizer"), "train": ("train", "model", 
                   "run": ("data", "tokenizer", "train", "model", "lora", "tracking")}
 # single fields a command reads
 _FLAG_KEYS = {"eval": ("data.doc_mode", "data.text_field", "data.encoding", "data.csv_delimiter"),
+              "eval-tasks": ("tracking.mlflow_uri", "tracking.mlflow_experiment", "tracking.wandb_project"),
               "prepare": ("beam.runner", "tracking.mlflow_uri", "tracking.mlflow_experiment", "tracking.wandb_project")}
 _COMMON_SECTIONS = ("spark", "storage")
 _STARTED: list = []  # sessions this command started, stopped when it ends
@@ -149,6 +150,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_eval(sub) -> None:
+    """`sparklm eval`: text scored with a sliding window, or lm-evaluation-harness tasks."""
+    e = sub.add_parser("eval", help="a model's loss, perplexity and bits/byte on text, or its scores on standard "
+                       "benchmarks (lm-evaluation-harness tasks); a Spark job",
+                       description="Evaluate any causal LM on text inputs with a sliding window (--input), or on "
+                                   "lm-evaluation-harness tasks, scored as the harness scores them (--tasks).")
+    e.add_argument("model", metavar="MODEL", help="a sparklm run directory, an HF model directory, a LoRA adapter "
+                   "directory or a .gguf file")
+    e.add_argument("--input", dest="inputs", action="append", metavar="PATH",
+                   help="text inputs as for prepare (repeatable)")
+    e.add_argument("--max-length", type=int, default=0, metavar="N", help="window length (default: the context)")
+    e.add_argument("--stride", type=int, default=0, metavar="N", help="window stride (default: --max-length)")
+    _config_flags(e.add_argument_group("reading the inputs"), keys=_FLAG_KEYS["eval"])
+    t = e.add_argument_group("benchmark tasks (lm-evaluation-harness: pip install 'sparklm[eval]')")
+    t.add_argument("--tasks", metavar="NAMES", help="comma-separated harness task, group or tag names (hellaswag,"
+                   "arc_easy,mmlu), task YAML files or directories of them")
+    t.add_argument("--task-data", action="append", default=[], metavar="[DATASET=]DIR",
+                   help="where a task's dataset is on this machine (nothing is downloaded): DATASET (its Hub name, "
+                        "or a task or group name) read from DIR, or DIR holding datasets under their Hub names "
+                        "(repeatable; docs/lm-eval.md)")
+    t.add_argument("--num-fewshot", type=int, metavar="N", help="few-shot examples per prompt (default: each "
+                   "task's own)")
+    t.add_argument("--limit", type=float, metavar="N", help="documents per task (a fraction below 1: that share)")
+    t.add_argument("--seed", type=int, metavar="N", help="the harness's seeds (Python, NumPy, torch, few-shot "
+                   "sampling; default: its own)")
+    t.add_argument("--log-samples", action="store_true", help="also write each document's requests and answers "
+                   "(samples_TASK.jsonl in --output)")
+    _config_flags(t, keys=_FLAG_KEYS["eval-tasks"])
+    e.add_argument("--batch-size", type=int, default=8, metavar="N")
+    e.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads per task (default: the cores "
+                   "Spark gives a task with --tasks; all with --input)")
+    e.add_argument("--output", "-o", metavar="PATH", help="--input: also write the figures as JSON to this file; "
+                   "--tasks: a directory for results.json (the harness's format) and report.html")
+    e.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    _common(e)
+
+
 def _add_inference(sub) -> None:
     """The subcommands that use a trained model: generate, eval, export, import."""
     g = sub.add_parser("generate", help="generate text from a model (one process, or over a Spark DataFrame)",
@@ -177,19 +215,7 @@ def _add_inference(sub) -> None:
     g.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads (default: all)")
     _common(g)
 
-    e = sub.add_parser("eval", help="loss, perplexity, bits/byte and accuracy of a model on text (a Spark job)",
-                       description="Evaluate any causal LM on text inputs with a sliding window.")
-    e.add_argument("model", metavar="MODEL", help="a sparklm run directory or an HF model directory")
-    e.add_argument("--input", dest="inputs", action="append", required=True, metavar="PATH",
-                   help="text inputs as for prepare (repeatable)")
-    e.add_argument("--max-length", type=int, default=0, metavar="N", help="window length (default: the context)")
-    e.add_argument("--stride", type=int, default=0, metavar="N", help="window stride (default: --max-length)")
-    _config_flags(e.add_argument_group("reading the inputs"), keys=_FLAG_KEYS["eval"])
-    e.add_argument("--batch-size", type=int, default=8, metavar="N")
-    e.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads per task (default: all)")
-    e.add_argument("--output", "-o", metavar="FILE", help="also write the figures as JSON")
-    e.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
-    _common(e)
+    _add_eval(sub)
 
     x = sub.add_parser("export", help="export a model to ONNX (optionally int8 / int4 quantized), GGUF or for the Hub",
                        description="Export a model to an ONNX graph (input ids, attention mask -> logits), with "
@@ -238,10 +264,15 @@ def _config_flags(group, sections: tuple[str, ...] = (), keys: tuple[str, ...] =
                                default=None, help=help_text)
             continue
         allowed = choices(tp, f.metadata)
-        kind = str if allowed else _workers if key == "train.workers" else tp
-        metavar = None if allowed else {int: "N", float: "X"}.get(tp, key.rsplit(".", 1)[1].upper())
+        kind = str if allowed else _workers if key == "train.workers" else _names if tp is list else tp
+        metavar = None if allowed else {int: "N", float: "X", list: "A,B"}.get(tp, key.rsplit(".", 1)[1].upper())
         optional = {"nargs": "?", "const": f.metadata["const"]} if "const" in f.metadata else {}  # --mlflow [URI]
         group.add_argument(flag, dest=key, type=kind, choices=allowed, metavar=metavar, help=help_text, **optional)
+
+
+def _names(text: str) -> list[str]:
+    """A list setting's flag: comma-separated (--eval-tasks arc_easy,hellaswag)."""
+    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def _workers(text: str) -> int | tuple[int, int]:
@@ -566,6 +597,12 @@ def _predict(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from .infer.evaluate import evaluate
 
+    if bool(args.tasks) == bool(args.inputs):
+        raise SparklmError("eval takes --input (text to score) or --tasks (benchmark tasks)" if not args.tasks
+                           else "--input and --tasks exclude each other",
+                           hint="e.g. --input data.txt, or --tasks hellaswag,arc_easy")
+    if args.tasks:
+        return _eval_tasks(args)
     config, _ = _config(args)
     if args.output and Path(args.output).exists() and not args.overwrite:
         raise SparklmError(f"{args.output} already exists", hint="pass --overwrite to replace it, or another --output")
@@ -579,6 +616,19 @@ def _eval(args: argparse.Namespace) -> int:
         from .infra.fs import write_text
 
         write_text(args.output, json.dumps(result, indent=2))
+    return 0
+
+
+def _eval_tasks(args: argparse.Namespace) -> int:
+    from .launch.benchmarks import run_benchmarks
+
+    config, _ = _config(args)
+    result = run_benchmarks(args.model, args.tasks.split(","), config=config, output=args.output,
+                            overwrite=args.overwrite, num_fewshot=args.num_fewshot, limit=args.limit,
+                            batch_size=args.batch_size, seed=args.seed, threads=args.threads,
+                            task_data=args.task_data, log_samples=args.log_samples,
+                            spark=_session_factory(args, config))
+    progress.plain(result["table"])
     return 0
 
 

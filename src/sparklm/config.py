@@ -406,6 +406,15 @@ class TrainConfig:
                                "weights and no copy is kept in memory")
     early_stop: int = _f(0, "stop after this many evaluations in a row without a lower validation loss; 0: never "
                             "(sparklm run uses 3 unless set)", min=0, flag="--early-stop")
+    eval_tasks: list = _f([], "lm-evaluation-harness tasks (names, task YAML files or directories) scored on the "
+                              "exported model when the run ends, as `sparklm eval --tasks` scores them: eval_tasks.json, "
+                              "eval_tasks.csv, the report and the trackers (pip install 'sparklm[eval]')",
+                          flag="--eval-tasks")
+    eval_tasks_limit: float = _f(0.0, "documents per task of eval_tasks (a fraction below 1: that share); 0: all",
+                                 min=0, flag="--eval-tasks-limit")
+    eval_tasks_fewshot: int = _f(-1, "few-shot examples per prompt of eval_tasks; -1: each task's own", min=-1)
+    eval_tasks_data: list = _f([], "where eval_tasks' datasets are on this machine, as `sparklm eval --task-data` "
+                                   "takes them ([DATASET=]DIR; nothing is downloaded)")
     checkpoint_every: int = _f(200, "checkpoint every N steps (and at the end); 0: only at the end", min=0, flag="--checkpoint-every")
     keep_checkpoints: int = _f(2, "how many recent checkpoints to keep", min=1)
     log_every: int = _f(10, "print and record a metrics row every N steps", min=1)

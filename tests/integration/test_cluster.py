@@ -1,7 +1,7 @@
 """Spark standalone: a master and two workers started from the pyspark package on 127.0.0.1.
 
 A DiLoCo task that fails is recomputed exactly by Spark's retry, and a capped Python worker trains with the planned
-micro-batch. (That the same `sparklm train` command trains DDP and DiLoCo on a standalone cluster with the losses of
+micro-batch. Benchmark tasks scored on the two workers give lm-evaluation-harness's own numbers. (That the same `sparklm train` command trains DDP and DiLoCo on a standalone cluster with the losses of
 local mode is shown by tests/integration/test_hosts.py, on workers that share nothing with the driver.)
 """
 
@@ -19,7 +19,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import assert_one_line_interrupt, interrupt, make_text, start_standalone, stop_processes
+from conftest import (
+    HARNESS_TASKS,
+    assert_one_line_interrupt,
+    assert_same_figures,
+    harness_reference,
+    harness_toy,
+    interrupt,
+    make_text,
+    start_standalone,
+    stop_processes,
+)
 from sparklm.config import from_dict
 from sparklm.launch.prepare import prepare
 from sparklm.launch.train import train
@@ -156,3 +166,21 @@ def test_ctrl_c_on_a_standalone_cluster_is_one_line_and_the_checkpoint_resumes(s
     assert summary["steps"] == last + 3
     steps = [row["step"] for row in read_metrics(str(run / "metrics.csv")) if row["kind"] == "train"]
     assert steps == list(range(1, last + 4))  # each step once: the rows after the checkpoint rewound
+
+
+def test_benchmark_tasks_on_two_workers_equal_the_harness(standalone, tmp_path):
+    """`sparklm eval --tasks` with the requests spread over two workers' executors: every figure of the harness's
+    `simple_evaluate` with its HF backend (one process), to 4 decimals, and the same generated texts."""
+    pytest.importorskip("lm_eval")
+    toy = harness_toy(tmp_path / "toy")
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "sparklm", "eval", str(toy / "model"), "--tasks", str(toy / "tasks"),
+                        "--master", standalone.url, "--conf", "spark.ui.enabled=false", "--batch-size", "4",
+                        "--threads", "1", "--log-samples", "-o", str(out)], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "on 2 task(s)" in r.stderr  # each job's requests in two shares, one per executor's core
+    assert "|toy_mc  |" in r.stdout and "|toy_gen |" in r.stdout  # the harness's own table, printed
+    ours = json.loads((out / "results.json").read_text())
+    ours["samples"] = {"toy_gen": [json.loads(x) for x in (out / "samples_toy_gen.jsonl").read_text().splitlines()]}
+    assert_same_figures(ours, harness_reference(toy, list(HARNESS_TASKS)))

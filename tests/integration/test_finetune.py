@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from conftest import make_text, tiny_tokenizer
+import sparklm
+from conftest import assert_same_figures, harness_reference, harness_toy, make_text, tiny_tokenizer
 from sparklm.config import from_dict
 from sparklm.infra.errors import SparklmError
 
@@ -195,6 +196,14 @@ def test_merged_export_equals_base_plus_adapter(spark, bases, tmp_path):
     gguf_import.convert(str(tmp_path / "gguf" / "model.gguf"), str(tmp_path / "gguf-back"))
     back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "gguf-back")).eval()
     torch.testing.assert_close(logits(back, ids), logits(merged, ids), rtol=1e-4, atol=1e-5)
+    # benchmark tasks on the LoRA run (adapter on its base) and on the GGUF file: the harness's figures for the
+    # merged model and for the GGUF read back
+    pytest.importorskip("lm_eval")
+    toy = harness_toy(tmp_path / "toy")
+    tasks = [str(toy / "tasks" / "mc.yaml")]
+    for model, reference in ((run, tmp_path / "merged"), (tmp_path / "gguf" / "model.gguf", tmp_path / "gguf-back")):
+        ours = sparklm.evaluate(str(model), tasks=tasks, limit=6, spark=spark)
+        assert_same_figures(ours, harness_reference(toy, ["toy_mc"], model=reference, limit=6))
 
 
 def test_bad_pretrained_models_are_one_line(spark, bases, tmp_path):

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cfg, free_port, make_text, run_sparklm
+import sparklm
+from conftest import cfg, free_port, harness_toy, make_text, run_sparklm
 from sparklm.config import TrackingConfig, flatten
 from sparklm.infra.errors import SparklmError
 from sparklm.launch.train import train
@@ -56,9 +57,11 @@ def test_one_mlflow_run_per_command_with_params_metrics_files_and_a_model_spark_
     import mlflow
     from mlflow import MlflowClient
 
-    run_dir = tmp_path / "run"
-    config = cfg(max_steps=12, workers=2, eval_every=6, checkpoint_every=6).replace(
-        tracking=_tracking(mlflow_uri=mlflow_server, mlflow_experiment="tiny", mlflow_register="sparklm-tiny"))
+    run_dir, toy = tmp_path / "run", harness_toy(tmp_path / "toy")
+    tasks = [str(toy / "tasks" / "mc.yaml"), str(toy / "tasks" / "roll.yaml")]  # scored when the run ends
+    config = cfg(max_steps=12, workers=2, eval_every=6, checkpoint_every=6, eval_tasks=tasks, eval_tasks_limit=4.0
+                 ).replace(tracking=_tracking(mlflow_uri=mlflow_server, mlflow_experiment="tiny",
+                                              mlflow_register="sparklm-tiny"))
     summary = train(dataset, output=str(run_dir), config=config, spark=spark)
     client = MlflowClient(tracking_uri=mlflow_server)
     exp = client.get_experiment_by_name("tiny")
@@ -79,7 +82,25 @@ def test_one_mlflow_run_per_command_with_params_metrics_files_and_a_model_spark_
         assert client.get_metric_history(run.info.run_id, system), system
     assert run.data.metrics["summary/final/val_bpb"] == pytest.approx(summary["final"]["val_bpb"])
     files = {f.path for f in client.list_artifacts(run.info.run_id)}
-    assert {"summary.json", "metrics.csv", "config.json", "loss.png", "samples.txt", "report.html"} <= files
+    assert {"summary.json", "metrics.csv", "config.json", "loss.png", "samples.txt", "report.html",
+            "eval_tasks.json", "eval_tasks.csv"} <= files
+    # train.eval_tasks: the exported model's benchmark figures in the summary, a row each, the report and MLflow
+    scored = json.loads((run_dir / "eval_tasks.json").read_text())
+    assert scored["n-samples"]["toy_mc"]["effective"] == 4 and scored["n-shot"]["toy_mc"] == 2
+    assert summary["tasks"]["toy_mc/acc"] == scored["results"]["toy_mc"]["acc,none"]
+    assert run.data.metrics["summary/tasks/toy_roll/bits_per_byte"] == pytest.approx(
+        scored["results"]["toy_roll"]["bits_per_byte,none"])
+    table = (run_dir / "eval_tasks.csv").read_text().splitlines()
+    assert table[0] == "step,tokens,task,metric,filter,value,stderr" and len(table) == 1 + 5
+    assert all(line.startswith(f"12,{summary['tokens']},") for line in table[1:])
+    assert "<h2>Benchmark tasks</h2>" in (run_dir / "report.html").read_text()
+    # `sparklm eval --tasks` on the run directory: one MLflow run of its own with the figures and files
+    sparklm.evaluate(str(run_dir), tasks=tasks[:1], limit=4, output=str(tmp_path / "bench"), spark=spark,
+                     settings={"tracking.mlflow_uri": mlflow_server, "tracking.mlflow_experiment": "bench"})
+    (bench,) = client.search_runs([client.get_experiment_by_name("bench").experiment_id])
+    assert bench.data.tags["sparklm.command"] == "eval" and bench.data.params["eval.limit"] == "4"
+    assert bench.data.metrics["summary/toy_mc/acc"] == summary["tasks"]["toy_mc/acc"]
+    assert {"results.json", "report.html"} <= {f.path for f in client.list_artifacts(bench.info.run_id)}
 
     # the logged model: registered, and a Spark UDF with it continues 3 prompts
     (version,) = client.search_model_versions("name = 'sparklm-tiny'")

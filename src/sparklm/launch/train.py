@@ -136,8 +136,9 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
             finally:
                 sinks.close()
     with trackers.failed_on_error(tracking):
+        scores = _scores(run_dir, config, result, spark)
         summary = _summary(run_dir, config, dataset, result, spark, time.time() - t0, spark_start,
-                           spark_figures.collect(spark, jobs))
+                           spark_figures.collect(spark, jobs), scores)
         _cards(run_dir, config, data, summary)
         plot_loss(run_dir, figures, storage)
         if (draw := task_info(config.model.task).report) is not None:  # the task's own pictures
@@ -150,10 +151,23 @@ def _train(data: str | None, *, output: str, config: Config | None, resume: bool
     return summary
 
 
+def _scores(run_dir: str, config: Config, result, spark) -> dict:
+    """train.eval_tasks: the exported model scored on benchmark tasks, Spark jobs on the run's session ({}: none)."""
+    if not config.train.eval_tasks:
+        return {}
+    from .benchmarks import score_run
+
+    return score_run(run_dir, config.train, step=result.steps, tokens=result.tokens, storage=config.storage, spark=spark)
+
+
 def _checked_shapes(config: Config, spec: TokenizerSpec, dataset: PreparedDataset, data: str):
-    """The model's shapes for the memory plan, once the pretrained model, LoRA's targets and the data are checked
-    (before Spark starts)."""
+    """The model's shapes for the memory plan, once the pretrained model, LoRA's targets, the data and the benchmark
+    tasks the run ends with (train.eval_tasks) are checked (before Spark starts)."""
     _check_init_from(config, spec, dataset.seq_len)
+    if config.train.eval_tasks:
+        from .benchmarks import check_run_tasks
+
+        check_run_tasks(config.train)
     shapes = memory.model_shapes(config, spec, dataset.seq_len)
     if dataset.manifest["splits"]["train"]["sequences"] == 0:
         raise SparklmError(f"{data} has no training sequences", hint="prepare more text or a shorter --seq-len")
@@ -325,7 +339,7 @@ def _check_init_from(config: Config, spec: TokenizerSpec, seq_len: int | None = 
 
 
 def _summary(run_dir: str, config: Config, dataset: PreparedDataset, result: RunResult, spark, seconds: float,
-             spark_start: float, spark_job: dict) -> dict:
+             spark_start: float, spark_job: dict, scores: dict | None = None) -> dict:
     rows = read_metrics(join(run_dir, "metrics.csv"), config.storage)
     train_rows = [r for r in rows if r["kind"] == "train"]
     steady = train_rows[len(train_rows) // 4:] or train_rows  # skip warm-up for the steady-state figures
@@ -350,6 +364,7 @@ def _summary(run_dir: str, config: Config, dataset: PreparedDataset, result: Run
         "spark_application_id": spark.sparkContext.applicationId,
         "spark_master": spark.sparkContext.master, "sparklm_version": __version__,
         "spark": spark_job,  # Spark's own figures for the training's jobs (spark_figures.py)
+        **({"tasks": scores} if scores else {}),  # train.eval_tasks: "arc_easy/acc" → the exported model's score
     }
     write_text(join(run_dir, "summary.json"), json.dumps(summary, indent=2), config.storage)
     return summary

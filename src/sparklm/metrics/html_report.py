@@ -58,6 +58,7 @@ class RunData:
     samples: str | None  # samples.txt
     figures: FigureSet
     epochs: list[dict] = field(default_factory=list)  # epochs.csv: one row per pass over the training split
+    benchmarks: dict | None = None  # eval_tasks.json: the harness's results for train.eval_tasks
 
     @property
     def task(self) -> str:
@@ -85,7 +86,9 @@ def read_run(run_dir: str, storage: StorageConfig | None = None) -> RunData:
                            f"{e})", hint="restore it from a copy of the run directory") from None
     rows = read_metrics(join(run_dir, "metrics.csv"), storage)
     samples_uri = join(run_dir, "samples.txt")
-    return RunData(uri=run_dir, config=config, summary=summary, train=[r for r in rows if r["kind"] == "train"],
+    tasks_uri = join(run_dir, "eval_tasks.json")
+    return RunData(benchmarks=json.loads(read_text(tasks_uri, storage)) if exists(tasks_uri, storage) else None,
+                   uri=run_dir, config=config, summary=summary, train=[r for r in rows if r["kind"] == "train"],
                    evals=[r for r in rows if r["kind"] == "eval"],
                    rounds=read_metrics(join(run_dir, "rounds.csv"), storage), figures=figures,
                    epochs=read_metrics(join(run_dir, "epochs.csv"), storage),
@@ -148,6 +151,8 @@ def render_run(run: RunData) -> str:
         body += ["<h2>Epochs</h2>", epochs_table(run.epochs)]
     if run.rounds:
         body += ["<h2>Rounds</h2>", charts(round_charts(run)), rounds_table(run.rounds)]
+    if run.benchmarks:
+        body += benchmark_section(run.benchmarks)
     section = task_info(run.task).section  # the task's own: a causal LM's samples, a classifier's classes, ...
     body += section(run) if section is not None else []
     body += ["<h2>Spark</h2>", spark_section(s.get("spark")),
@@ -196,6 +201,63 @@ def page(title: str, body: list[str]) -> str:
             f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">{_GENERATOR}'
             f'<meta name="viewport" content="width=device-width,initial-scale=1">'
             f"<title>{esc(title)}</title><style>{_CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+# -- benchmark tasks (sparklm eval --tasks, train.eval_tasks): lm-evaluation-harness's results ----------------------
+
+
+def benchmark_rows(results: dict) -> list[tuple]:
+    """(task, metric, filter, value, stderr, n-shot, samples) for each figure of ``results`` (the harness's dict),
+    groups first, then tasks, each in name order."""
+    out = []
+    for section in ("groups", "results"):
+        for task in sorted(results.get(section) or {}):
+            figures = results[section][task]
+            for key in sorted(figures):
+                value = figures[key]
+                if "," not in key or "_stderr" in key or not isinstance(value, (int, float)):
+                    continue
+                metric, _, flt = key.partition(",")
+                stderr = figures.get(f"{metric}_stderr,{flt}")
+                out.append((task, metric, flt, value, stderr, (results.get("n-shot") or {}).get(task, ""),
+                            (results.get("n-samples") or {}).get(task, {}).get("effective", "")))
+    return out
+
+
+def render_benchmarks(results: dict, title: str) -> str:
+    """The page for ``results``; ``title`` names the model."""
+    body = [f"<h1>sparklm eval: {esc(title)}</h1>",
+            f"<p class=sub>lm-evaluation-harness {esc(results.get('lm_eval_version', ''))}, "
+            f"{len(results.get('results') or {})} task(s)</p>", *benchmark_section(results, "Results")]
+    return page(f"sparklm eval: {title}", body)
+
+
+def benchmark_section(results: dict, heading: str = "Benchmark tasks") -> list[str]:
+    """The table and chart of ``results``: the page's body, and a run report's section (train.eval_tasks)."""
+    figures = benchmark_rows(results)
+    shown = [(task, metric, flt, f"{value:.4f}", "" if not isinstance(stderr, (int, float)) else f"± {stderr:.4f}",
+              shots, n) for task, metric, flt, value, stderr, shots, n in figures]
+    scores = [(f"{task} {metric}" + ("" if flt == "none" else f" ({flt})"), value)
+              for task, metric, flt, value, _, _, _ in figures if 0.0 <= value <= 1.0]
+    out = [f"<h2>{esc(heading)}</h2>", table(shown, ("task", "metric", "filter", "value", "stderr", "n-shot",
+                                                       "samples"))]
+    return out + ([charts([_score_bars(scores)])] if scores else [])
+
+
+def _score_bars(scores: list[tuple[str, float]]) -> str:
+    """One horizontal bar per score (a figure of its own: :func:`html_report.svg` draws numeric axes)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, max(1.6, 0.32 * len(scores) + 0.9)))
+    fig.subplots_adjust(left=0.42, right=0.96, top=0.88, bottom=0.12)
+    ax = fig.subplots()
+    ax.barh(range(len(scores)), [s[1] for s in scores], color="#4c72b0")
+    ax.set_yticks(range(len(scores)), [s[0] for s in scores], fontsize="small")
+    ax.set_xlim(0, 1)
+    ax.invert_yaxis()
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title("scores (0 to 1)")
+    return figure_svg(fig, "benchmark scores")
 
 
 # -- the parts --------------------------------------------------------------------------------------------------------

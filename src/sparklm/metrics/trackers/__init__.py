@@ -30,15 +30,16 @@ from ..sinks import Sink
 
 # the run directory's files a tracker keeps beside its run (those that exist)
 RUN_FILES = ("config.json", "summary.json", "metrics.csv", "rounds.csv", "run_info.json", "loss.png", "samples.txt",
-             "report.html", "manifest.json")
+             "report.html", "manifest.json", "eval_tasks.json", "eval_tasks.csv")
 SEARCH_FILES = ("best.json", "report.html")  # what a search (sparklm tune) leaves besides its trials' runs
+EVAL_FILES = ("results.json", "report.html")  # what `sparklm eval --tasks --output DIR` writes
 
 
 @dataclass(frozen=True)
 class Context:
     """What a tracker knows of the command it tracks."""
 
-    command: str  # "train" or "prepare"
+    command: str  # "train", "prepare", "tune" or "eval"
     run_dir: str  # the run directory or the prepared dataset's directory
     storage: StorageConfig
     params: dict[str, Any]  # the resolved settings, flattened ("train.lr": 0.001)
@@ -62,6 +63,8 @@ class Context:
         """The files of the run (or dataset) a tracker logs: :data:`RUN_FILES` and the task's own picture."""
         if self.command == "tune":
             return SEARCH_FILES
+        if self.command == "eval":
+            return EVAL_FILES
         shown = self.task.shows if self.command == "train" else None
         return RUN_FILES + ((shown,) if shown and shown not in RUN_FILES else ())
 
