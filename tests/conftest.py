@@ -61,6 +61,22 @@ def pytest_collection_modifyitems(config, items):
         return 3 if slow else 2 if cluster else 1
 
     items.sort(key=rank)  # stable
+    if config.getvalue("loadgroup"):  # a test process of `--dist loadgroup`
+        _name_groups(items)
+
+
+def _name_groups(items) -> None:
+    """``xdist_group``'s promise kept: the tests of a group go to one test process (its module fixtures, such as a
+    standalone cluster or the fine-tuning models, made once). pytest-xdist 3.8 marks a grouped test by appending
+    ``@group`` to ``item._nodeid``, which pytest 9 no longer reads (a node's id is ``item._id``): every group was
+    spread over both processes, each making the group's fixtures. The same suffix, where pytest 9 keeps it."""
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if names and not item.nodeid.endswith("@" + "_".join(names)):
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
 
 
 # A few scripts and shapes the product must handle, not just the shared English corpora.
@@ -669,12 +685,13 @@ def harness_reference(root: Path, tasks: list[str], *, batch_size: int = 4, mode
     ``model``; its results, samples logged): the figures sparklm must reproduce. ``arc_easy`` reads the local ARC
     files."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
-    from sparklm.infer.harness import LocalData, offline, serving
+    from sparklm.infer.harness import LocalData, offline, serving, task_manager, task_specs
 
     offline()
-    manager = TaskManager(include_path=str(root / "tasks"), include_defaults="arc_easy" in tasks)
+    # the harness's TaskManager over the same files; the instance sparklm keeps for them (indexing the harness's own
+    # tasks takes seconds), which only indexes: the tasks are built from it anew by simple_evaluate
+    manager, _ = task_manager(task_specs([str(root / "tasks"), *(["arc_easy"] if "arc_easy" in tasks else [])]))
     with serving(LocalData([f"allenai/ai2_arc={root / 'ai2_arc'}"])):
         return simple_evaluate(model="hf", model_args={"pretrained": str(model or root / "model"), "dtype": "float32",
                                                        "device": "cpu"}, tasks=tasks, batch_size=batch_size,

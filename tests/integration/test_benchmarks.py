@@ -13,6 +13,8 @@ import sparklm
 from conftest import HARNESS_TASKS, assert_same_figures, harness_reference, harness_toy
 
 pytest.importorskip("lm_eval")
+# one test process takes the file: the toy model and task files are made once, the harness's task index read once
+pytestmark = pytest.mark.xdist_group("harness")
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +60,12 @@ def test_the_cli_prints_the_table_and_every_mistake_is_one_line(spark, toy, tmp_
     (broken / "gone.yaml").write_text((toy / "tasks" / "roll.yaml").read_text().replace("pages.jsonl", "gone.jsonl"))
     (out / "notes.txt").write_text("mine")
     mistakes = [  # in this process (the session is the fixture's): each a line of its own, nothing written
-        (["--tasks", "arc_easyy"], "unknown task 'arc_easyy' (did you mean arc_easy"),
-        (["--tasks", "arc_easy"], "the dataset allenai/ai2_arc (ARC-Easy) is not on this machine, and sparklm never "
+        (["--tasks", f"{toy / 'tasks'},arc_easyy"], "unknown task 'arc_easyy' (did you mean arc_easy"),
+        (["--tasks", f"{toy / 'tasks'},arc_easy"], "the dataset allenai/ai2_arc (ARC-Easy) is not on this machine, and sparklm never "
                                   "downloads (hint: put its splits in a directory and pass --task-data allenai/ai2_arc=DIR"),
-        (["--tasks", "arc_easy", "--task-data", f"arc_easy={toy / 'tasks'}"],
+        (["--tasks", f"{toy / 'tasks'},arc_easy", "--task-data", f"arc_easy={toy / 'tasks'}"],
          f"no data files for the dataset allenai/ai2_arc in {toy / 'tasks'}"),
-        (["--tasks", "arc_easy", "--task-data", f"arc_easy={toy / 'data'}"],
+        (["--tasks", f"{toy / 'tasks'},arc_easy", "--task-data", f"arc_easy={toy / 'data'}"],
          f"cannot read the dataset allenai/ai2_arc in {toy / 'data'}: "),
         (["--tasks", str(toy / "nowhere.yaml")], "no such task file or directory"),
         (["--tasks", str(broken / "gone.yaml")], f"a task's data file {toy / 'data' / 'gone.jsonl'} is not found"),
