@@ -61,7 +61,7 @@ def pytest_collection_modifyitems(config, items):
         return 3 if slow else 2 if cluster else 1
 
     items.sort(key=rank)  # stable
-    if config.getvalue("loadgroup"):  # a test process of `--dist loadgroup`
+    if getattr(config.option, "loadgroup", False):  # a test process of `--dist loadgroup` (xdist sets it there)
         _name_groups(items)
 
 
