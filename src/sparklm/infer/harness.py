@@ -354,9 +354,10 @@ class SparkLM(TemplateLM):
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
                    **kwargs) -> list[int]:
-        from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
+        from lm_eval.models.utils import has_bos_prefix
 
-        special = _add_special_kwargs(add_special_tokens, self.add_bos_token)
+        asked = add_special_tokens if add_special_tokens is not None else self.add_bos_token
+        special = {} if asked is None else {"add_special_tokens": asked}  # None: the tokenizer's own default
         if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
             special["add_special_tokens"] = False  # the string carries its BOS already
         ids = self.tokenizer.encode(string, **special)
