@@ -423,7 +423,7 @@ class SparkLM(TemplateLM):
 
         self.counts["generate_until"] += len(requests)
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
-        rows, stops = [], []
+        rows = []
         for index, (context, gen_kwargs) in enumerate(req.args for req in requests):
             if not isinstance(gen_kwargs, dict):
                 raise SparklmError(f"a generate_until request's settings are a {type(gen_kwargs).__name__}, not a dict",
@@ -436,14 +436,12 @@ class SparkLM(TemplateLM):
                                    hint="lower the task's generation_kwargs.max_gen_toks")
             ids = self.tok_encode(context, left_truncate_len=self.max_length - max_new)
             extra = tuple(sorted(kwargs.items()))
-            rows.append((index, ids, json.dumps([until, max_new, extra], sort_keys=True, default=str), until, max_new,
-                         extra))
-            stops.append(until)
+            rows.append((index, ids, tuple(until), max_new, extra))
         answers = self._job(rows, partial(generation_rows, self.scorer, pad_id=self.tokenizer.pad_token_id),
                             "generations")
         out: list = [""] * len(requests)
         for index, tokens in answers:
-            out[index] = postprocess_generated_text(self.tok_decode(tokens), stops[index], None)
+            out[index] = postprocess_generated_text(self.tok_decode(tokens), list(rows[index][2]), None)
         return out
 
     def get_model_info(self) -> dict:
@@ -481,10 +479,10 @@ def evaluate_tasks(model: str, tasks: list[str], *, num_fewshot: int | None = No
     from lm_eval import simple_evaluate
 
     from ..config import StorageConfig
-    from ..infra.fs import effective, version
+    from ..infra.fs import effective, local_copy, version
     from ..spark.resources import check_batching
     from ..spark.session import check_shared, get_session
-    from .generate import model_dir, model_uri, tokenizer_of
+    from .generate import model_uri, tokenizer_of
 
     check_batching(batch_size, threads)
     if num_fewshot is not None and num_fewshot < 0:
@@ -497,7 +495,7 @@ def evaluate_tasks(model: str, tasks: list[str], *, num_fewshot: int | None = No
     manager, names = task_manager(specs)
     data = LocalData(list(task_data), manager)
     source = model_uri(model, storage)
-    directory = model_dir(model, storage)
+    directory = local_copy(source, storage)  # (model_dir would resolve the path a second time)
     tokenizer, _ = tokenizer_of(directory)
     hf_config = _hf_config(directory)
     scorer = Backend(source, version(source, storage), storage, threads, batch_size)

@@ -94,12 +94,12 @@ def _device(model) -> torch.device:
 # -- generation ---------------------------------------------------------------------------------------------------
 
 def generation_rows(backend: Backend, rows: Iterable[tuple], pad_id: int | None) -> Iterator[tuple[int, list[int]]]:
-    """``rows``: (request index, context ids, settings key, stop strings, max new tokens, generate()'s other keyword
-    arguments as a sorted tuple). Yields (request index, the new token ids, up to the first stop string or later)."""
+    """``rows``: (request index, context ids, stop strings, max new tokens, generate()'s other keyword arguments as a
+    sorted tuple). Yields (request index, the new token ids, up to the first stop string or later)."""
     lm = loaded(backend)
-    groups: dict[tuple, list[tuple]] = {}
-    for row in rows:  # one batch never mixes settings
-        groups.setdefault(row[2], []).append(row)
+    groups: dict[str, list[tuple]] = {}
+    for row in rows:  # one batch never mixes settings: the row's last three fields
+        groups.setdefault(repr(row[2:]), []).append(row)  # repr: a setting's value may be a list
     for group in groups.values():
         group.sort(key=lambda r: (-len(r[1]), r[1]))
         for start in range(0, len(group), backend.batch_size):
@@ -113,7 +113,7 @@ def generate_batch(lm, rows: list[tuple], pad_id: int | None) -> list[tuple[int,
     stop string (the driver cuts the text at the first one, so stopping later changes nothing)."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
-    _, _, _, stops, max_new, extra = rows[0]
+    _, _, stops, max_new, extra = rows[0]
     width = max(len(r[1]) for r in rows)
     pad = pad_id if pad_id is not None else 0
     x = torch.full((len(rows), width), pad, dtype=torch.long)
